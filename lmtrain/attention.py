@@ -1,0 +1,108 @@
+"""Attention backends: one signature, looked up by name.
+
+Every backend is ``fn(q, k, v, causal: bool) -> out`` with q of shape (..., N_q, d), k and v of
+shape (..., N_k, d), any leading batch dims, and ``out`` of shape (..., N_q, d) in q's dtype. Causal
+masking keeps the lower triangle including the diagonal, aligned at the top left (query i sees keys
+0..i), as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` does.
+
+Backends:
+    naive: materialised (..., N, N) scores; its three stages are ``lmtrain.annotate`` ranges
+        (``attention/qk_matmul``, ``attention/softmax``, ``attention/pv_matmul``).
+    sdpa: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch picks its kernel).
+    flash_pytorch: tiled FlashAttention-2 in plain PyTorch (``lmtrain.kernels.flash_pytorch``).
+    flash_triton: FlashAttention-2 Triton kernels (``lmtrain.kernels.flash_triton``).
+
+New backends register with :func:`register_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lmtrain.annotate import annotate
+from lmtrain.errors import LmtrainError
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+_REGISTRY: dict[str, AttentionFn] = {}
+
+
+def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
+    """Decorator adding ``fn`` to the registry under ``name``."""
+
+    def add(fn: AttentionFn) -> AttentionFn:
+        if name in _REGISTRY:
+            raise ValueError(f"attention backend {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def available_backends() -> list[str]:
+    """Names of all registered backends."""
+    return list(_REGISTRY)
+
+
+def get_attention(name: str) -> AttentionFn:
+    """The backend registered under ``name``.
+
+    Raises:
+        LmtrainError: no backend has that name.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise LmtrainError("model.attention", f"unknown attention backend {name!r}.",
+                           f"use one of {', '.join(_REGISTRY)}.") from None
+
+
+def causal_mask(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
+    """Boolean (n_q, n_k) mask, True where query i may attend to key j (j <= i)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+
+
+@register_attention("naive")
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V with the full score matrix stored; softmax in fp32."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with annotate("attention/qk_matmul"):
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (..., N_q, N_k)
+    with annotate("attention/softmax"):
+        if causal:
+            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    with annotate("attention/pv_matmul"):
+        out = torch.matmul(probs, v)  # (..., N_q, d)
+    return out.to(q.dtype)
+
+
+@register_attention("sdpa")
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """PyTorch's fused ``scaled_dot_product_attention`` (flash, cuDNN, efficient or math kernel)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).to(q.dtype)
+
+
+@register_attention("flash_pytorch")
+def flash_pytorch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Tiled FlashAttention-2 written in PyTorch operations (a reference, not fast)."""
+    from lmtrain.kernels.flash_pytorch import flash_attention_pytorch
+
+    return flash_attention_pytorch(q, k, v, causal=causal)
+
+
+@register_attention("flash_triton")
+def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """FlashAttention-2 forward and backward Triton kernels."""
+    from lmtrain.kernels.flash_triton import flash_attention
+
+    return flash_attention(q, k, v, causal=causal)
+
+
+def needs_gpu(name: str) -> bool:
+    """Whether a backend needs a CUDA device (Triton kernels; they also run under ``TRITON_INTERPRET=1``)."""
+    return name == "flash_triton"

@@ -1,0 +1,197 @@
+"""LMModule: the LightningModule that trains a TransformerLM with AdamW, warmup and cosine decay."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+from lmtrain.attention import needs_gpu
+from lmtrain.config import ModelConfig
+from lmtrain.errors import LmtrainError
+from lmtrain.flops import STEP_MODES, flops_per_step
+from lmtrain.model import TransformerLM
+
+StepMode = Literal["train", "forward", "forward_backward"]
+
+
+def _triton_interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class LMModule(pl.LightningModule):
+    """A GPT-style LM (``lmtrain.model.TransformerLM``) trained with AdamW.
+
+    The model is built in ``configure_model``, inside the trainer's device and precision context, so a
+    2.7B model is created directly on the GPU (and in bf16 under ``bf16-true``). Outside a trainer,
+    call ``configure_model()`` yourself.
+
+    Args:
+        size: named size (``tiny``, ``small``, ``medium``, ``large``, ``xl``, ``2.7B``) giving d_model,
+            d_ff, num_layers and num_heads; each of those four can be overridden below.
+        vocab_size: token ids in [0, vocab_size).
+        context_length: longest sequence (tokens per training window).
+        d_model: residual width (None: from ``size``).
+        num_layers: transformer blocks (None: from ``size``).
+        num_heads: attention heads (None: from ``size``).
+        d_ff: SwiGLU inner width (None: from ``size``).
+        rope_theta: RoPE base.
+        attention: attention backend: ``naive``, ``sdpa``, ``flash_pytorch`` or ``flash_triton``.
+        activation_checkpointing: recompute each block in the backward pass to save memory.
+        lr: peak learning rate, reached after ``warmup_steps``.
+        min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
+        warmup_steps: linear warmup from 0 to ``lr``.
+        decay_steps: end of the cosine decay (None: the trainer's total number of steps).
+        weight_decay: AdamW decoupled weight decay, applied to matrices only (not to norm gains).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused_adamw: use the fused CUDA AdamW kernel when the parameters are on a GPU.
+        compile: wrap the model in ``torch.compile``.
+        step_mode: ``train`` (forward, backward, AdamW step), ``forward_backward`` (no optimizer
+            step) or ``forward`` (no gradients at all), for benchmarks that time part of a step with
+            the same loop.
+    """
+
+    def __init__(
+        self,
+        size: str = "small",
+        vocab_size: int = 10_000,
+        context_length: int = 512,
+        d_model: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        d_ff: int | None = None,
+        rope_theta: float = 10_000.0,
+        attention: str = "sdpa",
+        activation_checkpointing: bool = False,
+        lr: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused_adamw: bool = True,
+        compile: bool = False,
+        step_mode: StepMode = "train",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = ModelConfig.from_size(
+            size, vocab_size=vocab_size, context_length=context_length, d_model=d_model, num_layers=num_layers,
+            num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if step_mode not in STEP_MODES:
+            raise LmtrainError("model.step_mode", f"unknown step mode {step_mode!r}.", f"use one of {STEP_MODES}.")
+        if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
+            raise LmtrainError("model.lr", f"bad schedule lr={lr}, min_lr_ratio={min_lr_ratio}, "
+                               f"warmup_steps={warmup_steps}.", "use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
+        self.step_mode = step_mode
+        # Forward-only and forward+backward steps must not step the optimizer: optimise by hand.
+        self.automatic_optimization = step_mode == "train"
+        self.model: TransformerLM | torch.nn.Module | None = None
+        self.val_loss = torchmetrics.MeanMetric()
+        self._tokens_per_batch: tuple[int, int] | None = None
+
+    # -- model --------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        if needs_gpu(self.config.attention) and not torch.cuda.is_available() and not _triton_interpreted():
+            raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
+                               "needs a CUDA GPU, and none is visible.",
+                               "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
+        model = TransformerLM(self.config)
+        self.model = torch.compile(model) if self.hparams.compile else model
+
+    @property
+    def flops_per_batch(self) -> float | None:
+        """Model FLOPs of one step on the last batch seen (``lmtrain.flops``); None before the first."""
+        if self._tokens_per_batch is None:
+            return None
+        return flops_per_step(self.config, *self._tokens_per_batch, mode=self.step_mode)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of a batch of windows (B, T + 1)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+        self._tokens_per_batch = tuple(inputs.shape)
+        logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.step_mode == "forward":
+            with torch.no_grad():
+                loss = self.loss(batch)
+            self.log("train/loss", loss, prog_bar=True)
+            return None
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        if self.step_mode == "forward_backward":
+            self.manual_backward(loss)
+            for p in self.parameters():
+                p.grad = None
+            return loss.detach()
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True)
+        self.val_loss.reset()
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch))
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log_dict({"test/loss": loss, "test/perplexity": torch.exp(loss)})
+        self.val_loss.reset()
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        on_cuda = all(p.is_cuda for p in self.parameters())  # fused AdamW is CUDA-only; CPU uses foreach
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=bool(hp.fused_adamw and on_cuda),
+        )
+        total = hp.decay_steps or self._total_steps()
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _total_steps(self) -> int:
+        """The trainer's total optimizer steps; without a finite bound, the schedule ends after warmup."""
+        if self._trainer is None:
+            return max(1, self.hparams.warmup_steps)
+        total = self.trainer.estimated_stepping_batches
+        return int(total) if math.isfinite(total) else max(1, self.hparams.warmup_steps)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate: linear warmup, then cosine decay to ``min_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_ratio
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
