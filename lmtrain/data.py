@@ -13,7 +13,8 @@ Each sample is a window of ``context_length + 1`` token ids (int64); the module 
 Files are split into a train part and a validation part (the last ``val_fraction`` of the tokens).
 Training windows start at random offsets drawn from (seed, epoch, index); Lightning builds the loader
 once per ``fit``, so a fresh draw per epoch needs ``trainer.reload_dataloaders_every_n_epochs: 1``.
-Validation windows are fixed and evenly spaced. Everything is checked when the module is built, before any training or logging starts.
+Validation windows are fixed and evenly spaced. Everything is checked when the module is built,
+before any training or logging starts.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class LMDataModule(pl.LightningDataModule):
             raise LmtrainError("data.path", f"source {self.source!r} needs a path.",
                                "set data.path to a token file (tokens) or a text file or folder (text).")
         if self.source == "text" and self.vocab_size < 256:
-            raise LmtrainError("model.vocab_size", f"text data has byte ids up to 255 but vocab_size={self.vocab_size}.",
+            raise LmtrainError("model.vocab_size",
+                               f"text data has byte ids up to 255 but vocab_size={self.vocab_size}.",
                                "set model.vocab_size to at least 256.")
 
     def _load_and_split(self) -> tuple[np.ndarray, np.ndarray]:
@@ -216,7 +218,8 @@ class LMDataModule(pl.LightningDataModule):
         chunk = 1 << 24
         top = max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)) if len(tokens) else 0
         if top >= self.vocab_size:
-            raise LmtrainError("data.path", f"{name} holds token id {top}, not below model.vocab_size={self.vocab_size}.",
+            raise LmtrainError("data.path",
+                               f"{name} holds token id {top}, not below model.vocab_size={self.vocab_size}.",
                                f"set model.vocab_size to at least {top + 1}, or check data.token_dtype.")
 
     # -- Lightning hooks ------------------------------------------------------------------------

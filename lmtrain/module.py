@@ -92,7 +92,8 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.step_mode", f"unknown step mode {step_mode!r}.", f"use one of {STEP_MODES}.")
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
             raise LmtrainError("model.lr", f"bad schedule lr={lr}, min_lr_ratio={min_lr_ratio}, "
-                               f"warmup_steps={warmup_steps}.", "use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
+                               f"warmup_steps={warmup_steps}.",
+                               "use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
         self.step_mode = step_mode
         # Forward-only and forward+backward steps must not step the optimizer: optimise by hand.
         self.automatic_optimization = step_mode == "train"
