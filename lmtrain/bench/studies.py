@@ -1,0 +1,181 @@
+"""Ready-made studies of ``python -m lmtrain bench model --study NAME``: sweep presets and their tables.
+
+Each study is a preset of the sweep flags (flags given explicitly override it) and a function that turns
+the study's rows into the seeds' tables. Steps are kept modest (warm-up 3, 10 measured steps unless a study
+says otherwise) so that a study fits a short GPU session; raise ``--steps`` for tighter error bars.
+
+    timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
+    warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
+    precision           fp32 vs bf16-mixed per size (contexts 128, 512), forward+backward and train; speed-up
+    compile             eager vs torch.compile: small, medium, large at context 512; forward, fwd+bwd, train
+    memory              2.7B at contexts 128, 256, 512, 1024: forward vs train, fp32 vs bf16-mixed peaks
+                        next to the memory plan (warm-up 1, 2 steps: a peak needs no statistics)
+    attention-backends  small, bf16-mixed, forward+backward: naive vs sdpa vs flash_triton at contexts 256
+                        .. 16384, stopping each backend at its first OOM
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmtrain.bench.model import fmt, fmt_ms, markdown_rows, status_text
+from lmtrain.callbacks._common import markdown_table
+from lmtrain.config import SEED_SIZES
+
+Rows = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Study:
+    """A named sweep preset and its tables."""
+
+    name: str
+    title: str
+    preset: dict[str, Any]
+    render: Callable[[Rows], str]
+
+
+def _step_or_status(row: dict[str, Any] | None, phase: str = "step") -> str:
+    if row is None:
+        return "not run"
+    return fmt_ms(row, phase) if row.get("status") == "ok" else status_text(row)
+
+
+def _index(rows: Rows, *keys: str) -> dict[tuple, dict[str, Any]]:
+    return {tuple(r.get(k) for k in keys): r for r in rows}
+
+
+def _ordered(values: list[Any]) -> list[Any]:
+    """Unique values, seed sizes in table order, others as first seen."""
+    unique = list(dict.fromkeys(values))
+    rank = {s: i for i, s in enumerate(SEED_SIZES)}
+    return sorted(unique, key=lambda v: (rank.get(v, len(rank)), unique.index(v)))
+
+
+def render_timing(rows: Rows) -> str:
+    """Seed table: per size and context, forward and forward+backward (and backward alone) in ms."""
+    idx = _index(rows, "size", "context", "precision", "mode")
+    lines = ["### Timing (ms per step, mean ± std over the measured steps)", ""]
+    for precision in _ordered([r["precision"] for r in rows]):
+        body = []
+        for size in _ordered([r["size"] for r in rows]):
+            for t in sorted({r["context"] for r in rows if r["size"] == size}):
+                fwd = idx.get((size, t, precision, "forward"))
+                fb = idx.get((size, t, precision, "forward_backward"))
+                params = (fwd or fb or {}).get("params")
+                body.append([size, fmt(params, ","), t, _step_or_status(fwd), _step_or_status(fb),
+                             _step_or_status(fb, "backward"), fmt((fb or {}).get("tokens_per_s"), ",.0f"),
+                             fmt((fb or {}).get("mfu"), ".1%")])
+        lines += [f"precision `{precision}`", "", markdown_table(
+            ["size", "params", "context", "forward ms", "forward+backward ms", "backward ms (in fwd+bwd)",
+             "tokens/s (fwd+bwd)", "MFU (fwd+bwd)"], body), ""]
+    return "\n".join(lines).rstrip()
+
+
+def render_warmup(rows: Rows) -> str:
+    """Warm-up effect: mean, std and max of the measured steps, and the very first step, per warm-up count."""
+    body = [[r["size"], r["context"], r["mode"], r["warmup"], _step_or_status(r), fmt(r.get("step_ms_max"), ".2f"),
+             fmt(r.get("first_step_ms"), ".2f")] for r in sorted(rows, key=lambda r: (r["size"], r["warmup"]))]
+    return "\n".join(["### Warm-up (ms per step)", "", markdown_table(
+        ["size", "context", "mode", "warm-up steps", "step ms (measured)", "max step ms (measured)",
+         "first step ms (of the run)"], body)])
+
+
+def _speedup(base: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
+    a, b = (base or {}).get("step_ms_mean"), (new or {}).get("step_ms_mean")
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def render_precision(rows: Rows) -> str:
+    """fp32 vs bf16-mixed per size, context and mode: step times, speed-up, peaks."""
+    idx = _index(rows, "size", "context", "mode", "precision")
+    body = []
+    for size in _ordered([r["size"] for r in rows]):
+        for mode in _ordered([r["mode"] for r in rows]):
+            for t in sorted({r["context"] for r in rows if r["size"] == size}):
+                fp32, bf16 = idx.get((size, t, mode, "32-true")), idx.get((size, t, mode, "bf16-mixed"))
+                if fp32 is None and bf16 is None:
+                    continue
+                body.append([size, t, mode, _step_or_status(fp32), _step_or_status(bf16), _speedup(fp32, bf16),
+                             fmt((fp32 or {}).get("peak_gib"), ".2f"), fmt((bf16 or {}).get("peak_gib"), ".2f")])
+    return "\n".join(["### FP32 vs BF16 mixed precision (ms per step)", "", markdown_table(
+        ["size", "context", "mode", "fp32 ms", "bf16-mixed ms", "speed-up", "fp32 peak GiB", "bf16 peak GiB"],
+        body)])
+
+
+def render_compile(rows: Rows) -> str:
+    """Eager vs torch.compile per size, context, precision and mode: forward / backward / optimizer / step."""
+    idx = _index(rows, "size", "context", "precision", "mode", "compile")
+    body = []
+    for size in _ordered([r["size"] for r in rows]):
+        for precision in _ordered([r["precision"] for r in rows]):
+            for mode in _ordered([r["mode"] for r in rows]):
+                for t in sorted({r["context"] for r in rows}):
+                    eager, comp = idx.get((size, t, precision, mode, "off")), idx.get((size, t, precision, mode, "on"))
+                    if eager is None and comp is None:
+                        continue
+                    body.append([size, t, precision, mode, _step_or_status(eager, "forward"),
+                                 _step_or_status(comp, "forward"), _step_or_status(eager), _step_or_status(comp),
+                                 _speedup(eager, comp)])
+    return "\n".join(["### Eager vs torch.compile (ms)", "", markdown_table(
+        ["size", "context", "precision", "mode", "eager forward", "compiled forward", "eager step", "compiled step",
+         "speed-up (step)"], body)])
+
+
+def render_memory(rows: Rows) -> str:
+    """Peak memory (``torch.cuda.max_memory_allocated``) per context, mode and precision, with the plan."""
+    body = []
+    for r in sorted(rows, key=lambda r: (r["size"], r["precision"], r["mode"], r["context"])):
+        err = r.get("estimate_error_pct")
+        body.append([r["size"], r["context"], r["batch_size"], r["precision"], r["mode"], fmt(r.get("peak_gib"), ".2f"),
+                     fmt(r.get("estimate_gib"), ".2f"), fmt(err, "+.1f") + ("%" if err is not None else ""),
+                     fmt(r.get("reserved_gib"), ".2f"), status_text(r)])
+    return "\n".join(["### Memory peaks (GiB) and the memory plan", "", markdown_table(
+        ["size", "context", "batch", "precision", "mode", "peak GiB", "estimate GiB", "estimate error",
+         "reserved GiB", "status"], body)])
+
+
+def render_attention(rows: Rows) -> str:
+    """Step time and peak per context for each attention backend; OOM cells shown."""
+    backends = _ordered([r["attention"] for r in rows])
+    idx = _index(rows, "attention", "context")
+    body = []
+    for t in sorted({r["context"] for r in rows}):
+        line: list[Any] = [t]
+        for b in backends:
+            r = idx.get((b, t))
+            line += [_step_or_status(r), fmt((r or {}).get("peak_gib"), ".2f")]
+        body.append(line)
+    header = ["context"] + [h for b in backends for h in (f"{b} ms", f"{b} peak GiB")]
+    return "\n".join(["### Attention backends (whole-model step, ms)", "", markdown_table(header, body)])
+
+
+STUDIES: dict[str, Study] = {
+    "timing": Study("timing", "Timing per size and context", {
+        "sizes": list(SEED_SIZES), "contexts": [128, 256, 512, 1024], "mode": ["forward", "forward_backward"],
+        "precision": ["32-true"]}, render_timing),
+    "warmup": Study("warmup", "Warm-up study", {
+        "sizes": ["small"], "contexts": [512], "warmup": [0, 1, 2, 5], "mode": ["forward_backward"]}, render_warmup),
+    "precision": Study("precision", "FP32 vs BF16", {
+        "sizes": list(SEED_SIZES), "contexts": [128, 512], "precision": ["32-true", "bf16-mixed"],
+        "mode": ["forward_backward", "train"]}, render_precision),
+    "compile": Study("compile", "Eager vs torch.compile", {
+        "sizes": ["small", "medium", "large"], "contexts": [512], "compile": ["off", "on"],
+        "mode": ["forward", "forward_backward", "train"]}, render_compile),
+    "memory": Study("memory", "Memory peaks", {
+        "sizes": ["2.7B"], "contexts": [128, 256, 512, 1024], "mode": ["forward", "train"],
+        "precision": ["32-true", "bf16-mixed"], "warmup": [1], "steps": [2]}, render_memory),
+    "attention-backends": Study("attention-backends", "Attention backends", {
+        "sizes": ["small"], "contexts": [256, 1024, 4096, 8192, 16384], "attention": ["naive", "sdpa", "flash_triton"],
+        "mode": ["forward_backward"], "precision": ["bf16-mixed"], "batch_size": [1], "stop_after_oom": True},
+        render_attention),
+}
+
+
+def render_all(per_study: dict[str, Rows]) -> str:
+    """Every study's tables, then the per-cell table of all rows."""
+    parts = [STUDIES[name].render(rows) for name, rows in per_study.items()]
+    all_rows = list({r["key"]: r for rows in per_study.values() for r in rows}.values())
+    return "\n\n".join(parts + ["### All cells", "", markdown_rows(all_rows)])

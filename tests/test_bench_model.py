@@ -1,0 +1,184 @@
+"""`python -m lmtrain bench model`: sweeps of tiny cells on CPU, each in a forked process."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lmtrain.bench import model as bench
+from lmtrain.cli import main
+
+TINY = "configs/tiny.yaml"
+
+
+class StubTimer(pl.Callback):
+    """CudaSyncTimer's result API with fixed times: every measured step takes 10 ms (forward 4, backward 5)."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.step_times: list[dict[str, float]] = []
+        self.warmup_times: list[float] = []
+        self._seen = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._seen < self.warmup_steps:
+            self.warmup_times.append(100.0)
+        else:
+            row = {"step": self._seen, "forward_ms": 4.0, "step_ms": 10.0}
+            if pl_module.step_mode != "forward":
+                row["backward_ms"] = 5.0
+            self.step_times.append(row)
+        self._seen += 1
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for key in ("forward_ms", "backward_ms", "step_ms"):
+            values = [r[key] for r in self.step_times if key in r]
+            if values:
+                out[key] = {"mean": statistics.fmean(values), "std": 0.0, "median": values[0], "min": min(values),
+                            "max": max(values), "count": float(len(values))}
+        return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """Cells inherit this; two OpenMP threads on a busy 2-core machine make tiny steps 50x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def stub_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "_make_timer", lambda warmup: StubTimer(warmup))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Slugs of the cells actually launched (in the parent, before the fork)."""
+    seen: list[str] = []
+    original = bench.launch_cell
+
+    def counting(cell: bench.Cell, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.append(cell.slug)
+        return original(cell, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "launch_cell", counting)
+    return seen
+
+
+def sweep(out: Path, *extra: str) -> int:
+    return main(["bench", "model", "--sizes", TINY, "--batch-size", "2", "--warmup", "1", "--steps", "2",
+                 "--out", str(out), "--logdir", "none", *extra])
+
+
+def table_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    split = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    return split[0], split[2:]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_table_shape_and_values(tmp_path: Path, stub_timer: None, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16,32", "--mode", "forward,forward_backward") == 0
+    header, rows = table_rows(capsys.readouterr().out)
+    assert header == bench.MARKDOWN_COLUMNS
+    assert len(rows) == 4 and all(len(r) == len(header) for r in rows)
+    by = {(r[2], r[7]): dict(zip(header, r, strict=True)) for r in rows}
+    assert by[("32", "forward")]["step ms"] == "10.00 ± 0.00"
+    assert by[("32", "forward")]["backward ms"] == "-"
+    assert by[("16", "forward_backward")]["backward ms"] == "5.00 ± 0.00"
+    assert by[("16", "forward_backward")]["tokens/s"] == "3,200"  # 2 x 16 tokens in 10 ms
+    assert by[("16", "forward")]["params"] == "1,115,264" and by[("16", "forward")]["status"] == "ok"
+    assert float(by[("32", "forward")]["estimate GiB"]) >= 0
+    csv_rows = read_csv(out)
+    assert list(csv_rows[0]) == bench.CSV_COLUMNS and len(csv_rows) == 4
+    assert {r["first_step_ms"] for r in csv_rows} == {"100.0"}
+    assert len(json.loads(out.with_suffix(".json").read_text())["rows"]) == 4
+
+
+def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path: Path, stub_timer: None, launches: list[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bench.FAIL_ENV, "context=16,mode=forward:oom;context=24:crash;context=32,mode=train:exit")
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train") == 0
+    status = {(int(r["context"]), r["mode"]): (r["status"], r["error"]) for r in read_csv(out)}
+    assert len(status) == 6 and len(launches) == 6
+    assert status[(16, "forward")][0] == "OOM" and "out of memory" in status[(16, "forward")][1]
+    assert status[(24, "forward")] == ("error", "RuntimeError: injected crash")
+    assert status[(32, "train")][0] == "error" and "exited with status 3" in status[(32, "train")][1]
+    assert status[(16, "train")][0] == status[(32, "forward")][0] == "ok"
+
+    # Resume: nothing left to run; --retry-failed reruns error cells only (OOM stays OOM).
+    launches.clear()
+    assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train") == 0
+    assert launches == []
+    monkeypatch.delenv(bench.FAIL_ENV)
+    assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train", "--retry-failed") == 0
+    assert sorted(launches) == sorted(bench.Cell(TINY, t, 2, "32-true", "sdpa", False, m, 1, 2).slug
+                                      for t, m in [(24, "forward"), (24, "train"), (32, "train")])
+    status = {(int(r["context"]), r["mode"]): r["status"] for r in read_csv(out)}
+    assert status[(16, "forward")] == "OOM" and list(status.values()).count("ok") == 5
+
+
+def test_resume_runs_only_new_cells_and_stop_after_oom(tmp_path: Path, stub_timer: None, launches: list[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16", "--mode", "forward") == 0
+    assert len(launches) == 1
+    monkeypatch.setenv(bench.FAIL_ENV, "context=24:oom")
+    assert sweep(out, "--contexts", "16,24,32", "--mode", "forward", "--stop-after-oom") == 0
+    assert len(launches) == 2  # 24 ran out of memory, 32 was skipped without a process
+    rows = {int(r["context"]): r for r in read_csv(out)}
+    assert rows[32]["status"] == "OOM" and rows[32]["error"].startswith("skipped")
+
+
+def test_timeout_is_recorded(tmp_path: Path, stub_timer: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bench.FAIL_ENV, "context=16:hang")
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16", "--mode", "forward", "--timeout", "2") == 0
+    assert read_csv(out)[0]["status"] == "timeout"
+
+
+def test_real_timer_and_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tb import scalars
+
+    out = tmp_path / "r.csv"
+    assert main(["bench", "model", "--sizes", TINY, "--contexts", "16", "--batch-size", "2", "--mode", "train",
+                 "--warmup", "1", "--steps", "2", "--out", str(out), "--logdir", str(tmp_path / "tb")]) == 0
+    row = read_csv(out)[0]
+    assert row["status"] == "ok", row["error"]
+    assert float(row["step_ms_mean"]) > 0 and float(row["optimizer_ms_mean"]) > 0
+    logs = list((tmp_path / "tb").glob("*"))
+    assert len(logs) == 1
+    assert len(scalars(str(logs[0])).get("time/step_ms", [])) == 2
+
+
+def test_study_presets_and_overrides() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cells, per_study, _ = bench.plan_cells(parser.parse_args(["--study", "timing"]))
+    assert len(cells) == 5 * 4 * 2 and {c.precision for c in cells} == {"32-true"}
+    cells, per_study, _ = bench.plan_cells(parser.parse_args(["--study", "timing", "--study", "precision",
+                                                              "--sizes", "small", "--contexts", "128"]))
+    assert len(per_study["timing"]) == 2 and len(per_study["precision"]) == 4
+    assert len(cells) == 5  # the fp32 forward_backward cell is shared
+    _, per_study, stop = bench.plan_cells(parser.parse_args(["--study", "attention-backends"]))
+    assert stop and {c.attention for c in per_study["attention-backends"]} == {"naive", "sdpa", "flash_triton"}
+    assert main(["bench", "model", "--sizes", "huge"]) == 2

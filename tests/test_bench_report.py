@@ -1,0 +1,62 @@
+"""`python -m lmtrain bench report`: the Markdown report and its plots, from canned results."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from lmtrain.bench import model as bench
+from lmtrain.bench.report import estimate_seconds, write_report
+from lmtrain.bench.studies import STUDIES
+
+
+def canned_rows() -> dict[str, list[dict]]:
+    per_study: dict[str, list[dict]] = {"timing": [], "memory": []}
+    for size, base in (("small", 10.0), ("medium", 30.0)):
+        for t in (128, 256, 512):
+            for mode in ("forward", "forward_backward"):
+                cell = bench.Cell(size, t, 4, "32-true", "sdpa", False, mode, 3, 10)
+                row = bench.base_row(cell)
+                ms = base * t / 128 * (1 if mode == "forward" else 3)
+                row.update(status="ok", step_ms_mean=ms, step_ms_std=0.1, forward_ms_mean=base, forward_ms_std=0.1,
+                           tokens_per_s=4 * t / ms * 1e3, mfu=0.4, device="NVIDIA H100 80GB HBM3")
+                per_study["timing"].append(bench.finish_row(row))
+    for t in (128, 512, 1024):
+        cell = bench.Cell("2.7B", t, 4, "32-true", "sdpa", False, "train", 1, 2)
+        row = bench.base_row(cell)
+        if t == 1024:
+            row.update(status="OOM", error="CUDA out of memory")
+        else:
+            row.update(status="ok", step_ms_mean=900.0, peak_gib=row["estimate_gib"] * 1.03, device="NVIDIA H100")
+        per_study["memory"].append(bench.finish_row(row))
+    return per_study
+
+
+def test_report_has_tables_plots_and_commands(tmp_path: Path) -> None:
+    out = tmp_path / "2026-01-01-H100-model.md"
+    written = write_report(out, canned_rows(), ["python -m lmtrain bench report --out x.md"],
+                           {"date": "2026-01-01", "torch": "2.11.0", "triton": "3.6.0"},
+                           skipped={"compile": "estimated 30.0 min, 2.0 min of the budget left"})
+    text = re.sub(" +", " ", out.read_text())  # tables are padded to column width
+    assert text.startswith("# Model benchmarks: 2026-01-01")
+    assert "| torch | 2.11.0 |" in text and "python -m lmtrain bench report --out x.md" in text
+    assert "## Timing per size and context (`--study timing`)" in text
+    assert "| small | 128,625,408 | 128 |" in text
+    assert "`compile`: estimated 30.0 min" in text
+    assert "| 2.7B | 1024 | 4 | 32-true | train | - | 86.20 | - | - | OOM |" in text
+    assert "| -2.9% |" in text  # plan = peak / 1.03: the estimate error column
+    pngs = [p for p in written if p.suffix == ".png"]
+    assert len(pngs) == 2 and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+    assert all(f"]({p.name})" in text for p in pngs)
+
+
+def test_time_estimate_counts_cells_and_skips_done() -> None:
+    probe_cell = bench.Cell("small", 128, 4, "32-true", "sdpa", False, "forward", 1, 2)
+    probe = {"step_ms_mean": 10.0, "wall_s": 2.03, "device": "cpu"}
+    cells = bench.cells_from_values({**bench.DEFAULTS, **STUDIES["timing"].preset})
+    full = estimate_seconds(cells, probe, probe_cell, set())
+    half = estimate_seconds(cells, probe, probe_cell, {c.key() for c in cells[: len(cells) // 2]})
+    assert 0 < half < full
+    assert estimate_seconds(cells[:1], probe, probe_cell, set()) >= 2.0  # at least the start-up cost
+    json.dumps(full)

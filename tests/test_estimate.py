@@ -1,0 +1,156 @@
+"""The memory planner against what PyTorch really allocates and saves (CPU: saved-tensor hooks, AdamW state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmtrain.cli import main
+from lmtrain.config import ModelConfig
+from lmtrain.flops import parameter_count
+from lmtrain.memory_plan import (
+    GIB,
+    estimate_memory,
+    max_fitting,
+    parameter_tensor_count,
+    saved_activation_bytes,
+    warn_if_too_large,
+)
+from lmtrain.model import TransformerLM
+
+B, T = 2, 64
+
+
+def tiny(attention: str = "sdpa", checkpointing: bool = False, layers: int = 2) -> ModelConfig:
+    return ModelConfig.from_size("tiny", vocab_size=256, context_length=T, num_layers=layers, attention=attention,
+                                 activation_checkpointing=checkpointing)
+
+
+def measured_saved_bytes(cfg: ModelConfig, precision: str, device: str = "cpu") -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss (parameters and buffers excluded)."""
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(device)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    batch = torch.randint(0, cfg.vocab_size, (B, T + 1), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()  # the saved tensors were usable
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash_pytorch"])
+def test_saved_activations_match_autograd(attention: str, precision: str, checkpointing: bool) -> None:
+    cfg = tiny(attention, checkpointing)
+    measured = measured_saved_bytes(cfg, precision)
+    planned = saved_activation_bytes(cfg, B, T, precision, device_type="cpu")
+    # The task asks for 15%; every term is derived from the model's code, so the plan is held to 2%.
+    assert planned == pytest.approx(measured, rel=0.02)
+
+
+def test_saved_activations_bf16_true_close() -> None:
+    cfg = tiny("sdpa")
+    assert saved_activation_bytes(cfg, B, T, "bf16-true", "cpu") == pytest.approx(
+        measured_saved_bytes(cfg, "bf16-true"), rel=0.15)
+
+
+def test_naive_attention_term_grows_quadratically() -> None:
+    naive, sdpa = tiny("naive"), tiny("sdpa")
+    a = saved_activation_bytes(naive, 1, 4096) - saved_activation_bytes(sdpa, 1, 4096)
+    b = saved_activation_bytes(naive, 1, 8192) - saved_activation_bytes(sdpa, 1, 8192)
+    assert 3.9 < b / a < 4.1  # the B*H*T^2 score terms dominate
+
+
+def test_parameters_gradients_and_adamw_state_are_exact() -> None:
+    cfg = tiny("sdpa")
+    model = TransformerLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    opt.step()
+    plan = estimate_memory(cfg, B, T, "32-true", "train", device_type="cpu")
+    params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    grads = sum(p.grad.nbytes for p in model.parameters())
+    states = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    assert plan.components["parameters"] == params
+    assert plan.components["gradients"] == grads  # train mode: last step's grads are alive in the forward
+    assert plan.components["optimizer_states"] == states
+    assert parameter_tensor_count(cfg) == len(list(model.parameters()))
+    assert parameter_count(cfg) * 4 == grads
+
+
+def test_modes_order_and_bf16_weight_cache() -> None:
+    cfg = ModelConfig.from_size("2.7B", context_length=512)
+    fwd = estimate_memory(cfg, 4, 512, "32-true", "forward").peak
+    fb = estimate_memory(cfg, 4, 512, "32-true", "forward_backward").peak
+    train = estimate_memory(cfg, 4, 512, "32-true", "train").peak
+    assert fwd < fb < train
+    # Autocast keeps a bf16 copy of every matmul weight during a no_grad forward: more than fp32.
+    assert estimate_memory(cfg, 4, 512, "bf16-mixed", "forward").peak > fwd
+    ckpt = ModelConfig.from_size("2.7B", context_length=512, activation_checkpointing=True)
+    assert estimate_memory(ckpt, 4, 512, "32-true", "train").peak < train
+
+
+def test_max_context_search_is_monotone_and_tight() -> None:
+    cfg = ModelConfig.from_size("small", context_length=1024, attention="naive")
+    previous = 0
+    for gib in (4, 8, 16, 32, 64):
+        budget = gib * GIB
+        t = max_fitting(cfg, budget, batch_size=4, precision="bf16-mixed")
+        assert t >= previous
+        assert estimate_memory(cfg, 4, t, "bf16-mixed").peak <= budget < estimate_memory(cfg, 4, t + 1,
+                                                                                           "bf16-mixed").peak
+        previous = t
+    b = max_fitting(cfg, 16 * GIB, seq_len=512, precision="32-true")
+    assert estimate_memory(cfg, b, 512).peak <= 16 * GIB < estimate_memory(cfg, b + 1, 512).peak
+    assert max_fitting(cfg, 1024, batch_size=1) == 0  # the parameters alone do not fit
+
+
+def test_warn_if_too_large_is_silent_without_cuda() -> None:
+    class Trainer:
+        precision = "32-true"
+
+        class strategy:  # noqa: N801 (mimics trainer.strategy)
+            root_device = torch.device("cpu")
+
+    class Module:
+        config = tiny()
+        step_mode = "train"
+
+    assert warn_if_too_large(Module(), None, Trainer()) is None
+
+
+def test_estimate_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--config", "configs/tiny.yaml", "--model.context_length", "256",
+                 "--trainer.precision", "bf16-mixed", "--gpu-memory-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| optimizer_states |" in out and "**peak**" in out
+    assert "batch 16 x context 256, bf16-mixed" in out
+    assert "Largest context at batch 16:" in out
+    assert main(["estimate", "--model.size", "nope"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash_triton"])
+def test_saved_activations_match_autograd_cuda(attention: str, precision: str) -> None:
+    cfg = tiny(attention)
+    measured = measured_saved_bytes(cfg, precision, "cuda")
+    planned = saved_activation_bytes(cfg, B, T, precision, device_type="cuda")
+    print(f"{attention} {precision}: planned {planned} measured {measured}")
+    assert planned == pytest.approx(measured, rel=0.02)
