@@ -1,0 +1,417 @@
+"""KernelShare: category rules on real kernel names, exact shares from records and traces, a real Trainer.fit."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from tb import images, scalars, texts
+
+from lmtrain.annotate import active_requests
+from lmtrain.callbacks import KernelShare
+from lmtrain.callbacks.kernel_share import (
+    CATEGORIES,
+    _self_times,
+    categorize,
+    records_from_trace,
+    short_name,
+    softmax_matmul_flop_ratio,
+    summarize,
+)
+from lmtrain.data import LMDataModule
+from lmtrain.errors import LmtrainError
+from lmtrain.module import LMModule
+
+# Real names: from torch.profiler traces of lmtrain on an H100 (torch 2.11, cuBLAS nvjet, cuDNN SDPA), the
+# seeds' nsys tables (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and torch.compile.
+REAL_NAMES: list[tuple[str, str]] = [
+    # GEMM
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm"),
+    ("nvjet_sm90_tst_96x128_64x6_2x1_v_bz_NNN", "gemm"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+     "kernel__5x_cublas", "gemm"),
+    ("ampere_sgemm_128x64_tn", "gemm"),
+    ("ampere_sgemm_32x128_tn", "gemm"),
+    ("ampere_sgemm_128x32_sliced1x4_nn", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nt_align1>(T1::Params)", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(T1::Params)",
+     "gemm"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, "
+     "false>(cublasLt::cublasSplitKParams<float>, __nv_bfloat16 const*, float const*, float*)", "gemm"),
+    ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false>(...)", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("aten::mm", "gemm"),
+    ("aten::bmm", "gemm"),
+    # attention
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::"
+     "bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, "
+     "true, true, false, false>(pytorch_flash::Flash_fwd_params)", "attention"),
+    ("flash_fwd_kernel", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, "
+     "8, 2, 4, 2, false, false, cutlass::bfloat16_t> >(pytorch_flash::Flash_bwd_params)", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_cga1x1x1_kernel0_0",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0",
+     "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*, void*, "
+     "unsigned int)", "attention"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int)", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+     "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "attention"),
+    ("_fwd_kernel", "attention"),
+    ("_bwd_dkdv_kernel", "attention"),
+    ("_bwd_dq_kernel", "attention"),
+    ("_bwd_preprocess_kernel", "attention"),
+    ("_attn_fwd", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    # softmax
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+     "(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)", "softmax"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForwardSmem<4, float, float, float, at::native::"
+     "(anonymous namespace)::LogSoftMaxForwardEpilogue, long>(float*, float const*, long)", "softmax"),
+    ("void (anonymous namespace)::softmax_warp_forward<float, float, float, 9, false, false>(float*, float "
+     "const*, int, int, int, bool const*, int, bool)", "softmax"),
+    ("void (anonymous namespace)::softmax_warp_backward<float, float, float, 9, false, false>(float*, float "
+     "const*, float const*, int, int, int, bool const*)", "softmax"),
+    ("triton_per_fused__softmax_3", "softmax"),
+    ("aten::_softmax", "softmax"),
+    # optimizer
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, bool*, bool*>("
+     "...)", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<1>, at::native::(anonymous namespace)::BinaryOpScalarFunctor<float, 1, 1, 0>, "
+     "std::plus<float>, float>(...)", "optimizer"),
+    ("fused_adamw_kernel", "optimizer"),
+    ("aten::_fused_adamw_", "optimizer"),
+    ("aten::_foreach_lerp_", "optimizer"),
+    # elementwise
+    ("triton_poi_fused__to_copy_add_mul_0", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, "
+     "3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)", "elementwise"),
+    ("void at::native::elementwise_kernel<(int)128, (int)2, void at::native::gpu_kernel_impl_nocast<at::native::"
+     "BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float>>>(at::TensorIteratorBase &,"
+     " const T1 &)::[lambda(int) (instance 1)]>(int, T3)", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::(anonymous namespace)::silu_kernel(at::"
+     "TensorIteratorBase&)::{lambda()#1}::operator()() const::{lambda()#6}::operator()() const::{lambda(c10::"
+     "BFloat16)#1}, std::array<char*, 2ul> >(int, ...)", "elementwise"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::(anonymous "
+     "namespace)::masked_fill_kernel(at::TensorIterator&, c10::Scalar const&)::{lambda()#1}>(...)", "elementwise"),
+    ("void at::native::triu_tril_kernel<bool, int, false, 8, false>(at::cuda::detail::TensorInfo<bool, int>, "
+     "long, long, int)", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+     "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)", "elementwise"),
+    ("aten::mul", "elementwise"),
+    ("aten::expand", "other"),
+    # reduction
+    ("triton_red_fused__to_copy_mean_pow_1", "reduction"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+     "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+     "float>, unsigned int, float, 4, 4>)", "reduction"),
+    ("void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>(float*, "
+     "float*, float const*, long const*, float const*, bool, long, long, long, long)", "reduction"),
+    ("void cunn_ClassNLLCriterion_updateOutput_kernel<float, float>(float*, float*, float*, long*, float*, int, "
+     "int, int, int, long)", "reduction"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float, float const*, "
+     "float const*, float const*, float*, float*, float*)", "reduction"),
+    ("aten::mean", "reduction"),
+    # copy / cast / data movement
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("Memcpy HtoD (Pinned -> Device)", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+     "{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, "
+     "2ul>, 4, TrivialOffsetCalculator<1, unsigned int>>(int, ...)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at::"
+     "TensorIteratorBase&)::{lambda(float)#1}, std::array<char*, 2ul> >(int, ...)", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>"
+     ", unsigned int, 4, 64, 64>(...)", "copy"),
+    ("void indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(cuda::detail::TensorInfo<float, "
+     "unsigned int>, long, long)", "copy"),
+    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>(long const*, "
+     "float const*, float*, int, long, int)", "copy"),
+    ("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long, long, long, long, bool)",
+     "copy"),
+    ("aten::copy_", "copy"),
+    ("aten::_to_copy", "copy"),
+    # other
+    ("void at::cuda::detail::cub::DeviceRadixSortOnesweepKernel<...>", "other"),
+    ("aten::view", "other"),
+]
+
+
+@pytest.mark.parametrize(("name", "category"), REAL_NAMES, ids=[short_name(n, 40) for n, _ in REAL_NAMES])
+def test_categorize_real_names(name: str, category: str) -> None:
+    assert categorize(name) == category
+
+
+def test_real_names_cover_every_category() -> None:
+    assert len(REAL_NAMES) >= 30
+    assert {c for _, c in REAL_NAMES} == set(CATEGORIES)
+
+
+def test_short_name() -> None:
+    name = ("void at::native::elementwise_kernel<(int)128, (int)2, void at::native::gpu_kernel_impl_nocast<at::"
+            "native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float>>>(at::"
+            "TensorIteratorBase &, const T1 &)::[lambda(int) (instance 1)]>(int, T3)")
+    assert short_name(name, 200) == ("elementwise_kernel<128, 2, void gpu_kernel_impl_nocast<BinaryFunctor<float, "
+                                     "float, float, MulFunctor<float>>>(TensorIteratorBase &, const T1 &)::"
+                                     "[lambda (instance 1)]>")
+    assert short_name("cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nt_align1>(T1::Params)") == \
+        "Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nt_align1>"
+    assert short_name("ampere_sgemm_128x64_tn") == "ampere_sgemm_128x64_tn"
+    assert short_name("x" * 100, 10) == "x" * 9 + "…"
+
+
+def test_flop_ratio() -> None:
+    assert softmax_matmul_flop_ratio(64) == 5 / 256
+
+
+# -- summarize: exact values from synthetic records -------------------------------------------------
+
+GEMM, EW, SM, OPT, CP = "ampere_sgemm_128x64_tn", "vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", \
+    "softmax_warp_forward<float>", "multi_tensor_apply_kernel<FusedAdamMathFunctor>", "Memcpy HtoD"
+
+RECORDS = [
+    # two steps; forward: GEMM 60+60, softmax 10 (stage softmax), elementwise 30 (stage qk) -> 160 per 2 steps
+    (GEMM, "forward", 30.0, "attention/qk_matmul"), (GEMM, "forward", 30.0, None), (SM, "forward", 5.0,
+                                                                                    "attention/softmax"),
+    (EW, "forward", 15.0, "attention/qk_matmul"),
+    (GEMM, "forward", 30.0, "attention/qk_matmul"), (GEMM, "forward", 30.0, None), (SM, "forward", 5.0,
+                                                                                    "attention/softmax"),
+    (EW, "forward", 15.0, "attention/qk_matmul"),
+    # backward: GEMM 200, elementwise 100
+    (GEMM, "backward", 100.0), (GEMM, "backward", 100.0), (EW, "backward", 50.0), (EW, "backward", 50.0),
+    # optimizer: 40; outside: a memcpy of 20
+    (OPT, "optimizer", 20.0), (OPT, "optimizer", 20.0), (CP, "outside", 10.0), (CP, "outside", 10.0),
+]
+
+
+def test_summarize_exact() -> None:
+    s = summarize(RECORDS, steps=2)
+    assert s.phase_us == {"forward": 80.0, "backward": 150.0, "optimizer": 20.0, "outside": 10.0}
+    assert s.total_us == 260.0
+    assert s.share("gemm", "forward") == 60.0 / 80.0
+    assert s.share("gemm", "backward") == 100.0 / 150.0
+    assert s.share("gemm", "optimizer") == 0.0
+    assert s.share("gemm") == 160.0 / 260.0
+    assert s.share("optimizer") == 20.0 / 260.0
+    assert s.share("copy") == 10.0 / 260.0
+    assert s.share("attention") == 0.0
+    for scope in ("forward", "backward", "optimizer", "outside", "step"):
+        assert sum(s.category_us[scope].values()) == pytest.approx(s.scope_us(scope))
+    top = s.top("forward")
+    assert (top.name, top.calls, top.total_us, top.share, top.mean_us) == (GEMM, 2.0, 60.0, 0.75, 30.0)
+    assert s.top("step").name == GEMM and s.top("step").calls == 3.0
+    assert s.top("forward", exclude=("gemm",)).name == EW
+    assert s.stage_us == {"attention/qk_matmul": {"gemm": 30.0, "elementwise": 15.0},
+                          "attention/softmax": {"softmax": 5.0}}
+    m = s.metrics(head_dim=64)
+    assert m["kernels/total_ms_per_step"] == 0.26
+    assert m["kernels/forward_ms_per_step"] == 0.08
+    assert m["kernels/gemm_share_forward"] == 0.75
+    assert m["kernels/gemm_share_step"] == 160.0 / 260.0
+    assert m["kernels/gemm_share_optimizer"] == 0.0
+    assert m["kernels/top_kernel_share_forward"] == 0.75
+    assert m["kernels/top_kernel_calls_forward"] == 2.0
+    assert m["kernels/top_kernel_calls_step"] == 3.0
+    assert m["kernels/attn_softmax_ms_per_step"] == 0.005
+    assert m["kernels/attn_matmul_ms_per_step"] == 0.045
+    assert m["kernels/attn_softmax_to_matmul_time_ratio"] == 5.0 / 45.0
+    assert m["kernels/attn_softmax_to_matmul_flop_ratio"] == 5 / 256
+    assert sum(m[f"kernels/{c}_share_step"] for c in CATEGORIES) == pytest.approx(1.0)
+
+
+def test_summarize_leaves_out_what_does_not_exist() -> None:
+    m = summarize([(GEMM, "forward", 10.0)]).metrics(head_dim=64)
+    assert "kernels/gemm_share_backward" not in m and "kernels/attn_softmax_ms_per_step" not in m
+    assert m["kernels/gemm_share_forward"] == 1.0
+    with pytest.raises(ValueError):
+        summarize([], steps=0)
+
+
+# -- trace parsing: a synthetic Kineto trace -----------------------------------------------------------
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_records_from_trace_phases_by_launch_time() -> None:
+    trace = {"traceEvents": [
+        _x("user_annotation", "ProfilerStep#3", 0, 1000),
+        _x("user_annotation", "forward", 10, 300),
+        _x("user_annotation", "attention/softmax", 100, 50),
+        _x("cpu_op", "aten::mm", 20, 20, **{"External id": 7}),
+        _x("cuda_runtime", "cudaLaunchKernel", 25, 5, correlation=101),
+        _x("cuda_runtime", "cudaLaunchKernel", 120, 5, correlation=102),
+        _x("user_annotation", "backward", 320, 400),
+        # the autograd device thread (tid 2) launches backward kernels while the main thread waits
+        _x("cuda_driver", "cuLaunchKernelEx", 400, 5, tid=2, correlation=103),
+        _x("user_annotation", "optimizer", 730, 200),
+        _x("cuda_runtime", "cudaLaunchKernel", 800, 5, correlation=104),
+        _x("cuda_runtime", "cudaMemcpyAsync", 950, 5, correlation=105),
+        # GPU side (times later than the launches)
+        _x("kernel", GEMM, 200, 40, tid=7, correlation=101, **{"External id": 7}),
+        _x("kernel", SM, 250, 10, tid=7, correlation=102),
+        _x("kernel", GEMM, 500, 100, tid=7, correlation=103),
+        _x("kernel", OPT, 900, 30, tid=7, correlation=104),
+        _x("gpu_memcpy", CP, 960, 4, tid=8, correlation=105),
+        _x("kernel", OPT, 1, 7, tid=7, correlation=99),  # launched before the window: left out
+        _x("kernel", EW, 980, 3, tid=7, correlation=106, **{"External id": 7}),  # no launch: its op stands in
+        _x("gpu_user_annotation", "forward", 200, 60, tid=7),  # GPU-side spans are not kernels
+    ]}
+    tr = records_from_trace(trace, "cuda")
+    assert tr.steps == 1 and tr.step_wall_us == 1000.0
+    assert (tr.unattributed_kernels, tr.unattributed_us) == (1, 7.0)
+    assert sorted(tr.records) == sorted([
+        (GEMM, "forward", 40.0, None), (SM, "forward", 10.0, "attention/softmax"), (GEMM, "backward", 100.0, None),
+        (OPT, "optimizer", 30.0, None), (CP, "outside", 4.0, None), (EW, "forward", 3.0, None),
+    ])
+
+
+def test_records_from_trace_cpu_self_time() -> None:
+    trace = {"traceEvents": [
+        _x("user_annotation", "forward", 0, 100),
+        _x("cpu_op", "aten::linear", 10, 50),
+        _x("cpu_op", "aten::t", 12, 3),
+        _x("cpu_op", "aten::addmm", 20, 30),
+        _x("cpu_op", "aten::copy_", 25, 10),
+        _x("cpu_op", "aten::add", 200, 5),
+    ]}
+    tr = records_from_trace(trace, "cpu")
+    assert sorted(tr.records) == sorted([
+        ("aten::linear", "forward", 17.0, None), ("aten::t", "forward", 3.0, None),
+        ("aten::addmm", "forward", 20.0, None), ("aten::copy_", "forward", 10.0, None),
+        ("aten::add", "outside", 5.0, None),
+    ])
+    assert len(_self_times([])) == 0
+
+
+# -- the callback through a real Trainer.fit on CPU ---------------------------------------------------
+
+
+class RequestProbe(Callback):
+    """Records lmtrain.annotate's (nvtx, profiler) requests at the start of each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.seen.append(active_requests())
+
+
+def _fit(tmp_path: Path, callbacks: list, max_steps: int) -> pl.Trainer:
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     attention="naive", warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=20,
+                        val_batches=1)
+    trainer = pl.Trainer(max_steps=max_steps, precision="32-true", accelerator="cpu", devices=1,
+                         logger=TensorBoardLogger(str(tmp_path), name="ks"), callbacks=callbacks,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
+    cb, probe = KernelShare(wait=1, warmup=1, active=2, export_trace=True), RequestProbe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, [cb, probe], max_steps=5)
+    assert sum("CPU operator self time" in str(w.message) for w in caught) == 1
+    # annotate ranges on for the window's batches only (warmup + active), back to zero after it
+    assert probe.seen == [(0, 0), (0, 1), (0, 1), (0, 1), (0, 0)]
+    assert active_requests() == (0, 0)
+    assert cb._prof is None and cb._open == [] and not cb._ranges_on and cb._tmpdir is None
+    logged = scalars(trainer.log_dir)
+    for tag in ("kernels/total_ms_per_step", "kernels/forward_ms_per_step", "kernels/backward_ms_per_step",
+                "kernels/optimizer_ms_per_step", "kernels/gemm_share_forward", "kernels/gemm_share_backward",
+                "kernels/gemm_share_step", "kernels/top_kernel_share_forward", "kernels/top_kernel_calls_step",
+                "kernels/attn_softmax_ms_per_step", "kernels/attn_matmul_ms_per_step",
+                "kernels/attn_softmax_to_matmul_flop_ratio", "kernels/step_wall_ms", "kernels/busy_share",
+                *[f"kernels/{c}_share_step" for c in CATEGORIES]):
+        assert tag in logged, tag
+    assert [step for step, _ in logged["kernels/gemm_share_step"]] == [trainer.global_step - 1]
+    assert logged["kernels/attn_softmax_to_matmul_flop_ratio"][0][1] == pytest.approx(5 / (4 * 16))
+    assert logged["kernels/gemm_share_forward"][0][1] > 0  # aten::mm / aten::bmm self time
+    assert sum(logged[f"kernels/{c}_share_step"][0][1] for c in CATEGORIES) == pytest.approx(1.0, abs=1e-5)
+    assert cb.summary is not None and cb.summary.steps == 2
+    text = texts(trainer.log_dir)
+    assert "GEMM share" in text["kernels/report"][0] and "Softmax vs matmul" in text["kernels/report"][0]
+    assert {"kernels/table_step", "kernels/table_forward", "kernels/table_backward"} <= set(text)
+    assert "kernels/categories" in images(trainer.log_dir)
+    rows = list(csv.DictReader(open(Path(trainer.log_dir) / "kernel_table.csv")))
+    assert {r["scope"] for r in rows} >= {"step", "forward", "backward", "optimizer"}
+    assert all(r["category"] in CATEGORIES for r in rows)
+    assert (Path(trainer.log_dir) / "kernel_trace.json.gz").stat().st_size > 0
+
+
+def test_kernel_share_window_not_reached(tmp_path: Path) -> None:
+    cb = KernelShare(wait=1, warmup=1, active=5)
+    with pytest.warns(UserWarning, match="before the profiling window"):
+        trainer = _fit(tmp_path, [cb], max_steps=3)
+    assert active_requests() == (0, 0) and cb._prof is None and cb._tmpdir is None
+    assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
+
+
+def test_kernel_share_rejects_bad_window(tmp_path: Path) -> None:
+    with pytest.raises(LmtrainError, match="KernelShare.active"):
+        _fit(tmp_path, [KernelShare(active=0)], max_steps=1)
+
+
+# -- GPU ------------------------------------------------------------------------------------------------
+
+
+class StepEvents(Callback):
+    """CUDA events around every training batch."""
+
+    def __init__(self) -> None:
+        self.events: list[list[torch.cuda.Event]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+        self.events[-1][0].record()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.events[-1][1].record()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_share_cuda(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    # Big enough per kernel that the GPU, not Python, sets the pace of a step.
+    model = LMModule(size="small", vocab_size=10_000, context_length=512, num_layers=4, attention="naive",
+                     warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=32, context_length=512, vocab_size=10_000, train_batches=20,
+                        val_batches=1)
+    cb, timer = KernelShare(wait=2, warmup=1, active=3), StepEvents()
+    trainer = pl.Trainer(max_steps=10, precision="bf16-mixed", accelerator="gpu", devices=1,
+                         logger=TensorBoardLogger(str(tmp_path), name="ks"), callbacks=[cb, timer],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    torch.cuda.synchronize()
+    s = cb.summary
+    assert s is not None
+    assert s.share("gemm", "forward") > 0.1 and any(r.category == "gemm" for r in s.rows["step"])
+    for scope in ("forward", "backward", "optimizer", "step"):
+        assert sum(s.share(c, scope) for c in CATEGORIES) == pytest.approx(1.0, abs=1e-6)
+    assert s.stage_us["attention/softmax"]["softmax"] > 0
+    # steps after the window, unprofiled: the kernels of one step cannot take longer than the step
+    after = sorted(a.elapsed_time(b) for a, b in timer.events[6:])
+    step_ms = after[len(after) // 2]
+    kernel_ms = s.total_us / 1e3
+    assert kernel_ms <= 1.05 * step_ms
+    assert kernel_ms >= 0.5 * step_ms, (kernel_ms, step_ms)
