@@ -53,7 +53,8 @@ the backward pass recomputes one layer at a time (its activations are added once
                          n*V*c); gradients already zeroed in ``train`` mode
     end of backward      all gradients (``forward_backward`` and ``train``)
     forward only         parameters (+ autocast's weight cache, which under no_grad still keeps every cast
-                         weight until the autocast region ends) + the loss transients (n*V*(c + 4 + 4))
+                         weight until the autocast region ends) + the larger of the loss transients
+                         (n*V*(c + 4 + 4)) and a SwiGLU block's (n*D*(4 + 4 [+ c]) + 3*n*F*c)
 
 plus a fixed CUDA workspace term (cuBLAS / cuBLASLt workspaces come from PyTorch's caching allocator and
 are counted by ``max_memory_allocated``; see ``CUDA_WORKSPACE_BYTES``).
@@ -75,8 +76,10 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 #: Attention backends whose saved tensors the planner models (others are planned like ``sdpa``).
 PLANNED_BACKENDS = ("naive", "sdpa", "flash_pytorch", "flash_triton")
 
-#: cuBLAS and cuBLASLt workspaces allocated through PyTorch's caching allocator on a CUDA device.
-CUDA_WORKSPACE_BYTES = 0
+#: cuBLAS / cuBLASLt workspace that PyTorch allocates through its caching allocator at the first matrix
+#: product on a CUDA device: 28 MiB measured on an H100 with torch 2.11 + CUDA 13.0 (``memory_allocated``
+#: before and after a first fp32 ``mm``, output excluded; a later bf16 ``mm`` added nothing).
+CUDA_WORKSPACE_BYTES = 28 * 1024**2
 
 
 def _widths(precision: str) -> tuple[int, int, bool]:
@@ -225,7 +228,11 @@ def estimate_memory(
 
     if mode == "forward":
         weight_cache = p_mm * c if mixed else 0
-        transient = n * v * (c + 4 + (4 if c != 4 else 0))
+        # Largest of: the loss (logits, their fp32 copy, the log-softmax) and a SwiGLU block (residual,
+        # fp32 norm output and its cast, silu(w1 x), w3 x and their product).
+        loss = n * v * (c + 4 + (4 if c != 4 else 0))
+        block = n * cfg.d_model * (4 + 4 + (c if mixed else 0)) + 3 * n * cfg.d_ff * c
+        transient = max(loss, block)
         components = {"parameters": params, "autocast_weight_cache": weight_cache, "transients": transient,
                       "workspace": workspace}
         return MemoryEstimate(components, sum(components.values()), "forward (no_grad)", details)
