@@ -165,33 +165,34 @@ def plot_step_times(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Measured peak (solid) and memory plan (dashed) vs context per (size, precision, mode)."""
+    """Measured peak (solid) and memory plan (dashed) vs context: one panel per size, a line per precision x mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sel = [r for r in rows if r.get("estimate_gib") is not None and r.get("compile") == "off"]
-    groups = sorted({(r["size"], r["precision"], r["mode"], r["attention"]) for r in sel})
-    groups = [g for g in groups if any(r.get("peak_gib") for r in sel
-                                       if (r["size"], r["precision"], r["mode"], r["attention"]) == g)]
-    if not groups:
+    sizes = [s for s in dict.fromkeys(r["size"] for r in sel) if any(r.get("peak_gib") for r in sel if r["size"] == s)]
+    if not sizes:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, g in enumerate(groups):
-        pts = sorted((r["context"], r.get("peak_gib"), r["estimate_gib"], r.get("status")) for r in sel
-                     if (r["size"], r["precision"], r["mode"], r["attention"]) == g)
-        color = f"C{i % 10}"
-        measured = [(t, p) for t, p, _, _ in pts if p]
-        ax.plot([t for t, _ in measured], [p for _, p in measured], marker="o", color=color,
-                label=f"{g[0]} {g[1]} {g[2]} ({g[3]})")
-        ax.plot([t for t, *_ in pts], [e for _, _, e, _ in pts], linestyle="--", color=color)
-        oom = [(t, e) for t, _, e, s in pts if s == "OOM"]
-        if oom:
-            ax.scatter([t for t, _ in oom], [e for _, e in oom], marker="x", color=color, s=60)
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="GiB",
-           title="peak memory: measured (solid), plan (dashed), OOM (x at the plan)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        mine = [r for r in sel if r["size"] == size]
+        groups = list(dict.fromkeys((r["precision"], r["mode"], r["attention"]) for r in mine))
+        for i, g in enumerate(groups):
+            pts = sorted((r["context"], r.get("peak_gib"), r["estimate_gib"], r.get("status")) for r in mine
+                         if (r["precision"], r["mode"], r["attention"]) == g)
+            color = f"C{i % 10}"
+            measured = [(t, p) for t, p, _, _ in pts if p]
+            ax.plot([t for t, _ in measured], [p for _, p in measured], marker="o", color=color,
+                    label=f"{g[0]} {g[1]}" + (f" {g[2]}" if len({x[2] for x in groups}) > 1 else ""))
+            ax.plot([t for t, *_ in pts], [e for _, _, e, _ in pts], linestyle="--", marker=".", color=color)
+            oom = [(t, e) for t, _, e, s in pts if s == "OOM"]
+            if oom:
+                ax.scatter([t for t, _ in oom], [e for _, e in oom], marker="x", color=color, s=60)
+        ax.set(xscale="log", xlabel="context (tokens)", ylabel="GiB", title=size)
+        ax.legend(fontsize=7)
+    fig.suptitle("peak memory: measured (solid), plan (dashed), OOM (x at the plan)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
