@@ -1,0 +1,364 @@
+"""CudaSyncTimer: per-phase step times measured correctly on the GPU, tokens/s, MFU and a summary table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from typing_extensions import override
+
+from lmtrain.callbacks._common import WarnOnce, log_scalars, log_text, markdown_table
+from lmtrain.errors import LmtrainError
+from lmtrain.flops import peak_flops as peak_flops_for
+
+SyncMode = Literal["events", "synchronize"]
+
+#: Phase keys of :attr:`CudaSyncTimer.step_times` and :meth:`CudaSyncTimer.summary`, in display order.
+PHASES = ("forward_ms", "backward_ms", "optimizer_ms", "step_ms")
+
+# Marks taken in one batch, in the order Lightning's hooks fire them.
+_START, _BEFORE_BWD, _AFTER_BWD, _BEFORE_OPT, _END = "start", "before_backward", "after_backward", "before_opt", "end"
+
+
+@dataclass
+class _Step:
+    """Marks of the batches of one optimizer step (several with gradient accumulation)."""
+
+    index: int
+    warmup: bool
+    batches: list[dict[str, Any]] = field(default_factory=list)  # mark name -> CUDA event or seconds
+    tokens: int | None = 0
+    flops: float | None = 0.0
+
+
+class CudaSyncTimer(pl.Callback):
+    """Times forward, backward, optimizer step and the whole step, every step, without distorting them.
+
+    CUDA kernels run asynchronously: a host clock read right after ``loss.backward()`` returns measures
+    the launch, not the work. With ``sync="events"`` (default) a CUDA event is recorded on the current
+    stream at each phase boundary and read one step later, after the GPU has passed it, so the host
+    never waits inside a step. With ``sync="synchronize"`` each boundary calls
+    ``torch.cuda.synchronize()`` and reads ``time.perf_counter`` (exact, but it drains the queue at
+    every boundary and so adds idle gaps; use it to cross-check). Without CUDA the host clock
+    ``time.perf_counter`` is used (a message says so once).
+
+    Phases (Lightning hooks): forward = ``on_train_batch_start`` -> ``on_before_backward`` (or ->
+    ``on_train_batch_end`` when the step has no backward), which includes ``zero_grad``; backward =
+    ``on_before_backward`` -> ``on_after_backward``; optimizer = ``on_before_optimizer_step`` ->
+    ``on_train_batch_end`` (the optimizer step, gradient clipping if any, and the LR scheduler); step =
+    ``on_train_batch_start`` -> ``on_train_batch_end``. Data loading and validation between batches are
+    outside every phase.
+
+    Gradient accumulation: one *step* is one optimizer step. Its forward and backward times are the
+    sums over its micro-batches, its step time the sum of the micro-batches' batch times (gaps between
+    micro-batches excluded), and tokens/s and MFU count all its micro-batches. Without accumulation (or
+    with manual optimization) every batch is a step.
+
+    The first ``warmup_steps`` steps (CUDA context, cuBLAS autotuning, allocator growth: the first
+    step is often ~20x slower) are logged only as ``time/warmup_step_ms`` and kept out of the summary.
+
+    Metrics (TensorBoard scalars at the step they belong to; every ``log_every_n_steps`` steps):
+
+    - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds.
+    - ``time/warmup_step_ms``: milliseconds per warm-up step.
+    - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens).
+    - ``throughput/mfu``: model FLOPs utilisation in [0, 1], from ``pl_module.flops_per_batch`` and the
+      peak FLOP/s of the device and precision (``lmtrain.flops.PEAK_FLOPS``) or ``peak_flops``.
+    - ``time/summary`` (text, at the end): per-phase mean ± std, median, min and max in ms, and the
+      same in the seeds' ``Model  Params  Forward (s)  Backward (s)`` format.
+
+    Attributes:
+        step_times: one dict per measured (post-warm-up) step: ``step`` (index) and the phase keys
+            among ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` that the step has.
+        warmup_times: step time in ms of each warm-up step.
+
+    Args:
+        warmup_steps: steps measured and logged separately, not summarised.
+        sync: ``events`` (CUDA events, no host sync inside the step) or ``synchronize``.
+        peak_flops: peak FLOP/s for MFU; None looks the device and precision up in the table.
+        log_every_n_steps: log the scalars of every n-th step (all steps are still measured).
+        print_summary: print the summary tables at the end of training.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        sync: SyncMode = "events",
+        peak_flops: float | None = None,
+        log_every_n_steps: int = 1,
+        print_summary: bool = True,
+    ) -> None:
+        super().__init__()
+        self.warmup_steps = warmup_steps
+        self.sync = sync
+        self.peak_flops = peak_flops
+        self.log_every_n_steps = log_every_n_steps
+        self.print_summary = print_summary
+        self.step_times: list[dict[str, float]] = []
+        self.warmup_times: list[float] = []
+        self._warn = WarnOnce()
+        self._cuda = False
+        self._pending: list[_Step] = []  # steps whose CUDA events are not read yet (events mode)
+        self._current: _Step | None = None
+        self._batch: dict[str, Any] | None = None
+        self._stepped = False  # the optimizer stepped during the current batch
+        self._steps_seen = 0
+        self._first_index = 0
+        self._peak: float | None = None
+        self._event_pool: list[torch.cuda.Event] = []
+        self._summarised = False
+        self._model_row: tuple[str, int] | None = None
+
+    # -- setup / teardown -----------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.sync not in ("events", "synchronize"):
+            raise LmtrainError("CudaSyncTimer.sync", f"unknown mode {self.sync!r}.", "use events or synchronize.")
+        if self.warmup_steps < 0 or self.log_every_n_steps < 1:
+            raise LmtrainError("CudaSyncTimer", f"warmup_steps={self.warmup_steps}, log_every_n_steps="
+                               f"{self.log_every_n_steps}.", "use warmup_steps >= 0 and log_every_n_steps >= 1.")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise LmtrainError("CudaSyncTimer.peak_flops", f"{self.peak_flops} is not positive.",
+                               "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
+        self.step_times, self.warmup_times = [], []
+        self._pending, self._current, self._batch = [], None, None
+        self._steps_seen, self._summarised = 0, False
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        if not self._cuda:
+            rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
+        self._peak = self.peak_flops
+        if self._peak is None:
+            if self._cuda:
+                name = torch.cuda.get_device_name(trainer.strategy.root_device)
+                self._peak = peak_flops_for(name, trainer.precision)
+                if self._peak is None:
+                    self._warn(f"CudaSyncTimer: no peak FLOP/s known for {name!r} at precision "
+                               f"{trainer.precision!r}; throughput/mfu is not logged. Pass peak_flops=... .")
+            else:
+                self._warn("CudaSyncTimer: no peak FLOP/s for a CPU; throughput/mfu is not logged "
+                           "(pass peak_flops=... to get it).")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_index = trainer.global_step  # resumed runs continue the step count
+        size = getattr(pl_module.hparams, "size", None) if hasattr(pl_module, "hparams") else None
+        name = str(size) if size is not None else type(pl_module).__name__
+        self._model_row = (name, sum(p.numel() for p in pl_module.parameters()))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed step leaves open marks; drop them (steps already read stay in step_times).
+        self._pending, self._current, self._batch = [], None, None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            # A run that stopped with an exception skips on_train_end: keep what was measured.
+            self._finish(trainer, log=False)
+            self._event_pool.clear()
+
+    # -- marks ----------------------------------------------------------------------------------
+
+    def _mark(self, name: str) -> None:
+        if self._batch is None:
+            return
+        if self._cuda and self.sync == "events":
+            event = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._batch[name] = event
+        else:
+            if self._cuda:
+                torch.cuda.synchronize()
+            self._batch[name] = perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._collect(trainer, block=False)  # the previous steps' events, read now that they have passed
+        if self._current is None:
+            index = self._first_index + self._steps_seen
+            self._current = _Step(index=index, warmup=self._steps_seen < self.warmup_steps)
+        self._batch = {}
+        self._stepped = False
+        self._current.batches.append(self._batch)
+        tokens = _tokens_in(batch)
+        if tokens is None:
+            self._warn("CudaSyncTimer: cannot count tokens in this batch type; throughput/tokens_per_s is not logged.")
+        self._current.tokens = None if tokens is None or self._current.tokens is None else self._current.tokens + tokens
+        self._mark(_START)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._mark(_BEFORE_BWD)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark(_AFTER_BWD)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._mark(_BEFORE_OPT)
+        self._stepped = True
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._batch is None or self._current is None:
+            return
+        self._mark(_END)
+        self._batch = None
+        step = self._current
+        flops = getattr(pl_module, "flops_per_batch", None)
+        step.flops = None if flops is None or step.flops is None else step.flops + float(flops)
+        # A step ends with the optimizer step; without accumulation (or in manual optimization,
+        # where Lightning forbids accumulate_grad_batches) every batch is a step.
+        if self._stepped or trainer.accumulate_grad_batches == 1:
+            self._current = None
+            self._steps_seen += 1
+            self._pending.append(step)
+            if not (self._cuda and self.sync == "events"):
+                self._collect(trainer, block=True)  # host-clock values are final already
+
+    # -- reading and logging --------------------------------------------------------------------
+
+    def _collect(self, trainer: pl.Trainer, block: bool) -> None:
+        """Read finished steps. Non-blocking reads only take steps whose last event has completed,
+        but at most one step stays unread, so memory and logging lag stay bounded."""
+        while self._pending:
+            step = self._pending[0]
+            end = step.batches[-1].get(_END)
+            if isinstance(end, torch.cuda.Event) and not end.query():
+                if not block and len(self._pending) <= 1:
+                    return
+                end.synchronize()  # waits for that step's last kernel only, not for the current step
+            self._pending.pop(0)
+            self._record(trainer, step)
+
+    def _record(self, trainer: pl.Trainer, step: _Step) -> None:
+        times = {k: 0.0 for k in PHASES}
+        seen: set[str] = set()
+        for marks in step.batches:
+            start, end = marks.get(_START), marks.get(_END)
+            if start is None or end is None:
+                continue
+            bwd0, bwd1, opt0 = marks.get(_BEFORE_BWD), marks.get(_AFTER_BWD), marks.get(_BEFORE_OPT)
+            times["step_ms"] += _elapsed_ms(start, end)
+            forward_end = bwd0 if bwd0 is not None else (opt0 if opt0 is not None else end)
+            times["forward_ms"] += _elapsed_ms(start, forward_end)
+            seen.update(("step_ms", "forward_ms"))
+            if bwd0 is not None and bwd1 is not None:
+                times["backward_ms"] += _elapsed_ms(bwd0, bwd1)
+                seen.add("backward_ms")
+            if opt0 is not None:
+                times["optimizer_ms"] += _elapsed_ms(opt0, end)
+                seen.add("optimizer_ms")
+            self._event_pool.extend(m for m in marks.values() if isinstance(m, torch.cuda.Event))
+        if "step_ms" not in seen:
+            return
+        step_ms = times["step_ms"]
+        log_now = (step.index - self._first_index) % self.log_every_n_steps == 0
+        if step.warmup:
+            self.warmup_times.append(step_ms)
+            if log_now:
+                log_scalars(trainer, {"time/warmup_step_ms": step_ms}, step=step.index)
+            return
+        row: dict[str, float] = {"step": step.index}
+        row.update({k: times[k] for k in PHASES if k in seen})
+        self.step_times.append(row)
+        if not log_now:
+            return
+        metrics = {f"time/{k}": v for k, v in row.items() if k != "step"}
+        seconds = step_ms / 1000.0
+        if step.tokens and seconds > 0:
+            metrics["throughput/tokens_per_s"] = step.tokens / seconds
+        if step.flops and self._peak and seconds > 0:
+            raw = step.flops / seconds / self._peak
+            if raw > 1.0:
+                self._warn(f"CudaSyncTimer: MFU {raw:.2f} > 1 means the peak FLOP/s ({self._peak:.3g}) or the "
+                           "measured time is wrong; throughput/mfu is clipped to 1.")
+            metrics["throughput/mfu"] = min(1.0, raw)
+        elif step.flops is None:
+            self._warn("CudaSyncTimer: the module has no flops_per_batch; throughput/mfu is not logged.")
+        log_scalars(trainer, metrics, step=step.index)
+
+    def _finish(self, trainer: pl.Trainer, log: bool = True) -> None:
+        self._collect(trainer, block=True)
+        if self._summarised or not self.step_times:
+            return
+        self._summarised = True
+        text = self.summary_text()
+        if self.print_summary:
+            rank_zero_only(print)(text)
+        if log:
+            log_text(trainer, "time/summary", text, step=trainer.global_step)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Statistics of the measured (post-warm-up) steps: phase key -> mean, std, median, min, max, count.
+
+        Times in ms; ``std`` is the sample standard deviation (0 for a single step).
+        """
+        out: dict[str, dict[str, float]] = {}
+        for key in PHASES:
+            values = [row[key] for row in self.step_times if key in row]
+            if not values:
+                continue
+            out[key] = {
+                "mean": statistics.fmean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "count": float(len(values)),
+            }
+        return out
+
+    def summary_text(self) -> str:
+        """The summary as Markdown: a per-phase table and the seeds' ``Model Params Forward (s)`` table."""
+        stats = self.summary()
+        clock = "CUDA events" if self._cuda and self.sync == "events" else (
+            "torch.cuda.synchronize + time.perf_counter" if self._cuda else "time.perf_counter (host, no CUDA)")
+        rows = [[k.removesuffix("_ms"), f"{s['mean']:.3f} ± {s['std']:.3f}", f"{s['median']:.3f}",
+                 f"{s['min']:.3f}", f"{s['max']:.3f}", int(s["count"])] for k, s in stats.items()]
+        table = markdown_table(["phase", "mean ± std (ms)", "median (ms)", "min (ms)", "max (ms)", "steps"], rows)
+        warm = ", ".join(f"{t:.1f}" for t in self.warmup_times)
+        lines = [f"Step timing ({clock}); {len(self.warmup_times)} warm-up step(s) excluded"
+                 + (f" (ms: {warm})" if warm else "") + ".", "", table, ""]
+        name, params = self._model_row or ("model", 0)
+
+        def seconds(key: str) -> str:
+            s = stats.get(key)
+            return f"{s['mean'] / 1000:.6f}±{s['std'] / 1000:.6f}" if s else "-"
+
+        lines += ["```", f"{'Model':<10} {'Params':<12} {'Forward (s)':<15} {'Backward (s)'}", "-" * 60,
+                  f"{name:<10} {params:<12,} {seconds('forward_ms'):<15} {seconds('backward_ms')}", "```"]
+        return "\n".join(lines)
+
+
+def _elapsed_ms(start: Any, end: Any) -> float:
+    if isinstance(start, torch.cuda.Event):
+        return float(start.elapsed_time(end))
+    return (end - start) * 1000.0
+
+
+def _tokens_in(batch: Any) -> int | None:
+    """Input tokens of a batch: B * T for lmtrain windows (B, T + 1); B * T for (inputs, ...) pairs."""
+    if isinstance(batch, torch.Tensor) and batch.ndim == 2:
+        return batch.shape[0] * (batch.shape[1] - 1)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim == 2:
+        return math.prod(batch[0].shape)
+    return None

@@ -1,0 +1,144 @@
+"""CudaSyncTimer through a real Trainer.fit on a tiny model, with the host clock patched to exact values."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tb import scalars, texts
+
+import lmtrain.callbacks.timer as timer_module
+from lmtrain.callbacks import CudaSyncTimer
+from lmtrain.data import LMDataModule
+from lmtrain.flops import flops_per_step
+from lmtrain.module import LMModule
+
+B, T = 2, 32
+
+
+class FakeClock:
+    """perf_counter stand-in: each call returns the previous value + 250 ms (exact in binary floating point)."""
+
+    def __init__(self) -> None:
+        self.ticks = itertools.count()
+
+    def __call__(self) -> float:
+        return next(self.ticks) * 0.25
+
+
+def fit(tmp_path, timer: CudaSyncTimer, steps: int = 4, step_mode: str = "train", **trainer_kwargs) -> LMModule:
+    pl.seed_everything(0)
+    module = LMModule(size="tiny", vocab_size=256, context_length=T, step_mode=step_mode, warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=B, context_length=T, vocab_size=256, train_batches=64)
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", callbacks=[timer], logger=TensorBoardLogger(tmp_path, name="tb"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, data)
+    return module
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(timer_module, "perf_counter", clock)
+    return clock
+
+
+def test_exact_phase_times_tokens_and_mfu(tmp_path, fake_clock):
+    peak = 1e9
+    timer = CudaSyncTimer(warmup_steps=1, sync="synchronize", peak_flops=peak, print_summary=False)
+    module = fit(tmp_path, timer, steps=4)
+    # Five marks per step (start, before/after backward, before optimizer, end), 250 ms apart.
+    assert timer.warmup_times == [1000.0]
+    assert [row["step"] for row in timer.step_times] == [1, 2, 3]
+    for row in timer.step_times:
+        assert row == {"step": row["step"], "forward_ms": 250.0, "backward_ms": 250.0, "optimizer_ms": 250.0,
+                       "step_ms": 1000.0}
+    s = timer.summary()
+    assert s["step_ms"] == {"mean": 1000.0, "std": 0.0, "median": 1000.0, "min": 1000.0, "max": 1000.0,
+                          "count": 3.0}
+    assert set(s) == {"forward_ms", "backward_ms", "optimizer_ms", "step_ms"}
+
+    logged = scalars(tmp_path)
+    assert logged["time/warmup_step_ms"] == [(0, 1000.0)]
+    for tag, value in [("time/forward_ms", 250.0), ("time/backward_ms", 250.0), ("time/optimizer_ms", 250.0),
+                       ("time/step_ms", 1000.0), ("throughput/tokens_per_s", B * T / 1.0)]:
+        assert [s for s, _ in logged[tag]] == [1, 2, 3], tag
+        assert [v for _, v in logged[tag]] == [value] * 3, tag
+    expected_mfu = flops_per_step(module.config, B, T, "train") / 1.0 / peak
+    assert 0 < expected_mfu < 1
+    assert all(v == pytest.approx(expected_mfu, rel=1e-6) for _, v in logged["throughput/mfu"])
+
+    summary = texts(tmp_path)["time/summary"][0]
+    assert "| step " in summary and "1000.000 ± 0.000" in summary
+    assert "Forward (s)" in summary and "Backward (s)" in summary
+    assert "tiny" in summary and f"{sum(p.numel() for p in module.parameters()):,}" in summary
+    assert "0.250000±0.000000" in summary
+
+
+def test_mfu_clipped_with_one_warning(tmp_path, fake_clock):
+    timer = CudaSyncTimer(warmup_steps=0, sync="synchronize", peak_flops=1.0, print_summary=False)
+    with pytest.warns(UserWarning, match="MFU .* > 1") as record:
+        fit(tmp_path, timer, steps=3)
+    assert sum("MFU" in str(w.message) for w in record) == 1
+    assert [v for _, v in scalars(tmp_path)["throughput/mfu"]] == [1.0, 1.0, 1.0]
+
+
+def test_forward_only_steps_have_no_backward_or_optimizer(tmp_path, fake_clock):
+    timer = CudaSyncTimer(warmup_steps=0, print_summary=False)  # events mode falls back to the host clock
+    fit(tmp_path, timer, steps=3, step_mode="forward", max_epochs=1, limit_train_batches=3)
+    # Forward only: two marks per step (start, end).
+    assert timer.step_times == [{"step": i, "forward_ms": 250.0, "step_ms": 250.0} for i in range(3)]
+    logged = scalars(tmp_path)
+    assert "time/backward_ms" not in logged and "time/optimizer_ms" not in logged
+    assert "throughput/mfu" not in logged  # no peak FLOP/s for a CPU
+
+
+def test_gradient_accumulation_sums_micro_batches(tmp_path, fake_clock):
+    timer = CudaSyncTimer(warmup_steps=0, sync="synchronize", print_summary=False, log_every_n_steps=2)
+    fit(tmp_path, timer, steps=3, accumulate_grad_batches=2)
+    # Micro-batch 1: start, bwd0, bwd1, end (4 marks); micro-batch 2: + before-optimizer (5 marks).
+    assert timer.step_times == [
+        {"step": i, "forward_ms": 500.0, "backward_ms": 500.0, "optimizer_ms": 250.0, "step_ms": 1750.0}
+        for i in range(3)
+    ]
+    logged = scalars(tmp_path)
+    assert [s for s, _ in logged["time/step_ms"]] == [0, 2]  # every 2nd step
+    assert all(v == pytest.approx(2 * B * T / 1.75) for _, v in logged["throughput/tokens_per_s"])
+
+
+def test_summary_printed(tmp_path, fake_clock, capsys):
+    fit(tmp_path, CudaSyncTimer(warmup_steps=1, sync="synchronize"), steps=2)
+    out = capsys.readouterr().out
+    assert "Forward (s)" in out and "1 warm-up step(s) excluded (ms: 1000.0)" in out
+
+
+def test_bad_mode_is_rejected(tmp_path):
+    from lmtrain.errors import LmtrainError
+
+    with pytest.raises(LmtrainError, match="CudaSyncTimer.sync"):
+        fit(tmp_path, CudaSyncTimer(sync="wallclock"), steps=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_events_mode_on_cuda(tmp_path):
+    timer = CudaSyncTimer(warmup_steps=2, print_summary=False)
+    pl.seed_everything(0)
+    module = LMModule(size="tiny", vocab_size=256, context_length=T, warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=B, context_length=T, vocab_size=256, train_batches=64)
+    trainer = pl.Trainer(max_steps=6, accelerator="cuda", devices=1, callbacks=[timer],
+                         logger=TensorBoardLogger(tmp_path, name="tb"), enable_progress_bar=False,
+                         enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(module, data)
+    assert len(timer.warmup_times) == 2 and [r["step"] for r in timer.step_times] == [2, 3, 4, 5]
+    for row in timer.step_times:
+        phases = row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"]
+        assert 0 < phases <= row["step_ms"] * (1 + 1e-3)
+    logged = scalars(tmp_path)
+    assert {"time/step_ms", "throughput/tokens_per_s", "time/warmup_step_ms"} <= set(logged)
