@@ -1,0 +1,395 @@
+"""Attention sweep: forward/backward time, TFLOP/s and memory of each attention backend over (d, N) grids.
+
+Grids (``--grid``):
+    seeds   the seeds' study: batch 8, one head, d in {16, 32, 64, 128} x N in {256, 1024, 4096, 8192, 16384}.
+    lm      multi-head LM shapes: bf16, causal, d in {64, 80, 128}, N in {1024, ..., 16384}, 16 heads and a
+            batch chosen so that batch x heads x N = ``--tokens-heads`` (default 2^21): the GPU stays full
+            at every N and the inputs stay at 2^21 x d elements each.
+    memory  long sequences, one head of d 64, batch 1, N in {16384, 32768, 65536, 131072}: peak memory must
+            grow linearly in N for the flash backends.
+``--head-dims``, ``--seq-lens``, ``--batch-size``, ``--heads`` override a grid's values.
+
+Backends (``--backends``): ``naive`` (materialised scores, ``lmtrain.attention``), ``naive_compiled`` (the
+same under ``torch.compile``), ``flash_pytorch`` (tiled reference, Python loop: skipped above
+``--flash-pytorch-max-n``), ``flash_triton`` (our kernels), ``sdpa_flash`` / ``sdpa_cudnn`` /
+``sdpa_efficient`` / ``sdpa_math`` (``scaled_dot_product_attention`` restricted to one kernel with
+``torch.nn.attention.sdpa_kernel``).
+
+Per cell: median forward, backward and forward+backward milliseconds over ``--rep`` timed runs after
+``--warmup`` untimed ones (CUDA events; the backward is timed alone: its forward runs before the start
+event), TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when causal; backward 2.5x forward), GiB allocated after the
+forward (before the backward: inputs, output and what autograd saved) and the peak GiB of one
+forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever stays allocated across
+cells (for example a cuBLAS workspace once a matmul-based backend has run). One untimed forward+backward
+comes first, so compilation and autotuning stay out of both. Inputs are random (never zeros) and fresh per
+cell. A cell that runs out of memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run
+a cell is recorded as ``n/a`` with the reason.
+
+Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
+a CSV at PATH and the same rows as JSON beside it (PATH with suffix .json). Needs a CUDA GPU;
+``--allow-cpu`` runs a tiny smoke sweep on the CPU (wall-clock timing, no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_BACKENDS = (
+    "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
+)
+ALL_BACKENDS = (*DEFAULT_BACKENDS, "sdpa_math")
+GRIDS: dict[str, dict] = {
+    "seeds": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
+    "lm": {"head_dims": [64, 80, 128], "seq_lens": [1024, 2048, 4096, 8192, 16384], "batch_size": None, "heads": 16},
+    "memory": {"head_dims": [64], "seq_lens": [16384, 32768, 65536, 131072], "batch_size": 1, "heads": 1},
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CSV_FIELDS = (
+    "backend", "dtype", "causal", "batch", "heads", "seq_len", "head_dim", "status", "reason",
+    "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "mem_before_bwd_gib", "peak_gib",
+)
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+class Unsupported(Exception):
+    """The backend cannot run this cell (recorded as n/a with the message as the reason)."""
+
+
+@dataclass
+class Cell:
+    """One row of the sweep."""
+
+    backend: str
+    dtype: str
+    causal: bool
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    status: str = "ok"  # ok | OOM | n/a | error
+    reason: str = ""
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    fwd_tflops: float | None = None
+    bwd_tflops: float | None = None
+    fwd_bwd_tflops: float | None = None
+    mem_before_bwd_gib: float | None = None
+    peak_gib: float | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m lmtrain bench attention``."""
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="seeds", help="base grid (default: seeds)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="head dims d (default: the grid's)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths N (default: the grid's)")
+    parser.add_argument("--batch-size", type=int, help="batch size B (default: the grid's; lm: tokens-heads / (H N))")
+    parser.add_argument("--heads", type=int, help="heads H (default: the grid's)")
+    parser.add_argument("--tokens-heads", type=int, default=2**21, help="lm grid: B x H x N per cell (default 2^21)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                        help="causal mask (default on)")
+    parser.add_argument("--backends", nargs="+", choices=ALL_BACKENDS, default=list(DEFAULT_BACKENDS),
+                        help="backends to time")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing (default 5)")
+    parser.add_argument("--rep", type=int, default=30,
+                        help="timed runs per measurement; the median is kept (default 30)")
+    parser.add_argument("--flash-pytorch-max-n", type=int, default=1024,
+                        help="skip flash_pytorch above this N: its Python tile loop takes seconds per call")
+    parser.add_argument("--out", type=Path, help="CSV path; the JSON goes beside it with suffix .json")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (tiny smoke runs only)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa(kernel_name: str) -> AttentionFn:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, kernel_name)
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return fn
+
+
+def _backend(name: str, device: torch.device, seq_len: int, max_pytorch_n: int) -> AttentionFn:
+    """The attention function of a backend for one cell; raises Unsupported when it cannot run there."""
+    from lmtrain.attention import get_attention
+
+    if name == "naive":
+        return get_attention("naive")
+    if name == "naive_compiled":
+        torch._dynamo.reset()  # a fresh graph per cell: no recompile limit, no dynamic-shape fallback
+        return torch.compile(get_attention("naive"), dynamic=False)
+    if name == "flash_pytorch":
+        if seq_len > max_pytorch_n:
+            raise Unsupported(f"N > --flash-pytorch-max-n {max_pytorch_n} (Python tile loop)")
+        return get_attention("flash_pytorch")
+    if name == "flash_triton":
+        if device.type != "cuda":
+            raise Unsupported("needs CUDA")
+        return get_attention("flash_triton")
+    if name.startswith("sdpa_"):
+        kernel = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}[name]
+        if device.type != "cuda" and name != "sdpa_math":
+            raise Unsupported("needs CUDA")
+        return _sdpa(kernel)
+    raise ValueError(f"unknown backend {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], warmup: int, rep: int,
+               device: torch.device) -> float:
+    """Median milliseconds of ``timed(setup())`` over ``rep`` runs; ``setup`` runs outside the timed region."""
+    for _ in range(warmup):
+        timed(setup())
+    if device.type != "cuda":
+        times = []
+        for _ in range(rep):
+            state = setup()
+            t0 = time.perf_counter()
+            timed(state)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    events = []
+    for _ in range(rep):
+        state = setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # stream-ordered: fires after the setup's kernels
+        timed(state)
+        end.record()
+        events.append((start, end))
+        del state
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def attention_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs: two matmuls of 2·N_q·N_k·d per (batch, head); half when causal. Backward: 2.5x."""
+    flops = 4.0 * batch * heads * n_q * n_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int) -> None:
+    """Fill the cell's timings and memory figures (raises on OOM or unsupported inputs)."""
+    dtype = DTYPES[cell.dtype]
+    shape = (cell.batch, cell.heads, cell.seq_len, cell.head_dim)  # (B, H, N, d)
+    gen = torch.Generator(device=device).manual_seed(cell.seq_len * 1000 + cell.head_dim)
+    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    causal = cell.causal
+
+    def clear_grads():
+        q.grad = k.grad = v.grad = None
+
+    def forward(_=None):
+        return fn(q, k, v, causal)
+
+    def backward(out):
+        out.backward(do)
+
+    def forward_backward(_=None):
+        fn(q, k, v, causal).backward(do)
+
+    # One untimed forward+backward first: compilation and autotuning (whose benchmark buffers would count
+    # towards the peak) happen here. Then memory: one forward with the graph alive, its backward, the peak of both.
+    forward_backward()
+    clear_grads()
+    _free(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    out = forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cell.mem_before_bwd_gib = torch.cuda.memory_allocated(device) / 2**30
+    backward(out)
+    del out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+    cell.fwd_ms = _median_ms(lambda: None, forward, warmup, rep, device)
+    cell.bwd_ms = _median_ms(lambda: (clear_grads(), forward())[1], backward, warmup, rep, device)
+    cell.fwd_bwd_ms = _median_ms(clear_grads, forward_backward, warmup, rep, device)
+    flops = attention_flops(cell.batch, cell.heads, cell.seq_len, cell.seq_len, cell.head_dim, causal)
+    cell.fwd_tflops = flops / (cell.fwd_ms * 1e-3) / 1e12
+    cell.bwd_tflops = 2.5 * flops / (cell.bwd_ms * 1e-3) / 1e12
+    cell.fwd_bwd_tflops = 3.5 * flops / (cell.fwd_bwd_ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_cells(args: argparse.Namespace) -> list[Cell]:
+    """The grid's cells, in sweep order (N outermost within each d, backends innermost)."""
+    grid = GRIDS[args.grid]
+    head_dims = args.head_dims or grid["head_dims"]
+    seq_lens = args.seq_lens or grid["seq_lens"]
+    heads = args.heads or grid["heads"]
+    dtype = args.dtype
+    causal = args.causal
+    cells = []
+    for d in head_dims:
+        for n in seq_lens:
+            batch = args.batch_size or grid["batch_size"] or max(1, args.tokens_heads // (heads * n))
+            for backend in args.backends:
+                cells.append(Cell(backend, dtype, causal, batch, heads, n, d))
+    return cells
+
+
+def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell:
+    """Measure one cell, turning OOM / unsupported / other failures into the cell's status."""
+    try:
+        fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
+        measure_cell(cell, fn, device, args.warmup, args.rep)
+    except Unsupported as exc:
+        cell.status, cell.reason = "n/a", str(exc)
+    except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
+        message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if _is_oom(exc):
+            cell.status, cell.reason = "OOM", message
+        elif isinstance(exc, RuntimeError) and ("No available kernel" in message or "not supported" in message.lower()):
+            cell.status, cell.reason = "n/a", message
+        else:
+            cell.status, cell.reason = "error", f"{type(exc).__name__}: {message}"
+        for attr in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
+                     "mem_before_bwd_gib", "peak_gib"):
+            setattr(cell, attr, None)
+    finally:
+        _free(device)
+    return cell
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(cells: list[Cell]) -> str:
+    """The short table: one row per cell, times in ms, throughput in TFLOP/s, memory in GiB."""
+    lines = [
+        "| backend | B | H | N | d | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s "
+        "| mem before bwd GiB | peak GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in cells:
+        if c.status != "ok":
+            status = c.status if c.status == "OOM" else f"{c.status}: {c.reason}"
+            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} | | | | | | |")
+            continue
+        lines.append(
+            f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {_fmt(c.fwd_ms, 3)} | "
+            f"{_fmt(c.bwd_ms, 3)} | {_fmt(c.fwd_bwd_ms, 3)} | {_fmt(c.fwd_tflops, 1)} | {_fmt(c.fwd_bwd_tflops, 1)} | "
+            f"{_fmt(c.mem_before_bwd_gib, 3)} | {_fmt(c.peak_gib, 3)} |"
+        )
+    return "\n".join(lines)
+
+
+def _row(cell: Cell) -> dict:
+    row = asdict(cell)
+    row.pop("extra")
+    return row
+
+
+def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
+    """CSV at ``out`` and JSON (metadata + rows) beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for c in cells:
+            writer.writerow({k: ("" if v is None else v) for k, v in _row(c).items()})
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [_row(c) for c in cells]}, indent=1))
+
+
+def environment(device: torch.device) -> dict:
+    """Device name and library versions for the record."""
+    meta = {"device": platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        meta["device"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    return meta
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep; 0 on success, 2 when no GPU is there and ``--allow-cpu`` is not given."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.allow_cpu:
+        device = torch.device("cpu")
+    else:
+        print("bench attention: no CUDA GPU found; the timings and memory figures need one. "
+              "Run it on a GPU machine, or pass --allow-cpu for a tiny smoke run.", file=sys.stderr)
+        return 2
+    cells = plan_cells(args)
+    meta = environment(device)
+    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "attention"] else sys.argv[1:]
+    meta["command"] = " ".join(["python -m lmtrain bench attention", *argv])
+    print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
+          file=sys.stderr)
+    for i, cell in enumerate(cells, 1):
+        run_cell(cell, device, args)
+        if cell.status == "ok":
+            summary = (f"fwd {cell.fwd_ms:.3f} ms ({cell.fwd_tflops:.1f} TFLOP/s), fwd+bwd {cell.fwd_bwd_ms:.3f} ms "
+                       f"({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB")
+        else:
+            summary = f"{cell.status} {cell.reason}"
+        print(f"[{i}/{len(cells)}] {cell.backend} B={cell.batch} H={cell.heads} N={cell.seq_len} d={cell.head_dim} "
+              f"{cell.dtype}{' causal' if cell.causal else ''}: {summary}", file=sys.stderr, flush=True)
+        if args.out:  # keep what is done if the sweep is cut short
+            write_results(cells[:i], args.out, meta)
+    print(markdown_table(cells))
+    return 0
+
+
+__all__ = ["Cell", "add_arguments", "attention_flops", "markdown_table", "plan_cells", "run", "run_cell"]
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m lmtrain.bench.attention", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
+

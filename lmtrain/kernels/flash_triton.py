@@ -1,0 +1,759 @@
+"""FlashAttention-2 forward and backward as Triton kernels.
+
+Algorithm (Dao, "FlashAttention-2", 2023). For one (batch, head), queries are cut into blocks of
+``BLOCK_M`` rows and keys/values into blocks of ``BLOCK_N`` rows. The forward kernel holds one query
+block and streams over the key/value blocks, keeping a running row maximum ``m``, a running
+denominator ``l`` and an fp32 output accumulator (online softmax); it writes the output O and the
+logsumexp ``L = m + log(l)`` (natural log, fp32, one value per query row). No N x N tensor is ever
+stored. The backward pass recomputes ``P = exp(S - L)`` tile by tile:
+
+* ``_bwd_preprocess_kernel``: ``D = rowsum(O * dO)`` (fp32, one value per query row);
+* ``_bwd_dkdv_kernel``: one program per key block, looping over query blocks: ``dV += P^T dO``,
+  ``dK += dS^T Q`` with ``dS = P * (dO V^T - D)``;
+* ``_bwd_dq_kernel``: one program per query block, looping over key blocks: ``dQ += dS K``.
+
+Every output element is written by exactly one program and there are no atomics, so the backward
+pass is deterministic: two runs on the same inputs give bit-identical gradients.
+
+Causal masking keeps the lower triangle including the diagonal, aligned to the top-left corner
+(query i sees keys 0..i), as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
+Key blocks entirely above the diagonal are skipped; only blocks that cross it are masked. Each
+kernel runs its loop in two parts, an unmasked part over whole blocks and a masked part (diagonal
+blocks and the ragged tail), so most iterations carry no mask arithmetic. Causal forward and dQ
+programs start with the longest rows (reverse block order) so the short ones fill the tail.
+
+Dtypes: fp16, bf16 and fp32 inputs (q, k, v alike); products and softmax statistics accumulate in
+fp32, P and dS are cast to the input dtype before their matrix products, outputs come back in the
+input dtype. fp32 products use ``input_precision="ieee"`` by default, so fp32 inputs give fp32
+accuracy; ``allow_tf32=True`` trades that for tensor-core speed (about 3e-4 relative error).
+
+Shapes: q (..., N_q, d), k and v (..., N_k, d) with the same leading dims; any sequence lengths
+(N_q may differ from N_k, causal or not); head dims 1..256, including non-powers of two such as
+80: the head dim is padded to the next power of two (at least 16) inside the kernel and masked.
+Leading dims are viewed as (Z, H) with their own strides, so q, k, v may be non-contiguous views
+(for example slices of a fused qkv projection) and are read without copies as long as their last
+dim is contiguous. The grid is one-dimensional (blocks x batch-heads), so batch x heads may exceed
+65535; batch and row offsets are computed in int64, so tensors beyond 2^31 elements work.
+
+Block sizes are autotuned per (head dim, sequence-length bucket, causal, dtype) among a few
+configurations chosen for Hopper GPUs; ``LMTRAIN_FLASH_AUTOTUNE=0`` takes the first valid
+configuration instead (faster start, for tests). Under Triton's interpreter (``TRITON_INTERPRET=1``
+set before this module is imported) the kernels run on CPU tensors with one small configuration;
+that is for tests only.
+
+Limits: no dropout, no attention bias or arbitrary masks, no grouped-query attention (k and v must
+have q's leading dims), d of v equal to d of q, at least one key. The logsumexp output of the
+custom op is not differentiable.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------
+
+
+def _configs(blocks: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> triton configs."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in blocks]
+
+
+if _INTERPRET:
+    # One small configuration: the interpreter runs every program on the CPU, one after the other.
+    _FWD_CONFIGS = _configs([(32, 16, 4, 1)])
+    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)])
+    _DQ_CONFIGS = _configs([(32, 16, 4, 1)])
+else:
+    # Hopper-oriented candidates, first one is the default when autotuning is off.
+    _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)])
+    _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2)])
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 16, 4, 2)])
+
+
+def _autotune_enabled() -> bool:
+    return not _INTERPRET and os.environ.get("LMTRAIN_FLASH_AUTOTUNE", "1") != "0"
+
+
+def _prune(held: str, configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop configurations that cannot fit: fp32 accumulators of the held block in registers, tiles in shared memory.
+
+    Args:
+        held: which block size is held for the whole program ("BLOCK_M" for forward and dQ, "BLOCK_N" for dK/dV).
+    """
+    block_d = kwargs["BLOCK_D"]
+    elt = named_args["Q"].element_size()
+    kept = []
+    for cfg in configs:
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        held_rows = cfg.kwargs[held]
+        if held == "BLOCK_M" and bm % bn != 0 or held == "BLOCK_N" and bn % bm != 0:
+            continue  # the diagonal must fall on whole iterated blocks
+        n_acc = 2 if held == "BLOCK_N" else 1  # dK and dV accumulators vs one O or dQ accumulator
+        if n_acc * held_rows * block_d > 4096 * cfg.num_warps:  # > 128 fp32 accumulator registers per thread
+            continue
+        streamed = bn if held == "BLOCK_M" else bm
+        smem = (held_rows * block_d + 2 * streamed * block_d * max(cfg.num_stages, 1)) * elt
+        if smem > 200 * 1024:
+            continue
+        kept.append(cfg)
+    if elt == 4 and kwargs["DOT_PRECISION"] == "ieee":
+        # IEEE fp32 products run on CUDA cores, not tensor cores: small tiles compile in seconds, not minutes.
+        kept = [cfg for cfg in kept if cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] <= 64 * 32]
+    if not kept:
+        kept = [configs[-1]]  # the smallest: always fits
+    if not _autotune_enabled():
+        kept = kept[:1]
+    return kept
+
+
+def _prune_held_m(configs, named_args, **kwargs):
+    return _prune("BLOCK_M", configs, named_args, **kwargs)
+
+
+def _prune_held_n(configs, named_args, **kwargs):
+    return _prune("BLOCK_N", configs, named_args, **kwargs)
+
+
+_TUNE_KEY = ["N_KEY", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
+_NO_SPECIALIZE = ["H", "N_Q", "N_K", "N_KEY"]
+
+
+def _n_key(n_q: int, n_k: int) -> int:
+    """Sequence-length bucket for the autotuning key: re-tune per power of two, not per length."""
+    return min(triton.next_power_of_2(max(n_q, n_k)), 16384)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, lo, hi, N_K, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of one query block over key blocks [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        n_idx = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        k_ptrs = k_base + start * stride_kn + k_tile
+        v_ptrs = v_base + start * stride_vn + v_tile
+        if MASKED:
+            kv_ok = (n_idx[:, None] < N_K) & d_ok
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        if MASKED:
+            keep = n_idx[None, :] < N_K
+            if IS_CAUSAL:
+                keep = keep & (offs_m[:, None] >= n_idx[None, :])
+            qk = tl.where(keep, qk, float("-inf"))
+        # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m})
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _fwd_kernel(
+    Q, K, V, OUT, LSE,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    H, N_Q, N_K, N_KEY, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    bh = pid // num_m
+    m_blk = pid % num_m
+    if IS_CAUSAL:
+        m_blk = num_m - 1 - m_blk  # longest rows first
+    z = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start_m = m_blk * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+
+    q_ptrs = Q + z * stride_qz + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok, other=0.0)
+    k_base = K + z * stride_kz + h * stride_kh
+    v_base = V + z * stride_vz + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_K)  # blocks above the diagonal are skipped
+        full_end = tl.minimum(start_m, (N_K // BLOCK_N) * BLOCK_N)  # whole blocks left of the diagonal
+    else:
+        hi = N_K
+        full_end = (N_K // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, full_end, hi, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, True, DOT_PRECISION,
+    )
+
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
+    o_ptrs = OUT + z * stride_oz + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["H", "N_Q"])
+def _bwd_preprocess_kernel(
+    OUT, DO, DELTA,
+    stride_oz, stride_oh, stride_om,
+    stride_doz, stride_doh, stride_dom,
+    H, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """D = rowsum(O * dO) in fp32. Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    bh = pid // num_m
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    z = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = offs_m.to(tl.int64)[:, None]
+    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(OUT + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + z * stride_doz + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, lo, hi, N_Q, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi). Works on transposed tiles (keys x queries)."""
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q_tile = offs_i[:, None] * stride_qm + offs_d[None, :]
+    do_tile = offs_i[:, None] * stride_dom + offs_d[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        m_idx = start_m + offs_i
+        start = tl.cast(start_m, tl.int64)
+        q_ptrs = q_base + start * stride_qm + q_tile
+        do_ptrs = do_base + start * stride_dom + do_tile
+        if MASKED:
+            m_ok = m_idx < N_Q
+            q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)
+            lse = tl.load(lse_base + m_idx, mask=m_ok, other=float("inf"))  # padded rows: P = 0
+            delta = tl.load(delta_base + m_idx, mask=m_ok, other=0.0)
+        else:
+            if BLOCK_D != HEAD_DIM:
+                q = tl.load(q_ptrs, mask=d_ok, other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok, other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            lse = tl.load(lse_base + m_idx)
+            delta = tl.load(delta_base + m_idx)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            if IS_CAUSAL:
+                p_t = tl.where(m_idx[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n})
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn,
+    stride_dvz, stride_dvh, stride_dvn,
+    H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one block of BLOCK_N keys of one (batch, head). Grid: (cdiv(N_K, BLOCK_N) * Z * H,).
+
+    Causal programs start at their diagonal, so low key blocks (the longest loops) come first in launch order.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N_K, BLOCK_N)
+    bh = pid // num_n
+    start_n = (pid % num_n) * BLOCK_N
+    z = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_n.to(tl.int64)[:, None]
+    kv_ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + z * stride_kz + h * stride_kh + rows * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + z * stride_vz + h * stride_vh + rows * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
+    q_base = Q + z * stride_qz + h * stride_qh
+    do_base = DO + z * stride_doz + h * stride_doh
+    lse_base = LSE + bh.to(tl.int64) * N_Q
+    delta_base = DELTA + bh.to(tl.int64) * N_Q
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    full_end = (N_Q // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        # Queries before start_n see none of these keys. Diagonal blocks first (masked), then the rest.
+        diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n,
+            start_n, diag_end, N_Q, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, IS_CAUSAL, True, DOT_PRECISION,
+        )
+        below = start_n + BLOCK_N
+    else:
+        below = 0
+    dk, dv = _bwd_dkdv_inner(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n,
+        below, full_end, N_Q, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
+    )
+    dk, dv = _bwd_dkdv_inner(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n,
+        tl.maximum(full_end, below), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, IS_CAUSAL, True,
+        DOT_PRECISION,
+    )
+    dk = dk * sm_scale
+    tl.store(DK + z * stride_dkz + h * stride_dkh + rows * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + z * stride_dvz + h * stride_dvh + rows * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, lo, hi, N_K, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        n_idx = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        k_ptrs = k_base + start * stride_kn + k_tile
+        v_ptrs = v_base + start * stride_vn + v_tile
+        if MASKED:
+            kv_ok = (n_idx[:, None] < N_K) & d_ok
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = n_idx[None, :] < N_K
+            if IS_CAUSAL:
+                keep = keep & (offs_m[:, None] >= n_idx[None, :])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m})
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm,
+    H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    bh = pid // num_m
+    m_blk = pid % num_m
+    if IS_CAUSAL:
+        m_blk = num_m - 1 - m_blk  # longest rows first
+    z = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start_m = m_blk * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    m_ok = offs_m < N_Q
+    row_ok = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + z * stride_qz + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
+    do = tl.load(DO + z * stride_doz + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=row_ok, other=0.0)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
+    k_base = K + z * stride_kz + h * stride_kh
+    v_base = V + z * stride_vz + h * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
+        full_end = tl.minimum(start_m, (N_K // BLOCK_N) * BLOCK_N)
+    else:
+        hi = N_K
+        full_end = (N_K // BLOCK_N) * BLOCK_N
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, full_end, hi, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, True, DOT_PRECISION,
+    )
+    dq = dq * sm_scale
+    tl.store(DQ + z * stride_dqz + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, check_device: bool = True) -> None:
+    """Raise a ValueError naming the argument at fault for shapes, dtypes and devices the kernels do not serve."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.ndim < 2:
+            raise ValueError(f"flash_attention: {name} must have shape (..., N, d), got {tuple(t.shape)}.")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"flash_attention: {name} has dtype {t.dtype}; use float16, bfloat16 or float32.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError(
+            f"flash_attention: q, k, v must have the same leading (batch, head) dims, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}; repeat k/v heads for grouped-query attention."
+        )
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"flash_attention: k and v must have shape (..., N_k, d) with q's head dim d, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    d = q.shape[-1]
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head dim {d} is not supported; use 1..{_MAX_HEAD_DIM}.")
+    if k.shape[-2] == 0:
+        raise ValueError("flash_attention: k and v have no keys (N_k = 0); attention needs at least one key.")
+    if not check_device:
+        return
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v are on different devices: {q.device}, {k.device}, {v.device}.")
+    if q.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(
+            f"flash_attention: tensors are on {q.device}; the Triton kernels need CUDA tensors "
+            "(on CPU use flash_attention_pytorch, or set TRITON_INTERPRET=1 before importing this module, for tests)."
+        )
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    """View (..., N, d) as (Z, H, N, d) with unit stride on d, copying only when no such view exists."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.ndim == 2:
+        return x[None, None]
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4:
+        return x
+    return x.reshape(-1, *x.shape[-3:])
+
+
+def _device_guard(x: torch.Tensor):
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else _NullContext()
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """Triton dot input precision; only fp32 inputs are affected."""
+    return "tf32" if (allow_tf32 and dtype == torch.float32) else "ieee"
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    allow_tf32: bool = False,
+    o: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. Returns (O, L): O like q (contiguous), L fp32 of shape q.shape[:-1].
+
+    ``o`` and ``lse`` may be given (contiguous, right shape) so that tests can pre-fill them with NaN.
+    """
+    _check_inputs(q, k, v)
+    if o is None:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if o.shape != q.shape or not o.is_contiguous() or lse.shape != q.shape[:-1] or not lse.is_contiguous():
+        raise ValueError("flash_attention: o and lse buffers must be contiguous with shapes q.shape and q.shape[:-1].")
+    q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o)
+    z, h, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    if z * h == 0 or n_q == 0:
+        return o, lse
+    sm_scale = d**-0.5
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,)
+
+    with _device_guard(q):
+        _fwd_kernel[grid](
+            q4, k4, v4, o4, lse,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            o4.stride(0), o4.stride(1), o4.stride(2),
+            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E,
+            HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal),
+            DOT_PRECISION=_dot_precision(q.dtype, allow_tf32),
+        )
+    return o, lse
+
+
+def _backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    allow_tf32: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the three backward kernels. Returns (dQ, dK, dV), contiguous, in the input dtype."""
+    _check_inputs(q, k, v)
+    if do.shape != q.shape:
+        raise ValueError(f"flash_attention: grad of O has shape {tuple(do.shape)}, expected {tuple(q.shape)}.")
+    do = do.to(q.dtype)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf.shape != ref.shape or not buf.is_contiguous():
+            raise ValueError(f"flash_attention: {name} buffer must be contiguous with shape {tuple(ref.shape)}.")
+    q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
+    dq4, dk4, dv4 = _as_4d(dq), _as_4d(dk), _as_4d(dv)
+    lse = lse.contiguous()
+    z, h, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    if z * h == 0 or n_q == 0:
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    sm_scale = d**-0.5
+    block_d = _block_d(d)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal),
+                  DOT_PRECISION=_dot_precision(q.dtype, allow_tf32))
+    delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)
+    pre_block_m = 16 if _INTERPRET else 64
+    with _device_guard(q):
+        _bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block_m) * z * h,)](
+            o4, do4, delta,
+            o4.stride(0), o4.stride(1), o4.stride(2),
+            do4.stride(0), do4.stride(1), do4.stride(2),
+            h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block_m,
+        )
+        _bwd_dkdv_kernel[lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,)](
+            q4, k4, v4, do4, lse, delta, dk4, dv4,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            do4.stride(0), do4.stride(1), do4.stride(2),
+            dk4.stride(0), dk4.stride(1), dk4.stride(2),
+            dv4.stride(0), dv4.stride(1), dv4.stride(2),
+            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E, sm_scale, **common,
+        )
+        _bwd_dq_kernel[lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,)](
+            q4, k4, v4, do4, lse, delta, dq4,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            do4.stride(0), do4.stride(1), do4.stride(2),
+            dq4.stride(0), dq4.stride(1), dq4.stride(2),
+            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E, sm_scale, **common,
+        )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (opaque to torch.compile: no graph break) and autograd
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lmtrain::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, allow_tf32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, is_causal, allow_tf32)
+
+
+@_flash_attn_fwd_op.register_fake
+def _flash_attn_fwd_fake(q, k, v, is_causal, allow_tf32):
+    _check_inputs(q, k, v, check_device=False)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lmtrain::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    allow_tf32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, is_causal, allow_tf32)
+
+
+@_flash_attn_bwd_op.register_fake
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, is_causal, allow_tf32):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    q, k, v, is_causal, allow_tf32 = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(lse, q, k, v, o)
+    ctx.is_causal = is_causal
+    ctx.allow_tf32 = allow_tf32
+
+
+def _op_backward(ctx, grad_o, grad_lse):
+    lse, q, k, v, o = ctx.saved_tensors
+    dq, dk, dv = torch.ops.lmtrain.flash_attn_bwd(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.allow_tf32)
+    return dq, dk, dv, None, None
+
+
+_flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 with Triton kernels: ``FlashAttentionTriton.apply(q, k, v, is_causal)``.
+
+    q (..., N_q, d), k and v (..., N_k, d) (3-D (batch, N, d) in the seeds' tests). The forward saves the
+    logsumexp L (natural log, fp32, shape q.shape[:-1]) with q, k, v and O; no N x N tensor is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        o, lse = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(is_causal), False)
+        ctx.save_for_backward(lse, q, k, v, o)
+        ctx.is_causal = bool(is_causal)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o: torch.Tensor):
+        lse, q, k, v, o = ctx.saved_tensors
+        dq, dk, dv = torch.ops.lmtrain.flash_attn_bwd(grad_o, q, k, v, o, lse, ctx.is_causal, False)
+        return dq, dk, dv, None
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, *, allow_tf32: bool = False
+) -> torch.Tensor:
+    """Scaled dot-product attention softmax(q k^T / sqrt(d)) v with FlashAttention-2 Triton kernels.
+
+    Args:
+        q: queries (..., N_q, d), fp16/bf16/fp32, on a CUDA device; last dim contiguous for a copy-free read.
+        k: keys (..., N_k, d), same leading dims and dtype as q.
+        v: values (..., N_k, d).
+        causal: mask keys after each query (lower triangle with the diagonal, top-left aligned).
+        allow_tf32: for fp32 inputs, use TF32 tensor cores (faster, ~3e-4 relative error) instead of IEEE fp32.
+
+    Returns:
+        (..., N_q, d) in q's dtype, contiguous. Differentiable in q, k, v; works under torch.compile.
+    """
+    o, _ = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(causal), bool(allow_tf32))
+    return o
+
+
+__all__ = ["FlashAttentionTriton", "flash_attention"]

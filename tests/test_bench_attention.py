@@ -1,0 +1,101 @@
+"""`bench attention` on the CPU: the sweep's outputs (CSV, JSON, table, progress) and its OOM handling."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+import torch
+
+from lmtrain.bench import attention as bench
+
+BACKENDS = ["naive", "flash_pytorch", "sdpa_math", "flash_triton"]
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([
+        "--allow-cpu", "--dtype", "fp32", "--head-dims", "16", "--seq-lens", "32", "48", "--batch-size", "2",
+        "--heads", "2", "--backends", *BACKENDS, "--warmup", "1", "--rep", "2", "--out", str(tmp_path / "attn.csv"),
+        *extra,
+    ])
+
+
+def _rows(tmp_path) -> list[dict]:
+    with (tmp_path / "attn.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_cpu_sweep_writes_csv_json_table_and_progress(tmp_path, capsys):
+    assert bench.run(_args(tmp_path)) == 0
+    rows = _rows(tmp_path)
+    assert [(r["backend"], int(r["seq_len"])) for r in rows] == [(b, n) for n in (32, 48) for b in BACKENDS]
+    assert list(rows[0]) == list(bench.CSV_FIELDS)
+    for r in rows:
+        assert (r["batch"], r["heads"], r["head_dim"], r["dtype"], r["causal"]) == ("2", "2", "16", "fp32", "True")
+        if r["backend"] == "flash_triton":  # no CUDA here
+            assert r["status"] == "n/a" and "CUDA" in r["reason"] and r["fwd_ms"] == ""
+        else:
+            assert r["status"] == "ok", r
+            flops = bench.attention_flops(2, 2, int(r["seq_len"]), int(r["seq_len"]), 16, causal=True)
+            for kind, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwd_bwd", 3.5)):
+                ms = float(r[f"{kind}_ms"])
+                assert ms > 0
+                assert float(r[f"{kind}_tflops"]) == pytest.approx(factor * flops / (ms * 1e-3) / 1e12)
+    data = json.loads((tmp_path / "attn.json").read_text())
+    assert data["meta"]["torch"] == torch.__version__ and "command" in data["meta"]
+    assert [r["backend"] for r in data["rows"]] == [r["backend"] for r in rows]
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("| backend |") and len(out.splitlines()) == 2 + len(rows)
+    assert sum(line.startswith("[") for line in err.splitlines()) == len(rows)
+
+
+def test_oom_cell_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_backend = bench._backend
+
+    def backend(name, device, seq_len, max_pytorch_n):
+        if name == "naive" and seq_len == 32:
+            def out_of_memory(q, k, v, causal):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+            return out_of_memory
+        return real_backend(name, device, seq_len, max_pytorch_n)
+
+    monkeypatch.setattr(bench, "_backend", backend)
+    assert bench.run(_args(tmp_path)) == 0
+    status = {(r["backend"], int(r["seq_len"])): r for r in _rows(tmp_path)}
+    assert status[("naive", 32)]["status"] == "OOM" and status[("naive", 32)]["fwd_ms"] == ""
+    assert "out of memory" in status[("naive", 32)]["reason"]
+    assert status[("naive", 48)]["status"] == "ok"
+    assert status[("flash_pytorch", 32)]["status"] == "ok"
+
+
+def test_flash_pytorch_is_skipped_above_its_limit(tmp_path):
+    assert bench.run(_args(tmp_path, "--flash-pytorch-max-n", "40", "--backends", "flash_pytorch")) == 0
+    rows = _rows(tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "n/a"] and "max-n" in rows[1]["reason"]
+
+
+def test_refuses_to_run_on_cpu_without_allow_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = _args(tmp_path)
+    args.allow_cpu = False
+    assert bench.run(args) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "attn.csv").exists()
+
+
+def test_grids_and_flop_model():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cells = bench.plan_cells(parser.parse_args(["--backends", "flash_triton"]))
+    assert [(c.head_dim, c.seq_len) for c in cells] == [(d, n) for d in (16, 32, 64, 128)
+                                                       for n in (256, 1024, 4096, 8192, 16384)]
+    assert {(c.batch, c.heads, c.dtype, c.causal) for c in cells} == {(8, 1, "bf16", True)}
+    lm = bench.plan_cells(parser.parse_args(["--grid", "lm", "--backends", "flash_triton"]))
+    assert {c.batch * c.heads * c.seq_len for c in lm} == {2**21} and {c.head_dim for c in lm} == {64, 80, 128}
+    assert bench.attention_flops(8, 1, 1024, 1024, 64, causal=False) == 4 * 8 * 1024 * 1024 * 64
+    assert bench.attention_flops(8, 1, 1024, 1024, 64, causal=True) == 2 * 8 * 1024 * 1024 * 64
