@@ -25,6 +25,7 @@ BENCH_COMMANDS: dict[str, str] = {
     "attention": "lmtrain.bench.attention",
     "precision": "lmtrain.bench.precision",
     "report": "lmtrain.bench.report",
+    "overhead": "lmtrain.bench.overhead",
 }
 #: Other non-Lightning commands, same protocol.
 TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.bench.estimate"}
@@ -32,7 +33,7 @@ TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.bench.estimate"}
 LOG_DIR = "logs"
 
 
-def _lightning_cli(args: Sequence[str]) -> None:
+def _lightning_cli(args: Sequence[str] | None) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     from lmtrain.data import LMDataModule
@@ -47,7 +48,7 @@ def _lightning_cli(args: Sequence[str]) -> None:
     LMCli(
         LMModule,
         LMDataModule,
-        args=list(args),
+        args=None if args is None else list(args),  # None: sys.argv, without LightningCLI's warning
         trainer_defaults={
             "logger": {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args[1:])
         if args and args[0] in TOOL_COMMANDS:
             return _tool(args[0], TOOL_COMMANDS[args[0]], args[1:], f"python -m lmtrain {args[0]}")
-        _lightning_cli(args)
+        _lightning_cli(None if argv is None else args)
         return 0
     except LmtrainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,193 @@
+"""LMDataModule: every source, window shapes, the train/val split, seeding, and every bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmtrain.data import LMDataModule
+from lmtrain.errors import LmtrainError
+
+CONTEXT = 16
+WINDOW = CONTEXT + 1
+
+
+def make(**kwargs) -> LMDataModule:
+    defaults = dict(batch_size=4, context_length=CONTEXT, vocab_size=1000, train_batches=3, val_batches=2)
+    return LMDataModule(**{**defaults, **kwargs})
+
+
+def batches(loader) -> list[torch.Tensor]:
+    return list(loader)
+
+
+def check_windows(dm: LMDataModule, vocab_size: int) -> None:
+    for loader, n in ((dm.train_dataloader(), dm.train_batches), (dm.val_dataloader(), dm.val_batches)):
+        got = batches(loader)
+        assert len(got) == n
+        for b in got:
+            assert b.shape == (dm.batch_size, WINDOW)
+            assert b.dtype == torch.int64
+            assert int(b.min()) >= 0 and int(b.max()) < vocab_size
+
+
+def test_synthetic_windows() -> None:
+    dm = make(vocab_size=50)
+    check_windows(dm, 50)
+    # Window i is the same on every read; train and validation differ.
+    assert torch.equal(dm.train_dataloader().dataset[5], dm.train_dataloader().dataset[5])
+    assert not torch.equal(batches(dm.train_dataloader())[0], batches(dm.val_dataloader())[0])
+
+
+@pytest.mark.parametrize("source", ["synthetic", "tokens"])
+def test_seeded_determinism(source: str, tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 1000, 5000).astype(np.int32))
+    kwargs = dict(source=source, path=str(path) if source == "tokens" else None)
+    first, second, other = (batches(make(seed=s, **kwargs).train_dataloader()) for s in (1, 1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_tokens_npy(dtype: type, tmp_path: Path) -> None:
+    tokens = np.arange(2000) % 997
+    path = tmp_path / "tokens.npy"
+    np.save(path, tokens.astype(dtype))
+    dm = make(source="tokens", path=str(path))
+    check_windows(dm, 1000)
+    # Training windows are consecutive ids of the file.
+    window = dm.train_dataloader().dataset[0].numpy()
+    assert np.array_equal(np.diff(window) % 997, np.ones(CONTEXT))
+
+
+@pytest.mark.parametrize("token_dtype", ["uint16", "uint32"])
+def test_tokens_bin(token_dtype: str, tmp_path: Path) -> None:
+    tokens = (np.arange(3000) * 7) % 70_000 if token_dtype == "uint32" else np.arange(3000) % 999
+    path = tmp_path / "tokens.bin"
+    tokens.astype(token_dtype).tofile(path)
+    dm = make(source="tokens", path=str(path), token_dtype=token_dtype, vocab_size=70_000)
+    check_windows(dm, 70_000)
+    # Train then validation part, in order, cover the file exactly: the split holds out the last 10 %.
+    assert np.array_equal(np.concatenate([dm.train_tokens, dm.val_tokens]), tokens)
+    assert len(dm.val_tokens) == int(3000 * 0.1)
+
+
+def test_val_fraction_sets_the_split(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(1000, dtype=np.int32))
+    dm = make(source="tokens", path=str(path), val_fraction=0.25)
+    assert len(dm.train_tokens) == 750 and len(dm.val_tokens) == 250
+    assert dm.val_tokens[0] == 750
+    # Validation windows come from the held-out tail only.
+    assert all(int(b.min()) >= 750 for b in batches(dm.val_dataloader()))
+
+
+def test_text_folder(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("hello world, " * 40)
+    (tmp_path / "sub" / "b.md").write_text("ünïcode text " * 40)
+    (tmp_path / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x80]) * 100)  # not UTF-8: skipped inside a folder
+    dm = make(source="text", path=str(tmp_path), vocab_size=256)
+    check_windows(dm, 256)
+    data = np.concatenate([dm.train_tokens, dm.val_tokens]).tobytes()
+    assert data == ("hello world, " * 40).encode() + ("ünïcode text " * 40).encode()
+
+
+def test_text_max_bytes_and_stdlib() -> None:
+    dm = make(source="text", path="python-stdlib", vocab_size=256, max_bytes=20_000)
+    assert len(dm.train_tokens) + len(dm.val_tokens) == 20_000
+    assert b"def " in np.concatenate([dm.train_tokens, dm.val_tokens]).tobytes()
+    check_windows(dm, 256)
+
+
+# -- bad inputs: each names its field and says how to fix it ---------------------------------------------
+
+
+def expect_error(field: str, **kwargs) -> LmtrainError:
+    with pytest.raises(LmtrainError) as info:
+        make(**kwargs)
+    assert info.value.field == field
+    assert info.value.fix
+    assert str(info.value).startswith(f"{field}: ")
+    return info.value
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    error = expect_error("data.path", source="tokens", path=str(tmp_path / "nope.npy"))
+    assert "does not exist" in error.problem
+    expect_error("data.path", source="text", path=str(tmp_path / "nope"))
+
+
+def test_missing_path() -> None:
+    expect_error("data.path", source="tokens", path=None)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.bin"
+    path.write_bytes(b"")
+    assert "empty" in expect_error("data.path", source="tokens", path=str(path)).problem
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    expect_error("data.path", source="text", path=str(folder))
+
+
+def test_shorter_than_a_window(tmp_path: Path) -> None:
+    path = tmp_path / "short.npy"
+    np.save(path, np.arange(WINDOW - 1, dtype=np.int32))
+    assert "fewer than two windows" in expect_error("data.path", source="tokens", path=str(path)).problem
+
+
+def test_id_not_below_vocab_size(tmp_path: Path) -> None:
+    path = tmp_path / "big.npy"
+    np.save(path, np.array([1, 2, 3] * 100 + [1000], dtype=np.int32))
+    error = expect_error("data.path", source="tokens", path=str(path), vocab_size=1000)
+    assert "1000" in error.problem and "at least 1001" in error.fix
+
+
+def test_text_needs_byte_vocab() -> None:
+    expect_error("model.vocab_size", source="text", path="python-stdlib", vocab_size=100)
+
+
+def test_wrong_token_dtype_size(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.bin"
+    np.arange(1001, dtype=np.uint16).tofile(path)  # 2002 bytes: not a whole number of uint32
+    assert "uint32" in expect_error("data.token_dtype", source="tokens", path=str(path), token_dtype="uint32").problem
+
+
+def test_bad_npy(tmp_path: Path) -> None:
+    path = tmp_path / "floats.npy"
+    np.save(path, np.zeros(100, dtype=np.float32))
+    expect_error("data.path", source="tokens", path=str(path))
+    path = tmp_path / "matrix.npy"
+    np.save(path, np.zeros((10, 10), dtype=np.int32))
+    expect_error("data.path", source="tokens", path=str(path))
+
+
+def test_non_utf8_text_file(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café ".encode("latin-1") * 100)
+    assert "UTF-8" in expect_error("data.path", source="text", path=str(path)).problem
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 1.0, -0.1, 1.5])
+def test_bad_val_fraction(val_fraction: float) -> None:
+    expect_error("data.val_fraction", val_fraction=val_fraction)
+
+
+def test_val_fraction_leaving_no_training_window(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(3 * WINDOW, dtype=np.int32))
+    expect_error("data.val_fraction", source="tokens", path=str(path), val_fraction=0.9)
+
+
+@pytest.mark.parametrize("name", ["batch_size", "context_length", "vocab_size", "train_batches", "val_batches"])
+def test_bad_numbers(name: str) -> None:
+    expect_error(f"data.{name}", **{name: 0})
+
+
+def test_unknown_source() -> None:
+    expect_error("data.source", source="parquet")

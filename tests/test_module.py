@@ -1,0 +1,200 @@
+"""LMModule: step modes, the learning-rate schedule, FLOPs per batch, precisions, checkpointing, compile."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lmtrain.data import LMDataModule
+from lmtrain.errors import LmtrainError
+from lmtrain.flops import flops_per_step
+from lmtrain.module import LMModule, lr_factor
+
+VOCAB, CONTEXT, BATCH = 64, 16, 2
+
+
+def small_module(**kwargs) -> LMModule:
+    defaults = dict(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, d_model=32, num_layers=2, num_heads=2,
+                    d_ff=64, warmup_steps=2)
+    return LMModule(**{**defaults, **kwargs})
+
+
+class GradsSeen(pl.Callback):
+    """Records, per batch, whether gradients existed after the backward pass and at the end of the batch."""
+
+    def __init__(self) -> None:
+        self.after_backward: list[bool] = []
+        self.batch_end: list[bool] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.after_backward.append(all(p.grad is not None for p in pl_module.parameters()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batch_end.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+def fit(module: LMModule, steps: int, callbacks: list[pl.Callback] | None = None, **trainer_kwargs) -> pl.Trainer:
+    data = LMDataModule(batch_size=BATCH, context_length=CONTEXT, vocab_size=VOCAB, train_batches=50, val_batches=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks or [],
+        **trainer_kwargs,
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+def snapshot(module: LMModule) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def built(module: LMModule) -> LMModule:
+    torch.manual_seed(0)
+    module.configure_model()
+    return module
+
+
+def test_forward_mode_computes_no_gradients_and_does_not_step() -> None:
+    module = built(small_module(step_mode="forward"))
+    before = snapshot(module)
+    seen = GradsSeen()
+    trainer = fit(module, steps=3, callbacks=[seen])
+    assert seen.after_backward == []  # no backward pass at all
+    assert seen.batch_end == [False] * 3  # max_steps ends the run although no optimizer step happens
+    assert trainer.global_step == 0
+    assert same_parameters(before, snapshot(module))
+
+
+def test_forward_backward_mode_computes_then_clears_gradients() -> None:
+    module = built(small_module(step_mode="forward_backward"))
+    before = snapshot(module)
+    seen = GradsSeen()
+    fit(module, steps=3, callbacks=[seen])
+    assert seen.after_backward == [True] * 3
+    assert seen.batch_end == [False] * 3
+    assert same_parameters(before, snapshot(module))
+
+
+def test_train_mode_changes_parameters() -> None:
+    module = built(small_module(step_mode="train"))
+    before = snapshot(module)
+    seen = GradsSeen()
+    trainer = fit(module, steps=3, callbacks=[seen])
+    assert trainer.global_step == 3
+    assert seen.after_backward == [True] * 3
+    after = snapshot(module)
+    assert all(not torch.equal(before[k], after[k]) for k in before)  # every weight and gain moved
+
+
+def test_lr_factor_warmup_then_cosine() -> None:
+    warmup, total, floor = 4, 14, 0.1
+    assert [lr_factor(s, warmup, total, floor) for s in range(warmup)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, warmup, total, floor) == 1.0
+    assert lr_factor(9, warmup, total, floor) == pytest.approx(floor + (1 - floor) * 0.5)  # halfway down
+    three_tenths = floor + (1 - floor) * 0.5 * (1 + math.cos(0.3 * math.pi))  # 3 of 10 decay steps done
+    assert lr_factor(7, warmup, total, floor) == pytest.approx(three_tenths)
+    assert lr_factor(14, warmup, total, floor) == floor
+    assert lr_factor(100, warmup, total, floor) == floor
+    assert lr_factor(0, 0, 10, floor) == 1.0  # no warmup: start at the peak
+
+
+def test_schedule_is_applied_per_step() -> None:
+    module = built(small_module(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1))
+    trainer = fit(module, steps=5)
+    (optimizer,) = trainer.optimizers
+    # decay_steps None: the cosine ends at the trainer's max_steps; the scheduler has stepped 5 times.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * lr_factor(5, 2, 5, 0.1))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    module = built(small_module(weight_decay=0.1))
+    optimizer = module.configure_optimizers()["optimizer"]
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
+    assert optimizer.defaults["fused"] is False  # CPU parameters: the fused kernel is CUDA-only
+
+
+@pytest.mark.parametrize("mode", ["train", "forward", "forward_backward"])
+def test_flops_per_batch_equals_flops_per_step(mode: str) -> None:
+    module = built(small_module(step_mode=mode))
+    assert module.flops_per_batch is None
+    module.loss(torch.randint(0, VOCAB, (3, CONTEXT + 1)))
+    assert module.flops_per_batch == flops_per_step(module.config, 3, CONTEXT, mode=mode)
+
+
+def test_bf16_mixed_on_cpu_trains_a_step() -> None:
+    module = built(small_module())
+    before = snapshot(module)
+    trainer = fit(module, steps=1, precision="bf16-mixed")
+    assert trainer.global_step == 1
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # mixed: fp32 weights
+    assert not same_parameters(before, snapshot(module))
+    assert math.isfinite(trainer.callback_metrics["train/loss"].item())
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    batch = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1))
+    grads = []
+    for checkpointing in (False, True):
+        module = built(small_module(activation_checkpointing=checkpointing))
+        module.loss(batch).backward()
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=0)
+
+
+def test_compile_matches_eager() -> None:
+    pytest.importorskip("torch._inductor")
+    batch = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1))
+    eager = built(small_module())
+    compiled = built(small_module(compile=True))  # same seed: same initial weights
+    assert isinstance(compiled.model, torch._dynamo.eval_frame.OptimizedModule)
+    torch.testing.assert_close(compiled.loss(batch), eager.loss(batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(step_mode="backward"), "model.step_mode"),
+        (dict(lr=0.0), "model.lr"),
+        (dict(min_lr_ratio=1.5), "model.lr"),
+        (dict(size="huge"), "model.size"),
+        (dict(num_heads=5), "model.num_heads"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(LmtrainError) as info:
+        small_module(**kwargs)
+    assert info.value.field == field
+
+
+def test_gpu_only_backend_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(LmtrainError) as info:
+        small_module(attention="flash_triton")
+    assert info.value.field == "model.attention" and "sdpa" in info.value.fix
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_mixed_on_cuda_uses_fused_adamw() -> None:
+    module = small_module()
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         precision="bf16-mixed")
+    data = LMDataModule(batch_size=BATCH, context_length=CONTEXT, vocab_size=VOCAB, train_batches=5, val_batches=1)
+    trainer.fit(module, data)
+    (optimizer,) = trainer.optimizers
+    assert optimizer.defaults["fused"] is True
+    assert trainer.global_step == 2
+    assert math.isfinite(trainer.callback_metrics["train/loss"].item())
