@@ -71,7 +71,8 @@ class TokenWindows(Dataset):
             start = int(rng.integers(0, self.max_start + 1))
         else:
             start = min(i * self.stride, self.max_start)
-        return torch.from_numpy(np.asarray(self.tokens[start:start + self.window], dtype=np.int64))
+        # A copy: an int64 memmap slice would be a read-only view, which torch.from_numpy warns about.
+        return torch.from_numpy(np.array(self.tokens[start:start + self.window], dtype=np.int64))
 
 
 class LMDataModule(pl.LightningDataModule):

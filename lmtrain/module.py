@@ -94,22 +94,24 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.lr", f"bad schedule lr={lr}, min_lr_ratio={min_lr_ratio}, "
                                f"warmup_steps={warmup_steps}.",
                                "use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
+        # Checked here, not in configure_model: the trainer has written its log folder by then.
+        if needs_gpu(self.config.attention) and not torch.cuda.is_available() and not _triton_interpreted():
+            raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
+                               "needs a CUDA GPU, and none is visible.",
+                               "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
         self.step_mode = step_mode
         # Forward-only and forward+backward steps must not step the optimizer: optimise by hand.
         self.automatic_optimization = step_mode == "train"
         self.model: TransformerLM | torch.nn.Module | None = None
         self.val_loss = torchmetrics.MeanMetric()
         self._tokens_per_batch: tuple[int, int] | None = None
+        self._batches_without_step = 0
 
     # -- model --------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        if needs_gpu(self.config.attention) and not torch.cuda.is_available() and not _triton_interpreted():
-            raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
-                               "needs a CUDA GPU, and none is visible.",
-                               "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
         model = TransformerLM(self.config)
         self.model = torch.compile(model) if self.hparams.compile else model
 
@@ -146,6 +148,16 @@ class LMModule(pl.LightningModule):
                 p.grad = None
             return loss.detach()
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        # Without optimizer steps Lightning's global_step stays 0 and trainer.max_steps would never end a
+        # forward or forward_backward run: count the batches instead.
+        if self.automatic_optimization:
+            return
+        self._batches_without_step += 1
+        max_steps = self.trainer.max_steps
+        if max_steps is not None and max_steps >= 0 and self._batches_without_step >= max_steps:
+            self.trainer.should_stop = True
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))
