@@ -26,6 +26,7 @@ BENCH_COMMANDS: dict[str, str] = {
     "precision": "lmtrain.bench.precision",
     "report": "lmtrain.bench.report",
     "overhead": "lmtrain.bench.overhead",
+    "callbacks": "lmtrain.bench.callbacks",
 }
 #: Other non-Lightning commands, same protocol.
 TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.bench.estimate"}
@@ -44,6 +45,12 @@ def _lightning_cli(args: Sequence[str] | None) -> None:
             # One source of truth for the shapes that the data must match.
             parser.link_arguments("model.context_length", "data.context_length")
             parser.link_arguments("model.vocab_size", "data.vocab_size")
+
+        def before_fit(self) -> None:
+            # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
+            from lmtrain.memory_plan import warn_if_too_large
+
+            warn_if_too_large(self.model, self.datamodule, self.trainer)
 
     LMCli(
         LMModule,
