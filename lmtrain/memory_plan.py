@@ -45,12 +45,12 @@ the backward pass recomputes one layer at a time (its activations are added once
 **Peak** (``torch.cuda.max_memory_allocated``) is the static state plus the largest of these moments:
 
     end of forward       saved activations + the loss transients: logits (n*V*c) and their fp32 copy
-                         (n*V*4, none in fp32). In ``train`` mode the previous step's gradients are still
-                         allocated here (Lightning zeroes them between forward and backward).
+                         (n*V*4, none in fp32). No gradients: ``LMModule`` frees them right after each
+                         optimizer step (Lightning alone would keep them until after the next forward).
     naive softmax        in the last layer: all but that layer's post-attention activations, plus the score
                          transients (scores, masked scores, fp32 copy: B*H*T^2*(2c + 4 or 2*4))
     backward start       saved activations + the gradient of the log-softmax and of the logits (2*n*V*4 +
-                         n*V*c); gradients already zeroed in ``train`` mode
+                         n*V*c); no gradients yet
     end of backward      all gradients (``forward_backward`` and ``train``)
     forward only         parameters (+ autocast's weight cache, which under no_grad still keeps every cast
                          weight until the autocast region ends) + the larger of the loss transients
@@ -174,7 +174,7 @@ class MemoryEstimate:
             workspace), the terms that sum to ``peak``.
         peak: predicted ``torch.cuda.max_memory_allocated`` of the step, in bytes.
         moment: which moment of the step sets the peak (see the module docstring).
-        details: the activation terms of one layer and of the head, for the curious.
+        details: the activation terms of one layer and of the head, and all gradient bytes, for the curious.
     """
 
     components: dict[str, int]
@@ -224,7 +224,7 @@ def estimate_memory(
     workspace = CUDA_WORKSPACE_BYTES if device_type == "cuda" else 0
     layer = layer_activation_bytes(cfg, b, t, precision, device_type)
     head = head_activation_bytes(cfg, b, t, precision)
-    details = {"layer": layer, "head": head}
+    details = {"layer": layer, "head": head, "gradients": {"all": grads}}
 
     if mode == "forward":
         weight_cache = p_mm * c if mixed else 0
@@ -239,10 +239,10 @@ def estimate_memory(
 
     saved = saved_activation_bytes(cfg, b, t, precision, device_type)
     recompute = sum(layer.values()) if cfg.activation_checkpointing else 0
-    grads_in_forward = grads if mode == "train" else 0  # the previous step's grads live until zero_grad
-    # Each moment: (gradients, activations, transients) alive at that point of the step.
+    # Each moment: (gradients, activations, transients) alive at that point of the step. No gradients exist
+    # before the backward pass: LMModule.optimizer_step frees them after each step.
     moments = {
-        "end of forward": (grads_in_forward, saved, n * v * c + (n * v * 4 if c != 4 else 0)),
+        "end of forward": (0, saved, n * v * c + (n * v * 4 if c != 4 else 0)),
         "backward start": (0, saved, 2 * n * v * 4 + n * v * c + recompute),
         "end of backward": (grads, 0, n * cfg.d_model * 4),
     }
@@ -251,7 +251,7 @@ def estimate_memory(
         post_attention = (layer["swiglu"] + layer["linear_inputs"] * 3 // 4 + layer["norm_inputs"] // 2
                           + layer["norm_scaled"] // 2 + layer["norm_rsqrt"] // 2)
         scores = b * cfg.num_heads * t * t * (2 * c + 4 if c != 4 else 2 * 4)
-        moments["naive softmax (last layer)"] = (grads_in_forward, saved - sum(head.values()) - post_attention,
+        moments["naive softmax (last layer)"] = (0, saved - sum(head.values()) - post_attention,
                                                  scores)
     moment = max(moments, key=lambda k: sum(moments[k]))
     grads_part, activations, transients = moments[moment]

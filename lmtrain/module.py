@@ -159,6 +159,13 @@ class LMModule(pl.LightningModule):
         if max_steps is not None and max_steps >= 0 and self._batches_without_step >= max_steps:
             self.trainer.should_stop = True
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Free the gradients as soon as the step has used them. Lightning zeroes them only inside the next
+        # step's closure, after its forward pass, so the forward would otherwise hold a full set of stale
+        # gradients at the activation peak (12.7 GiB more for the 2.7B model than a plain loop).
+        optimizer.zero_grad(set_to_none=True)
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))
 

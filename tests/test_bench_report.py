@@ -44,7 +44,7 @@ def test_report_has_tables_plots_and_commands(tmp_path: Path) -> None:
     assert "## Timing per size and context (`--study timing`)" in text
     assert "| small | 128,625,408 | 128 |" in text
     assert "`compile`: estimated 30.0 min" in text
-    assert re.search(r"\| 2\.7B \| 1024 \| 4 \| 32-true \| train \| - \| 8\d\.\d\d \| - \| - \| OOM \|", text)
+    assert re.search(r"\| 2\.7B \| 1024 \| 4 \| 32-true \| train \| - \| 7\d\.\d\d \| - \| - \| OOM \|", text)
     assert "| -2.9% |" in text  # plan = peak / 1.03: the estimate error column
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) == 2 and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)

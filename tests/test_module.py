@@ -91,6 +91,16 @@ def test_train_mode_changes_parameters() -> None:
     assert seen.after_backward == [True] * 3
     after = snapshot(module)
     assert all(not torch.equal(before[k], after[k]) for k in before)  # every weight and gain moved
+    # Gradients are freed right after each optimizer step, so no forward pass holds stale ones.
+    assert seen.batch_end == [False] * 3
+
+
+def test_gradient_accumulation_keeps_gradients_until_the_step() -> None:
+    module = built(small_module(step_mode="train"))
+    seen = GradsSeen()
+    trainer = fit(module, steps=2, callbacks=[seen], accumulate_grad_batches=2)
+    assert trainer.global_step == 2
+    assert seen.batch_end == [True, False, True, False]  # kept between micro-batches, freed after each step
 
 
 def test_lr_factor_warmup_then_cosine() -> None:
