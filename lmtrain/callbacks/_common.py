@@ -9,6 +9,8 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lmtrain.errors import LmtrainError
+
 
 def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
     """The ``SummaryWriter`` of every TensorBoard logger attached to the trainer."""
@@ -67,6 +69,68 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table (TensorBoard renders it in the Text tab; terminals print it readably)."""
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + " |" for row in cells]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(lines)
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False,
+              fix: str | None = None) -> None:
+    """Raise :class:`LmtrainError` for field ``callbacks.<owner>.<name>`` unless ``value`` is an int >= ``minimum``.
+
+    Callbacks call this from ``setup`` (``__init__`` only stores arguments), so a bad option stops the run
+    before the first step with a message that names the option.
+
+    Args:
+        owner: the callback's class name, e.g. ``MemorySnapshot``.
+        name: the argument, e.g. ``num_steps``.
+        value: its value.
+        minimum: the smallest allowed value.
+        allow_none: None is allowed too (and then means what the callback's docstring says).
+        fix: the fix to print; by default, the allowed range.
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        default_fix = f"set {name} to a whole number >= {minimum}" + (" (or leave it unset)." if allow_none else ".")
+        raise LmtrainError(f"callbacks.{owner}.{name}", f"must be an integer >= {minimum}, got {value!r}.",
+                           fix or default_fix)
+
+
+class StepWindow:
+    """A window of training batches, and the count of batches that places each one relative to it.
+
+    Batches are counted from 0 at the start of each fit by the callback itself (``next_batch`` in
+    ``on_train_batch_start``), not read from ``trainer.global_step``, which counts optimizer steps (fewer
+    under gradient accumulation, none while a manual-optimization step mode never steps) and continues
+    from a checkpoint. Create a fresh window in ``setup``, after validating the arguments.
+
+    Args:
+        start_step: index of the first batch in the window; None: the window never opens.
+        num_steps: batches in the window; None: it never closes.
+    """
+
+    def __init__(self, start_step: int | None, num_steps: int | None = 1) -> None:
+        self.start_step = start_step
+        self.num_steps = num_steps
+        self.batches_seen = 0  # training batches started since the fit started
+
+    def next_batch(self) -> int:
+        """Count a training batch that starts now; returns its index (0 for the fit's first batch)."""
+        index = self.batches_seen
+        self.batches_seen += 1
+        return index
+
+    def contains(self, index: int) -> bool:
+        """Batch ``index`` lies in the window."""
+        if self.start_step is None or index < self.start_step:
+            return False
+        return self.num_steps is None or index < self.start_step + self.num_steps
+
+    def is_first(self, index: int) -> bool:
+        """Batch ``index`` opens the window."""
+        return self.start_step is not None and index == self.start_step and self.contains(index)
+
+    def is_last(self, index: int) -> bool:
+        """Batch ``index`` closes the window (never true for a window without end)."""
+        return self.contains(index) and not self.contains(index + 1)

@@ -129,8 +129,16 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lmtrain.annotate import disable_ranges, enable_ranges
-from lmtrain.callbacks._common import WarnOnce, log_dir, log_image, log_scalars, log_text, markdown_table
-from lmtrain.errors import LmtrainError
+from lmtrain.callbacks._common import (
+    StepWindow,
+    WarnOnce,
+    check_int,
+    log_dir,
+    log_image,
+    log_scalars,
+    log_text,
+    markdown_table,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -542,10 +550,11 @@ class KernelShare(Callback):
         self._reset()
 
     def _reset(self) -> None:
+        self._warn = WarnOnce()
         self._prof: torch.profiler.profile | None = None
         self._ranges_on = False
         self._open: list[torch.profiler.record_function] = []
-        self._batches = 0
+        self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._window_steps = 0  # batches ended since the profiler started
         self._cuda = False
         self._trace_path: str | None = None
@@ -559,20 +568,16 @@ class KernelShare(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for name, low in (("wait", 0), ("warmup", 0), ("active", 1), ("top_k", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise LmtrainError(f"KernelShare.{name}", f"must be an integer >= {low}, got {value!r}.",
-                                   f"set {name} to a whole number >= {low}.")
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
-            raise LmtrainError("KernelShare.head_dim", f"must be a positive integer, got {self.head_dim!r}.",
-                               "leave it unset to take the model's config.head_dim.")
-        self._warn = WarnOnce()
+            check_int("KernelShare", name, getattr(self, name), low)
+        check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
+                  fix="leave it unset to take the model's config.head_dim.")
         self._reset()
+        self._window = StepWindow(self.wait, self.warmup + self.active)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._prof is not None and not self._done:
-            self._warn(f"KernelShare: training stopped after {self._batches} batches, before the profiling "
+            self._warn(f"KernelShare: training stopped after {self._window.batches_seen} batches, before the profiling "
                        f"window (wait={self.wait} + warmup={self.warmup} + active={self.active}) was complete; "
                        "nothing was reported. Lower wait/warmup/active or train for more steps.")
         self._stop()
@@ -614,9 +619,10 @@ class KernelShare(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        index = self._window.next_batch()
         if self._done:
             return
-        if self._prof is None and self._batches == self.wait:
+        if self._prof is None and self._window.is_first(index):
             self._start(pl_module)
         if self._prof is not None:
             self._open_range("forward")
@@ -640,10 +646,7 @@ class KernelShare(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._done:
-            return
-        self._batches += 1
-        if self._prof is None:
+        if self._done or self._prof is None:
             return
         self._close_ranges()
         self._window_steps += 1
@@ -710,11 +713,12 @@ class KernelShare(Callback):
             metrics["kernels/step_wall_ms"] = tr.step_wall_us / 1e3
             metrics["kernels/busy_share"] = summary.total_us / tr.step_wall_us
         step = trainer.global_step
-        first = self._batches - self.active
+        last = self._window.batches_seen - 1
+        first = last - self.active + 1
         context = {
             "device": torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
             "precision": str(trainer.precision),
-            "batches": f"{first}..{self._batches - 1}",
+            "batches": f"{first}..{last}",
             "step_wall_ms": tr.step_wall_us / 1e3,
             "unattributed": tr.unattributed_kernels,
             "unattributed_ms": tr.unattributed_us / 1e3,

@@ -17,8 +17,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lmtrain.callbacks._common import WarnOnce, log_dir, log_image, log_scalars, log_text, markdown_table
-from lmtrain.errors import LmtrainError
+from lmtrain.callbacks._common import (
+    StepWindow,
+    WarnOnce,
+    check_int,
+    log_dir,
+    log_image,
+    log_scalars,
+    log_text,
+    markdown_table,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -151,7 +159,7 @@ class MemorySnapshot(pl.Callback):
         self._cuda = False
         self._device: torch.device | None = None
         self._recording = False
-        self._batches_seen = 0
+        self._window = StepWindow(start_step, num_steps)
         self._index = 0
         self._phase = "forward"
         self._stepped = False
@@ -166,16 +174,14 @@ class MemorySnapshot(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if (self.start_step is not None and self.start_step < 0) or self.num_steps < 1 or self.max_entries < 1 \
-                or self.top_n < 1 or self.log_every_n_steps < 1:
-            raise LmtrainError("MemorySnapshot", f"bad options start_step={self.start_step}, num_steps="
-                               f"{self.num_steps}, max_entries={self.max_entries}, top_n={self.top_n}, "
-                               f"log_every_n_steps={self.log_every_n_steps}.",
-                               "use start_step >= 0 (or None), and num_steps, max_entries, top_n, "
-                               "log_every_n_steps >= 1.")
+        check_int("MemorySnapshot", "start_step", self.start_step, 0, allow_none=True,
+                  fix="use start_step >= 0, or None for the per-step peaks alone.")
+        for name in ("num_steps", "max_entries", "top_n", "log_every_n_steps"):
+            check_int("MemorySnapshot", name, getattr(self, name), 1)
         self._device = trainer.strategy.root_device
         self._cuda = self._device.type == "cuda"
-        self._batches_seen, self._marks, self.files = 0, [], []
+        self._window = StepWindow(self.start_step, self.num_steps)
+        self._marks, self.files = [], []
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
@@ -199,12 +205,9 @@ class MemorySnapshot(pl.Callback):
 
     # -- window ---------------------------------------------------------------------------------
 
-    def _in_window(self, index: int) -> bool:
-        return self.start_step is not None and self.start_step <= index < self.start_step + self.num_steps
-
     def _phase_boundary(self, next_phase: str | None) -> None:
         """Close the current phase and open ``next_phase``; in the window, keep its host times (µs)."""
-        if self._in_window(self._index):
+        if self._window.contains(self._index):
             now = time.time_ns() // 1000
             self._marks.append(PhaseMark(self._index, self._phase, self._phase_start_us, now))
             self._phase_start_us = now
@@ -214,21 +217,16 @@ class MemorySnapshot(pl.Callback):
     # -- Lightning hooks ------------------------------------------------------------------------
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batches_seen = 0
-
-    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._index = self._batches_seen
-        self._batches_seen += 1
+        self._index = self._window.next_batch()
         if not self._cuda:
             return
         torch.cuda.reset_peak_memory_stats(self._device)
         self._values = {}
         self._phase, self._stepped = "forward", False
-        if self._in_window(self._index):
-            if self._index == self.start_step:
+        if self._window.contains(self._index):
+            if self._window.is_first(self._index):
                 self._marks = []
                 # Tensors that exist before the recording starts have no trace entry: name them now.
                 self._labels_before = tensor_labels(pl_module, trainer.optimizers)
@@ -270,7 +268,7 @@ class MemorySnapshot(pl.Callback):
         if self._index % self.log_every_n_steps == 0:
             log_scalars(trainer, self._values, step=self._index)
         self._phase_boundary(None)
-        if self._in_window(self._index) and not self._in_window(self._index + 1):
+        if self._window.is_last(self._index):
             self._finish_window(trainer, pl_module)
 
     def _finish_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

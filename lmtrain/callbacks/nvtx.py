@@ -15,7 +15,7 @@ from torch.cuda import nvtx
 from typing_extensions import override
 
 from lmtrain.annotate import disable_ranges, enable_ranges
-from lmtrain.callbacks._common import WarnOnce
+from lmtrain.callbacks._common import StepWindow, WarnOnce, check_int
 from lmtrain.errors import LmtrainError
 
 Depth = Literal["step", "phase", "block", "module", "op"]
@@ -107,7 +107,7 @@ class NVTXRanges(pl.Callback):
         self._handles: list[Any] = []
         self._annotate_on: tuple[bool, bool] | None = None
         self._use_nvtx = False
-        self._batches_seen = 0
+        self._window = StepWindow(start_step, num_steps)
         self._index = 0
         self._in_window = False
 
@@ -118,16 +118,16 @@ class NVTXRanges(pl.Callback):
         if stage != "fit":
             return
         if self.depth not in DEPTHS:
-            raise LmtrainError("NVTXRanges.depth", f"unknown depth {self.depth!r}.", f"use one of {DEPTHS}.")
-        if self.start_step < 0 or (self.num_steps is not None and self.num_steps < 1):
-            raise LmtrainError("NVTXRanges", f"bad window start_step={self.start_step}, num_steps={self.num_steps}.",
-                               "use start_step >= 0 and num_steps >= 1 (or None for all steps).")
+            raise LmtrainError("callbacks.NVTXRanges.depth", f"unknown depth {self.depth!r}.", f"use one of {DEPTHS}.")
+        check_int("NVTXRanges", "start_step", self.start_step, 0)
+        check_int("NVTXRanges", "num_steps", self.num_steps, 1, allow_none=True,
+                  fix="use num_steps >= 1, or None for every batch from start_step on.")
         self._use_nvtx = self.nvtx and _nvtx_available()
         if self.nvtx and not self._use_nvtx:
             self._warn("NVTXRanges: NVTX needs CUDA and none is available; emitting only record_function ranges.")
         if not self._use_nvtx and not self.record_function:
             self._warn("NVTXRanges: neither NVTX nor record_function ranges are enabled; nothing will be emitted.")
-        self._batches_seen = 0
+        self._window = StepWindow(self.start_step, self.num_steps)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,11 +178,6 @@ class NVTXRanges(pl.Callback):
 
     # -- window ---------------------------------------------------------------------------------
 
-    def _window_contains(self, index: int) -> bool:
-        if index < self.start_step:
-            return False
-        return self.num_steps is None or index < self.start_step + self.num_steps
-
     def _open_window(self, pl_module: pl.LightningModule) -> None:
         self._in_window = True
         if self._depth_at_least("block"):
@@ -219,15 +214,10 @@ class NVTXRanges(pl.Callback):
     # -- Lightning hooks ------------------------------------------------------------------------
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batches_seen = 0
-
-    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._index = self._batches_seen
-        self._batches_seen += 1
-        if not self._window_contains(self._index):
+        self._index = self._window.next_batch()
+        if not self._window.contains(self._index):
             return
         if not self._in_window:
             self._open_window(pl_module)
@@ -259,7 +249,7 @@ class NVTXRanges(pl.Callback):
         if not self._in_window:
             return
         self._close(STEP_RANGE)
-        if not self._window_contains(self._index + 1):
+        if self._window.is_last(self._index):
             self._close_window()
             rank_zero_info(f"NVTXRanges: window closed after step {self._index}.")
 

@@ -55,8 +55,7 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lmtrain.callbacks._common import WarnOnce, log_dir, log_scalars, log_text, markdown_table
-from lmtrain.errors import LmtrainError
+from lmtrain.callbacks._common import StepWindow, WarnOnce, check_int, log_dir, log_scalars, log_text, markdown_table
 
 __all__ = [
     "AUTOCAST_FP32_MODULES",
@@ -439,8 +438,9 @@ class PrecisionInspector(Callback):
         self._clear()
 
     def _clear(self) -> None:
+        self._warn = WarnOnce()
         self._recorder: DtypeRecorder | None = None
-        self._batches = 0
+        self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._batch: Any = None
         self._loss_dtype: torch.dtype | None = None
         self._loss: torch.Tensor | None = None
@@ -452,20 +452,16 @@ class PrecisionInspector(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise LmtrainError("PrecisionInspector.step", f"must be an integer >= 0, got {self.step!r}.",
-                               "use 0 for the first training step.")
-        if not isinstance(self.max_rows, int) or self.max_rows < 1:
-            raise LmtrainError("PrecisionInspector.max_rows", f"must be a positive integer, got {self.max_rows!r}.",
-                               "use e.g. 40.")
-        self._warn = WarnOnce()
+        check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
+        check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
         self._remove()
         self._clear()
+        self._window = StepWindow(self.step, 1)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not self._done and self._batches <= self.step:
-            self._warn(f"PrecisionInspector: training ended after {self._batches} batches, before batch "
+        if stage == "fit" and not self._done and self._window.batches_seen <= self.step:
+            self._warn(f"PrecisionInspector: training ended after {self._window.batches_seen} batches, before batch "
                        f"{self.step}; nothing was inspected.")
         self._remove()
 
@@ -490,7 +486,8 @@ class PrecisionInspector(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._done or self._batches != self.step:
+        index = self._window.next_batch()
+        if self._done or not self._window.contains(index):
             return
         self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
         self._recorder.install()
@@ -521,7 +518,6 @@ class PrecisionInspector(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._batches += 1
         if self._recorder is None:
             return
         try:

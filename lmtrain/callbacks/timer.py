@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lmtrain.callbacks._common import WarnOnce, log_scalars, log_text, markdown_table
+from lmtrain.callbacks._common import WarnOnce, check_int, log_scalars, log_text, markdown_table
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import peak_flops as peak_flops_for
 
@@ -122,12 +122,13 @@ class CudaSyncTimer(pl.Callback):
         if stage != "fit":
             return
         if self.sync not in ("events", "synchronize"):
-            raise LmtrainError("CudaSyncTimer.sync", f"unknown mode {self.sync!r}.", "use events or synchronize.")
-        if self.warmup_steps < 0 or self.log_every_n_steps < 1:
-            raise LmtrainError("CudaSyncTimer", f"warmup_steps={self.warmup_steps}, log_every_n_steps="
-                               f"{self.log_every_n_steps}.", "use warmup_steps >= 0 and log_every_n_steps >= 1.")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            raise LmtrainError("CudaSyncTimer.peak_flops", f"{self.peak_flops} is not positive.",
+            raise LmtrainError("callbacks.CudaSyncTimer.sync", f"unknown mode {self.sync!r}.",
+                               "use events or synchronize.")
+        check_int("CudaSyncTimer", "warmup_steps", self.warmup_steps, 0)
+        check_int("CudaSyncTimer", "log_every_n_steps", self.log_every_n_steps, 1)
+        if self.peak_flops is not None and (isinstance(self.peak_flops, bool)
+                                            or not isinstance(self.peak_flops, (int, float)) or self.peak_flops <= 0):
+            raise LmtrainError("callbacks.CudaSyncTimer.peak_flops", f"{self.peak_flops!r} is not a positive number.",
                                "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
         self.step_times, self.warmup_times = [], []
         self._pending, self._current, self._batch = [], None, None
