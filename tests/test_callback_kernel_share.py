@@ -355,6 +355,10 @@ def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
     assert {r["scope"] for r in rows} >= {"step", "forward", "backward", "optimizer"}
     assert all(r["category"] in CATEGORIES for r in rows)
     assert (Path(trainer.log_dir) / "kernel_trace.json.gz").stat().st_size > 0
+    # validate after the fit runs setup/teardown("validate"): the fit's results stay
+    summary, report = cb.summary, cb.report
+    trainer.validate(trainer.lightning_module, datamodule=trainer.datamodule, verbose=False)
+    assert cb.summary is summary and cb.report == report
 
 
 def test_kernel_share_window_not_reached(tmp_path: Path) -> None:
@@ -362,6 +366,14 @@ def test_kernel_share_window_not_reached(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="before the profiling window"):
         trainer = _fit(tmp_path, [cb], max_steps=3)
     assert active_requests() == (0, 0) and cb._prof is None and cb._tmpdir is None
+    assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
+
+
+def test_kernel_share_warns_when_window_never_starts(tmp_path: Path) -> None:
+    cb = KernelShare(wait=10, warmup=1, active=1)
+    with pytest.warns(UserWarning, match="stopped after 2 batches, before the profiling window"):
+        trainer = _fit(tmp_path, [cb], max_steps=2)
+    assert cb.summary is None and active_requests() == (0, 0)
     assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
 
 

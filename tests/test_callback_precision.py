@@ -113,6 +113,9 @@ def test_fp32_everything_fp32(tmp_path: Path) -> None:
     assert {s["dtype"] for s in r.optimizer_state} == {"float32"}
     assert r.numerics["logits_max_abs_err"] == 0.0 and r.numerics["loss_abs_err"] == 0.0
     assert scalars(trainer.log_dir)["precision/flagged_modules"][0][1] == 0.0
+    # validate after the fit runs setup/teardown("validate"): the fit's result stays
+    trainer.validate(trainer.lightning_module, datamodule=trainer.datamodule, verbose=False)
+    assert cb.result is r
 
 
 def test_step_not_reached_and_bad_step(tmp_path: Path) -> None:

@@ -567,6 +567,8 @@ class KernelShare(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return  # validate / test after a fit must not clear that fit's summary and report
         for name, low in (("wait", 0), ("warmup", 0), ("active", 1), ("top_k", 1)):
             check_int("KernelShare", name, getattr(self, name), low)
         check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
@@ -576,7 +578,7 @@ class KernelShare(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._prof is not None and not self._done:
+        if stage == "fit" and not self._done:  # the window was cut short, or never reached
             self._warn(f"KernelShare: training stopped after {self._window.batches_seen} batches, before the profiling "
                        f"window (wait={self.wait} + warmup={self.warmup} + active={self.active}) was complete; "
                        "nothing was reported. Lower wait/warmup/active or train for more steps.")

@@ -452,6 +452,8 @@ class PrecisionInspector(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return  # validate / test after a fit must not clear that fit's result
         check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
         check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
         self._remove()
