@@ -1,30 +1,63 @@
-"""`python -m lmtrain bench callbacks --allow-cpu`: a tiny smoke run of the overhead benchmark."""
+"""`python -m lmtrain bench callbacks --allow-cpu`: tiny smoke runs, in one process and one process per setting."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 from tb import scalars
 
+from lmtrain.bench._common import FAIL_ENV
 from lmtrain.cli import main
 
+TINY = ["--allow-cpu", "--config", "", "--size", "tiny", "--batch-size", "2", "--context-length", "16",
+        "--precision", "32-true", "--steps", "4", "--window-start", "1", "--measure-from", "3"]
 
-def test_bench_callbacks_smoke(tmp_path):
+
+def test_bench_callbacks_smoke_in_process(tmp_path):
     out, logdir = tmp_path / "bench.json", tmp_path / "logs"
-    rc = main(["bench", "callbacks", "--allow-cpu", "--config", "", "--size", "tiny", "--batch-size", "2",
-               "--context-length", "16", "--precision", "32-true", "--steps", "4", "--window-start", "1",
-               "--measure-from", "3", "--settings", "none", "CudaSyncTimer", "all", "--out", str(out),
-               "--logdir", str(logdir)])
+    rc = main(["bench", "callbacks", *TINY, "--no-isolate", "--settings", "none", "CudaSyncTimer", "all",
+               "--out", str(out), "--logdir", str(logdir)])
     assert rc == 0
     result = json.loads(out.read_text())
     rows = {r["setting"]: r for r in result["rows"]}
     assert list(rows) == ["none", "CudaSyncTimer", "all five", "none (again)"]
     for row in rows.values():
         assert row["steps"] == 4 and row["median_step_ms"] > 0 and row["hooks_left"] == 0
-    assert rows["none"]["overhead_pct"] == 0.0
+        assert row["pid"] == os.getpid()
+    first, last = rows["none"]["median_step_ms"], rows["none (again)"]["median_step_ms"]
+    base = (first + last) / 2  # overheads are against the mean of the two baselines
+    meta = result["meta"]
+    assert meta["isolated"] is False and meta["baseline_step_ms"] == pytest.approx(base)
+    assert meta["baseline_drift_pct"] == pytest.approx(100 * (last / first - 1))
+    for row in rows.values():
+        assert row["overhead_pct"] == pytest.approx(100 * (row["median_step_ms"] / base - 1))
     assert "timer_vs_probe_pct" in rows["CudaSyncTimer"] and "timer_vs_probe_pct" in rows["all five"]
-    assert result["meta"]["steps"] == 4 and result["meta"]["device"] == "cpu"
+    assert meta["steps"] == 4 and meta["device"] == "cpu"
     assert "time/step_ms" in scalars(logdir)  # the all-five run's TensorBoard logs
+
+
+def test_bench_callbacks_one_process_per_setting(tmp_path, monkeypatch, capsys):
+    """Each setting runs in its own child process; a child that fails is recorded and the others go on."""
+    monkeypatch.setenv(FAIL_ENV, "NVTXRanges")  # read only by the child running that setting
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "callbacks", *TINY, "--settings", "none", "NVTXRanges", "--out", str(out),
+               "--logdir", str(tmp_path / "logs")])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows) == ["none", "NVTXRanges", "none (again)"]
+    failed = rows["NVTXRanges"]
+    assert failed["status"] == "error" and FAIL_ENV in failed["note"] and "median_step_ms" not in failed
+    pids = [rows["none"]["pid"], rows["none (again)"]["pid"]]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for name in ("none", "none (again)"):
+        assert rows[name]["steps"] == 4 and rows[name]["median_step_ms"] > 0
+    assert result["meta"]["isolated"] is True
+    assert result["meta"]["baseline_drift_pct"] == pytest.approx(
+        100 * (rows["none (again)"]["median_step_ms"] / rows["none"]["median_step_ms"] - 1))
+    assert "baseline drift (none (again) vs none)" in capsys.readouterr().out
 
 
 def test_bench_callbacks_needs_gpu_without_allow_cpu(capsys, monkeypatch):

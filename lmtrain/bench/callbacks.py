@@ -1,18 +1,27 @@
 """Overhead of the profiling callbacks: step time with each alone and all five together vs none.
 
-In one process, the same ``LMModule`` (built once, from ``--config``) is trained with ``Trainer.fit`` for
-``--steps`` steps per setting: no callback, each of CudaSyncTimer, NVTXRanges, MemorySnapshot, KernelShare
-and PrecisionInspector alone, all five together, and no callback again (the run-to-run noise floor).
-Windowed callbacks are placed early (from ``--window-start``, a few steps), and statistics use only the
-steps from ``--measure-from`` on, so they show the cost *outside* the windows, which is what a long
-training run pays.
+The same ``LMModule`` (from ``--config``) is trained with ``Trainer.fit`` for ``--steps`` steps per setting,
+in this order: no callback, each of CudaSyncTimer, NVTXRanges, MemorySnapshot, KernelShare and
+PrecisionInspector alone, all five together, and no callback again. Windowed callbacks are placed early
+(from ``--window-start``, a few steps), and statistics use only the steps from ``--measure-from`` on, so
+they show the cost *outside* the windows, which is what a long training run pays.
+
+Each setting runs in a fresh Python process (``--isolate``, the default): run one after another in one
+process, later settings ran slower (on a GPU the second no-callback run, after the profiler-based
+settings, was slower than the first by more than the overheads being measured). The command starts
+``python -m lmtrain bench callbacks <the same flags> --_one-setting NAME`` per setting (a fresh model with
+the same seed each time) and collects the children's results; a child that crashes or exceeds
+``--timeout`` is recorded in its row and the other settings go on. ``--no-isolate`` runs every setting in
+this process on one model (quicker to start; for smoke runs).
 
 The ground truth is an independent CUDA-event pair per step, recorded by a private probe registered
 first and last in the callback list (so it brackets every other callback's ``on_train_batch_start`` and
-``on_train_batch_end``). Reported per setting: median step ms (probe), overhead % vs the first
-no-callback run, and for CudaSyncTimer the difference between its own ``time/step_ms`` median and the
-probe's median over the same steps. Output: a Markdown table on stdout, ``--out`` JSON, and the
-TensorBoard logs of the all-five run under ``--logdir``.
+``on_train_batch_end``). Reported per setting: median step ms (probe), overhead % against the mean of the
+two no-callback runs, and for CudaSyncTimer the difference between its own ``time/step_ms`` median and
+the probe's median over the same steps. The line under the table gives the baseline drift (second
+no-callback run vs the first): overheads smaller than it are not resolved. Output: a Markdown table on
+stdout, ``--out`` JSON (``meta.baseline_drift_pct``; each row's ``pid`` is the process that measured it),
+and the TensorBoard logs of the all-five run under ``--logdir``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import gc
 import inspect
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +40,14 @@ from typing import Any
 
 import torch
 
-from lmtrain.callbacks._common import markdown_table
+from lmtrain.bench._common import (
+    add_isolation_arguments,
+    baseline,
+    child_setting_start,
+    keep_on_device_strategy,
+    run_isolated,
+    write_child_result,
+)
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
 CALLBACKS = ("CudaSyncTimer", "NVTXRanges", "MemorySnapshot", "KernelShare", "PrecisionInspector")
@@ -54,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logdir", default="logs/bench_callbacks",
                         help="TensorBoard logs of the all-five run (default logs/bench_callbacks)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (host clock; a smoke test)")
+    add_isolation_arguments(parser)
 
 
 # -- model, data, callbacks -----------------------------------------------------------------------------------
@@ -159,23 +177,6 @@ def _probe_callbacks(probe: _StepProbe) -> tuple[Any, Any]:
     return _ProbeStart(), _ProbeEnd()
 
 
-def _keep_on_device_strategy() -> Any:
-    """Lightning's default teardown copies the model and the optimizer state to the host (40 GB for 2.7B
-    with AdamW: many seconds per setting). This strategy frees the optimizer state instead and leaves the
-    model on the GPU for the next setting."""
-    from lightning.pytorch.strategies import SingleDeviceStrategy
-
-    class _KeepOnDevice(SingleDeviceStrategy):
-        def teardown(self) -> None:
-            for optimizer in self.optimizers:
-                optimizer.state.clear()
-            self.precision_plugin.teardown()
-            self.accelerator.teardown()
-            self.checkpoint_io.teardown()
-
-    return _KeepOnDevice(device=torch.device("cuda", torch.cuda.current_device()))
-
-
 def _hooks_left(module: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in module.modules())
 
@@ -192,7 +193,7 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
     first, last = _probe_callbacks(probe)
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,
-        strategy=_keep_on_device_strategy() if cuda else "auto",
+        strategy=keep_on_device_strategy() if cuda else "auto",
         callbacks=[first, *callbacks, last], logger=TensorBoardLogger(logdir, name=name),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=max(1, args.steps),
@@ -223,8 +224,61 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
     return row
 
 
+def settings_plan(selected: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(setting, callback names) in running order; ``selected`` as ``--settings`` (``none`` keeps both baselines)."""
+    settings: list[tuple[str, list[str]]] = [("none", [])] + [(n, [n]) for n in CALLBACKS] + [
+        ("all five", list(CALLBACKS)), ("none (again)", [])]
+    if selected:
+        wanted = {s.lower() for s in selected}
+        settings = [(n, c) for n, c in settings if n.lower() in wanted or (n == "all five" and "all" in wanted)
+                    or (n == "none (again)" and "none" in wanted)]
+    return settings
+
+
+def measure_setting(name: str, names: list[str], module: Any, data: Any, precision: str, args: argparse.Namespace,
+                    cuda: bool, scratch: str) -> dict[str, Any]:
+    """The row of one setting in this process; a setting that fails is recorded in the row's ``note``."""
+    callbacks, notes = [], []
+    for cb_name in names:
+        cb, why = make_callback(cb_name, args.window_start)
+        if cb is None:
+            notes.append(f"{cb_name} {why}")
+        else:
+            callbacks.append(cb)
+    if names and not callbacks:
+        print(f"[bench callbacks] {name}: skipped ({'; '.join(notes)})", file=sys.stderr)
+        return {"setting": name, "note": "; ".join(notes)}
+    logdir = args.logdir if name == "all five" else scratch
+    try:
+        row = run_setting(name.replace(" ", "_").replace("(", "").replace(")", ""), callbacks, module, data,
+                          precision, args, cuda, logdir)
+    except Exception as exc:  # noqa: BLE001 - record the failure and go on with the other settings
+        row = {"note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    row["setting"] = name
+    row["pid"] = os.getpid()
+    if notes:
+        row["note"] = "; ".join([*notes, row.get("note", "")]).strip("; ")
+    print(f"[bench callbacks] {name}: {row}", file=sys.stderr, flush=True)
+    return row
+
+
+def _module_and_data(model_kwargs: dict[str, Any], data_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    import lightning.pytorch as pl
+
+    from lmtrain.data import LMDataModule
+    from lmtrain.module import LMModule
+
+    pl.seed_everything(0, verbose=False)
+    return LMModule(**model_kwargs), LMDataModule(**data_kwargs)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every setting; 0 on success, 2 without a GPU unless ``--allow-cpu``."""
+    if args._one_setting is not None:
+        child_setting_start(args._one_setting)  # a test hook: fails here when asked to
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         print("bench callbacks: no CUDA GPU found; overheads are GPU step times. Run it on a GPU machine, or "
@@ -234,70 +288,73 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench callbacks: --measure-from {args.measure_from} must be below --steps {args.steps}.",
               file=sys.stderr)
         return 2
-    import lightning.pytorch as pl
-
-    from lmtrain.data import LMDataModule
-    from lmtrain.module import LMModule
-
     model_kwargs, data_kwargs, precision, source = load_setup(args)
-    pl.seed_everything(0, verbose=False)
-    module = LMModule(**model_kwargs)
-    data = LMDataModule(**data_kwargs)
+    plan = settings_plan(args.settings)
 
-    settings: list[tuple[str, list[str]]] = [("none", [])] + [(n, [n]) for n in CALLBACKS] + [
-        ("all five", list(CALLBACKS)), ("none (again)", [])]
-    if args.settings:
-        wanted = {s.lower() for s in args.settings}
-        settings = [(n, c) for n, c in settings if n.lower() in wanted or (n == "all five" and "all" in wanted)
-                    or (n == "none (again)" and "none" in wanted)]
+    if args._one_setting is not None:  # a child process of an isolated run: one setting, result to a file
+        names = dict(settings_plan())[args._one_setting]
+        module, data = _module_and_data(model_kwargs, data_kwargs)
+        with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
+            row = measure_setting(args._one_setting, names, module, data, precision, args, cuda, scratch)
+        write_child_result(args._child_out, args._one_setting,
+                           {"row": row, "device": torch.cuda.get_device_name() if cuda else "cpu"})
+        return 0
+
+    device = "cuda" if cuda else "cpu"  # an isolated run never touches the GPU here; the children name it
     rows: list[dict[str, Any]] = []
-    scratch = tempfile.mkdtemp(prefix="bench_callbacks_")
-    for name, names in settings:
-        callbacks, notes = [], []
-        for cb_name in names:
-            cb, why = make_callback(cb_name, args.window_start)
-            if cb is None:
-                notes.append(f"{cb_name} {why}")
+    if args.isolate:
+        for child in run_isolated("callbacks", add_arguments, args, [name for name, _ in plan], drop={"settings"}):
+            if child.status == "ok" and child.result is not None:
+                row = dict(child.result["row"])
+                device = child.result.get("device", device)
             else:
-                callbacks.append(cb)
-        if names and not callbacks:
-            rows.append({"setting": name, "note": "; ".join(notes)})
-            print(f"[bench callbacks] {name}: skipped ({'; '.join(notes)})", file=sys.stderr)
-            continue
-        logdir = args.logdir if name == "all five" else scratch
-        try:
-            row = run_setting(name.replace(" ", "_").replace("(", "").replace(")", ""), callbacks, module, data,
-                              precision, args, cuda, logdir)
-        except Exception as exc:  # noqa: BLE001 - record the failure and go on with the other settings
-            row = {"note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        row["setting"] = name
-        if notes:
-            row["note"] = "; ".join([*notes, row.get("note", "")]).strip("; ")
-        rows.append(row)
-        print(f"[bench callbacks] {name}: {row}", file=sys.stderr, flush=True)
+                row = {"setting": child.setting, "status": child.status, "note": f"{child.status}: {child.error}"}
+            print(f"[bench callbacks] {child.setting} (pid {child.pid}, {child.seconds:.0f} s): {row}", file=sys.stderr,
+                  flush=True)
+            rows.append(row)
+    else:
+        module, data = _module_and_data(model_kwargs, data_kwargs)
+        with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
+            rows = [measure_setting(name, names, module, data, precision, args, cuda, scratch) for name, names in plan]
+        device = torch.cuda.get_device_name() if cuda else "cpu"
 
-    base = next((r.get("median_step_ms") for r in rows if r["setting"] == "none"), None)
+    first = next((r.get("median_step_ms") for r in rows if r["setting"] == "none"), None)
+    last = next((r.get("median_step_ms") for r in rows if r["setting"] == "none (again)"), None)
+    base, drift = baseline(first, last)
     for r in rows:
         if base and r.get("median_step_ms"):
             r["overhead_pct"] = 100.0 * (r["median_step_ms"] / base - 1.0)
-    device = torch.cuda.get_device_name() if cuda else "cpu"
     meta = {"device": device, "config": source, "model": model_kwargs, "data": data_kwargs, "precision": precision,
             "steps": args.steps, "window_start": args.window_start, "measure_from": args.measure_from,
+            "isolated": bool(args.isolate), "baseline_step_ms": base, "baseline_drift_pct": drift,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    how = "each setting in a fresh process" if args.isolate else "all settings in one process"
     print(f"\n{device}; {source}; precision {precision}; {args.steps} steps per setting; windows from step "
-          f"{args.window_start}; medians over steps {args.measure_from}..{args.steps - 1}\n")
+          f"{args.window_start}; medians over steps {args.measure_from}..{args.steps - 1}; {how}\n")
     print(format_table(rows))
+    print(baseline_line(base, drift))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return 0
 
 
+def baseline_line(base: float | None, drift: float | None) -> str:
+    """The line under the table: the baseline the overheads are relative to, and how far the two baselines differ."""
+    if base is None:
+        return "overhead %: no baseline (the no-callback runs did not run or failed)"
+    if drift is None:
+        return f"overhead % vs {base:.2f} ms (one no-callback run only; baseline drift unknown)"
+    text = (f"overhead % vs {base:.2f} ms, the mean of the two no-callback runs; baseline drift (none (again) vs "
+            f"none): {drift:+.2f}%")
+    if abs(drift) > 2.0:
+        text += " - larger than the overheads being measured can be trusted to; rerun or add steps"
+    return text
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results (target: overhead <= 1% each, CudaSyncTimer within 2% of the probe)."""
+    from lmtrain.callbacks._common import markdown_table  # imports Lightning: not before a child needs it
 
     def num(value: Any, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"

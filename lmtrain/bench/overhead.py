@@ -1,12 +1,20 @@
 """Lightning overhead: step time of Trainer.fit against a plain PyTorch loop doing the same work.
 
-One process, one GPU, runs in this order (a drift of the GPU clock or temperature shows as a gap between
-the two plain runs)::
+One GPU, runs in this order (a drift of the GPU clock or temperature, or state left behind by an earlier
+run, shows as a gap between the two plain runs)::
 
     plain        the plain loop
     lightning    Trainer.fit(LMModule, LMDataModule) as the YAML config sets it up (progress bar, logging)
     lightning_no_progress_bar   the same without the progress bar (a diagnostic; ``--no-diagnostic`` skips it)
     plain        the plain loop again
+
+Each run is a fresh Python process (``--isolate``, the default): the command starts ``python -m lmtrain
+bench overhead <the same flags> --_one-setting NAME`` per run and collects the results, because runs one
+after another in one process can slow down for reasons that have nothing to do with what is compared (on
+a GPU the Lightning run without progress bar came out slower than the one with it, inside the step too,
+which the progress bar cannot explain). A run that
+crashes or exceeds ``--timeout`` is recorded as ``error`` or ``timeout`` and the others go on.
+``--no-isolate`` runs all of them in this process (quicker to start).
 
 Both sides build the model and optimizer the same way, from the config's ``model`` section: the same
 ``TransformerLM``, attention backend, AdamW (fused on CUDA) and warmup/cosine schedule, the same
@@ -21,11 +29,14 @@ the run; the wall clock on the CPU); for Lightning in a private callback's ``on_
 ``on_train_batch_end``, for the plain loop at the top and bottom of its loop body. The step time is the
 interval between the ends of consecutive steps, so everything Lightning does between two steps (loading,
 moving and logging the batch, the progress bar) counts; "in-step" is start to end of one step. The first
-``--warmup`` steps are not counted. Lightning overhead = median Lightning step / median plain step (both
-plain runs pooled) - 1. Peak memory is ``torch.cuda.max_memory_allocated`` of each run, reset between runs.
+``--warmup`` steps are not counted. Lightning overhead = median Lightning step / baseline - 1, where the
+baseline is the mean of the two plain runs' median steps; their difference is reported as the baseline
+drift (overheads smaller than it are not resolved). Peak memory is ``torch.cuda.max_memory_allocated`` of
+each run, reset between runs.
 
-Output: a Markdown table on stdout, JSON with every step time at ``--out``. Needs a CUDA GPU;
-``--allow-cpu`` runs on the CPU as a functional check (wall-clock times, no memory figures).
+Output: a Markdown table on stdout, JSON with every step time (and the process id of each run) at
+``--out``. Needs a CUDA GPU; ``--allow-cpu`` runs on the CPU as a functional check (wall-clock times, no
+memory figures).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import contextlib
 import datetime
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -46,6 +58,14 @@ from typing import Any
 import torch
 import yaml
 
+from lmtrain.bench._common import (
+    add_isolation_arguments,
+    baseline,
+    child_setting_start,
+    keep_on_device_strategy,
+    run_isolated,
+    write_child_result,
+)
 from lmtrain.errors import LmtrainError
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
@@ -65,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the Lightning run without progress bar")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a functional check, no GPU)")
+    add_isolation_arguments(parser)
 
 
 @dataclass
@@ -72,11 +93,13 @@ class Run:
     """One timed run: per-step times after warm-up and the memory it used."""
 
     name: str
-    status: str = "ok"  # ok | OOM
+    status: str = "ok"  # ok | OOM | error | timeout (the last two: its process failed, with --isolate)
     step_ms: list[float] = field(default_factory=list)  # end of step i-1 to end of step i
     in_step_ms: list[float] = field(default_factory=list)  # start to end of step i
     peak_memory_gib: float | None = None
     memory_released: bool | None = None  # the run's model was garbage once the run was over
+    pid: int | None = None  # the process that ran it
+    error: str = ""  # why a failed run has no times
 
     @property
     def median_ms(self) -> float | None:
@@ -207,6 +230,8 @@ def lightning_run(name: str, model_kwargs: dict[str, Any], data_kwargs: dict[str
     trainer = pl.Trainer(**{
         **trainer_kwargs,
         "devices": 1, "max_steps": steps, "max_epochs": None, "callbacks": [marks],
+        # Leaves the model on the GPU at the end of fit instead of copying it and AdamW's state to the host.
+        "strategy": keep_on_device_strategy() if torch.cuda.is_available() else "auto",
         "logger": TensorBoardLogger(log_dir, name=name), "enable_checkpointing": False,
         "limit_val_batches": 0, "num_sanity_val_steps": 0,
     })
@@ -226,8 +251,53 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+#: Trainer arguments that differ from the config's, per run name (None: the plain loop).
+TRAINER_CHANGES: dict[str, dict[str, Any] | None] = {
+    "plain": None, "lightning": {}, "lightning_no_progress_bar": {"enable_progress_bar": False}}
+
+
+def run_plan(diagnostic: bool = True) -> list[str]:
+    """Run names in running order: the plain loop first and last, Lightning in between."""
+    return ["plain", "lightning", *(["lightning_no_progress_bar"] if diagnostic else []), "plain"]
+
+
+def measure_one(name: str, model_kwargs: dict[str, Any], data_kwargs: dict[str, Any], trainer_kwargs: dict[str, Any],
+                args: argparse.Namespace, clock: _Clock, log_dir: str) -> Run:
+    """One run in this process (plain loop or Lightning, by ``name``), with its peak memory; OOM is recorded."""
+    cuda = clock.cuda
+    device = torch.device("cuda" if cuda else "cpu")
+    precision = str(trainer_kwargs.get("precision", "32-true"))
+    batch_size = int(data_kwargs.get("batch_size", 4))
+    trainer_changes = TRAINER_CHANGES[name]
+    _release(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        if trainer_changes is None:
+            result, ref = plain_run(name, model_kwargs, batch_size, AUTOCAST[precision], device,
+                                    args.steps, args.warmup, clock)
+        else:
+            result, ref = lightning_run(name, model_kwargs, data_kwargs, {**trainer_kwargs, **trainer_changes},
+                                        args.steps, args.warmup, clock, log_dir)
+    except torch.cuda.OutOfMemoryError as exc:
+        result, ref = Run(name, status="OOM", error=str(exc).splitlines()[0][:300] if str(exc) else ""), None
+    if cuda:
+        result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
+    _release(cuda)
+    result.memory_released = ref is None or ref() is None
+    result.pid = os.getpid()
+    return result
+
+
+def _run_from_child(payload: dict[str, Any]) -> Run:
+    fields = set(Run.__dataclass_fields__)
+    return Run(**{k: v for k, v in payload.items() if k in fields})
+
+
 def run(args: argparse.Namespace) -> int:
     """Time the runs, print the table, write the JSON; 0 on success."""
+    if args._one_setting is not None:
+        child_setting_start(args._one_setting)  # a test hook: fails here when asked to
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         raise LmtrainError("device", "no CUDA GPU is visible, and this study times GPU steps.",
@@ -243,42 +313,44 @@ def run(args: argparse.Namespace) -> int:
 
     # Validates the model section (size, heads, backend, GPU-only options) before anything runs.
     config = LMModule(**model_kwargs).config
-    device = torch.device("cuda" if cuda else "cpu")
     clock = _Clock(cuda)
     precision = str(trainer_kwargs.get("precision", "32-true"))
     batch_size = int(data_kwargs.get("batch_size", 4))
     tokens_per_step = batch_size * config.context_length
-    # (name, None for the plain loop or the Trainer arguments that differ from the config's)
-    plan: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("lightning", {})]
-    if not args.no_diagnostic:
-        plan.append(("lightning_no_progress_bar", {"enable_progress_bar": False}))
-    plan.append(("plain", None))
+    plan = run_plan(not args.no_diagnostic)
+
+    if args._one_setting is not None:  # a child process of an isolated run: one run, result to a file
+        if args._one_setting not in TRAINER_CHANGES:
+            raise LmtrainError("--_one-setting", f"no run named {args._one_setting!r}.", f"use one of {plan}.")
+        with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
+            result = measure_one(args._one_setting, model_kwargs, data_kwargs, trainer_kwargs, args, clock, log_dir)
+        write_child_result(args._child_out, args._one_setting,
+                           {"run": asdict(result), "device": torch.cuda.get_device_name() if cuda else "cpu"})
+        return 0
 
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
-        for name, trainer_changes in plan:
-            _release(cuda)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                if trainer_changes is None:
-                    result, ref = plain_run(name, model_kwargs, batch_size, AUTOCAST[precision], device,
-                                            args.steps, args.warmup, clock)
-                else:
-                    result, ref = lightning_run(name, model_kwargs, data_kwargs, {**trainer_kwargs, **trainer_changes},
-                                                args.steps, args.warmup, clock, log_dir)
-            except torch.cuda.OutOfMemoryError:
-                result, ref = Run(name, status="OOM"), None
-            if cuda:
-                result.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
-            _release(cuda)
-            result.memory_released = ref is None or ref() is None
-            runs.append(result)
+    if args.isolate:
+        device_name = "cuda" if cuda else "cpu"  # this process never touches the GPU; the children name it
+        for child in run_isolated("overhead", add_arguments, args, plan):
+            if child.status == "ok" and child.result is not None:
+                runs.append(_run_from_child(child.result["run"]))
+                device_name = child.result.get("device", device_name)
+            else:
+                runs.append(Run(child.setting, status=child.status, error=child.error))
+    else:
+        with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
+            runs = [measure_one(name, model_kwargs, data_kwargs, trainer_kwargs, args, clock, log_dir)
+                    for name in plan]
+        device_name = torch.cuda.get_device_name() if cuda else "cpu"
 
-    plain_steps = [t for r in runs if r.name == "plain" for t in r.step_ms]
-    plain_median = statistics.median(plain_steps) if plain_steps else None
+    plain_runs = [r for r in runs if r.name == "plain"]
+    first_plain = plain_runs[0].median_ms if plain_runs else None
+    last_plain = plain_runs[1].median_ms if len(plain_runs) > 1 else None
+    base, drift = baseline(first_plain, last_plain)
+    plain_steps = [t for r in plain_runs for t in r.step_ms]
+    plain_median = statistics.median(plain_steps) if plain_steps else None  # pooled; kept for reference
     overhead = {
-        r.name: (r.median_ms / plain_median - 1) * 100 if r.median_ms and plain_median else None
+        r.name: (r.median_ms / base - 1) * 100 if r.median_ms and base else None
         for r in runs if r.name.startswith("lightning")
     }
 
@@ -291,15 +363,21 @@ def run(args: argparse.Namespace) -> int:
         rows.append([r.name if r.status == "ok" else f"{r.name} ({r.status})", len(r.step_ms),
                      _fmt(s["median_step_ms"], 2), _fmt(s["mean_step_ms"], 2), _fmt(s["median_in_step_ms"], 2),
                      _fmt(s["tokens_per_s"], 0), _fmt(r.peak_memory_gib, 2), "" if vs is None else f"{vs:+.2f}%"])
-    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    how = "each run in a fresh process" if args.isolate else "all runs in one process"
     print(f"Lightning overhead, {args.config}: size {model_kwargs.get('size')}, batch {batch_size}, context "
           f"{config.context_length}, {precision}, {config.attention}, {args.steps} steps per run "
-          f"({args.warmup} warm-up), {device_name}")
+          f"({args.warmup} warm-up), {device_name}, {how}")
     print(markdown_table(header, rows))
+    for r in runs:
+        if r.error:
+            print(f"{r.name} ({r.status}): {r.error}")
     lightning_result = next(r for r in runs if r.name == "lightning")
     if overhead.get("lightning") is not None:
         print(f"Lightning overhead: {overhead['lightning']:+.2f}% (median step {lightning_result.median_ms:.2f} ms "
-              f"vs {plain_median:.2f} ms, both plain runs pooled)")
+              f"vs {base:.2f} ms, the mean of the plain runs' medians)")
+    if drift is not None:
+        note = " - larger than the overheads being measured can be trusted to" if abs(drift) > 2.0 else ""
+        print(f"baseline drift (second plain run vs first): {drift:+.2f}%{note}")
 
     if args.out:
         result = {
@@ -309,10 +387,13 @@ def run(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "lightning": lightning.__version__,
             "arguments": vars(args),
+            "isolated": bool(args.isolate),
             "model": model_kwargs, "data": data_kwargs, "trainer": trainer_kwargs,
             "batch_size": batch_size, "context_length": config.context_length, "precision": precision,
             "attention": config.attention,
             "plain_median_step_ms": plain_median,
+            "baseline_step_ms": base,
+            "baseline_drift_pct": drift,
             "overhead_pct": overhead,
             "runs": [{**asdict(r), **r.summary(tokens_per_step)} for r in runs],
         }
