@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +14,8 @@ from tb import images, scalars, texts
 import lmtrain
 from lmtrain.callbacks import MemorySnapshot
 from lmtrain.callbacks.memory import (
+    GIB,
+    AllocatorHistory,
     PhaseMark,
     informative_frame,
     live_at_end,
@@ -158,6 +161,137 @@ def test_cpu_warns_once_and_logs_nothing(tmp_path):
     assert cb.files == []
 
 
+# -- the per-step logic on CPU, with torch.cuda's allocator counters and history replaced by fakes ---------
+
+
+class FakeAllocator:
+    """Stands in for torch.cuda's allocator counters (host-side) and allocation history; counts every read."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+        self.reads = 0
+        self.resets = 0
+        self.recording = False
+
+    def set(self, gib: float) -> None:
+        self.allocated = int(gib * GIB)
+        self.peak = max(self.peak, self.allocated)
+
+    def reset_peak_memory_stats(self, device=None) -> None:  # noqa: ANN001
+        self.resets += 1
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:  # noqa: ANN001
+        self.reads += 1
+        return self.peak
+
+    def memory_stats(self, device=None) -> dict[str, int]:  # noqa: ANN001
+        self.reads += 1
+        return {"allocated_bytes.all.peak": self.peak, "allocated_bytes.all.current": self.allocated,
+                "reserved_bytes.all.current": 2 * GIB}
+
+
+class ListLogger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[FakeAllocator, SimpleNamespace]:
+    alloc = FakeAllocator()
+    for name in ("reset_peak_memory_stats", "max_memory_allocated", "memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, getattr(alloc, name))
+    monkeypatch.setattr(AllocatorHistory, "start", staticmethod(lambda max_entries: setattr(alloc, "recording", True)))
+    monkeypatch.setattr(AllocatorHistory, "stop", staticmethod(lambda: setattr(alloc, "recording", False)))
+    monkeypatch.setattr(AllocatorHistory, "snapshot", staticmethod(synthetic_snapshot))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), global_rank=0,
+                              loggers=[ListLogger()], optimizers=[], log_dir=str(tmp_path),
+                              default_root_dir=str(tmp_path))
+    return alloc, trainer
+
+
+def run_step(cb: MemorySnapshot, trainer: SimpleNamespace, module: torch.nn.Module, alloc: FakeAllocator) -> int:
+    """One training step's hooks with allocations in between; returns the counter reads it made."""
+    reads = alloc.reads
+    alloc.set(1.0)
+    cb.on_train_batch_start(trainer, module, None, 0)
+    alloc.set(3.0)  # forward: activations
+    alloc.set(2.5)
+    cb.on_before_backward(trainer, module, torch.zeros(()))
+    alloc.set(4.0)  # backward: gradients
+    alloc.set(1.5)
+    cb.on_after_backward(trainer, module)
+    cb.on_before_optimizer_step(trainer, module, None)
+    alloc.set(4.5)  # optimizer: temporaries
+    alloc.set(1.25)
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+    return alloc.reads - reads
+
+
+def test_exact_peaks_and_nothing_read_on_steps_not_logged(fake_cuda):
+    alloc, trainer = fake_cuda
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=None, log_every_n_steps=2)
+    cb.setup(trainer, module, "fit")
+    reads = [run_step(cb, trainer, module, alloc) for _ in range(4)]
+    cb.teardown(trainer, module, "fit")
+    expected = {"memory/peak_after_forward_gib": 3.0, "memory/peak_after_backward_gib": 4.0,
+                "memory/peak_after_optimizer_gib": 4.5, "memory/allocated_gib": 1.25, "memory/reserved_gib": 2.0}
+    assert trainer.loggers[0].logged == [(0, expected), (2, expected)]
+    assert reads == [3, 0, 3, 0] and alloc.resets == 2  # two phase reads and one memory_stats per logged step
+    assert cb.files == [] and not alloc.recording
+
+
+def test_window_records_only_its_steps_and_writes_files(fake_cuda):
+    alloc, trainer = fake_cuda
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=1, num_steps=2)
+    cb.setup(trainer, module, "fit")
+    recording = []
+    for _ in range(4):
+        run_step(cb, trainer, module, alloc)
+        recording.append(alloc.recording)
+    cb.teardown(trainer, module, "fit")
+    assert recording == [False, True, False, False]
+    assert [p.name for p in cb.files] == ["memory_snapshot_steps_1-2.pickle", "memory_timeline_steps_1-2.png"]
+    assert [(m.step, m.phase) for m in cb._marks] == [
+        (s, p) for s in (1, 2) for p in ("forward", "backward", "after backward", "optimizer")]
+
+
+def test_window_cut_short_warns_and_stops_recording(fake_cuda):
+    alloc, trainer = fake_cuda
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=1, num_steps=5)
+    cb.setup(trainer, module, "fit")
+    for _ in range(3):
+        run_step(cb, trainer, module, alloc)
+    assert alloc.recording
+    with pytest.warns(UserWarning, match="stopped after 3 batches, before the end of the snapshot window"):
+        cb.teardown(trainer, module, "fit")
+    assert not alloc.recording and cb.files == []
+
+
+def test_exception_in_window_stops_recording(fake_cuda):
+    alloc, trainer = fake_cuda
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=0, num_steps=2)
+    cb.setup(trainer, module, "fit")
+    alloc.set(1.0)
+    cb.on_train_batch_start(trainer, module, None, 0)
+    assert alloc.recording
+    cb.on_exception(trainer, module, RuntimeError("boom"))  # Lightning calls no teardown after this
+    assert not alloc.recording
+
+
+def test_bad_option_names_the_argument(tmp_path):
+    from lmtrain.errors import LmtrainError
+
+    with pytest.raises(LmtrainError, match=r"callbacks\.MemorySnapshot\.num_steps: must be an integer >= 1, got 0"):
+        fit(tmp_path, [MemorySnapshot(num_steps=0)], steps=1)
 
 
 @pytest.mark.gpu

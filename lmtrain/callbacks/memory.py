@@ -95,9 +95,10 @@ class LiveAllocation:
 class MemorySnapshot(pl.Callback):
     """Where GPU memory goes: peaks per phase every step, and a full allocation history in a window.
 
-    Every step (host-side allocator counters, no device synchronisation): the peak is reset at the
-    step's start (``torch.cuda.reset_peak_memory_stats``) and read at the end of each phase, so
-    ``peak_after_backward`` is the highest point from the step's start to the end of backward.
+    Every logged step (every ``log_every_n_steps``-th; host-side allocator counters, no device
+    synchronisation): the peak is reset at the step's start (``torch.cuda.reset_peak_memory_stats``) and
+    read at the end of each phase (``torch.cuda.max_memory_allocated``), so ``peak_after_backward`` is the
+    highest point from the step's start to the end of backward. Steps that are not logged read nothing.
 
     In the window (``start_step``, ``num_steps``) the allocator records every allocation and free with
     its Python stack (``stacks="python"``, at most ``max_entries`` entries). At the window's end this
@@ -120,9 +121,10 @@ class MemorySnapshot(pl.Callback):
 
     Metrics (TensorBoard scalars, GiB = 2**30 bytes, every ``log_every_n_steps`` steps):
 
-    - ``memory/peak_after_forward_gib``: peak allocated from step start to the end of forward.
-    - ``memory/peak_after_backward_gib``: ... to the end of backward.
-    - ``memory/peak_after_optimizer_gib``: ... to the end of the step (after the optimizer step).
+    - ``memory/peak_after_forward_gib``: peak allocated from step start to the end of forward (to the end
+      of the step when it has no backward).
+    - ``memory/peak_after_backward_gib``: ... to the end of backward (steps with a backward).
+    - ``memory/peak_after_optimizer_gib``: ... to the end of the step (steps with an optimizer step).
     - ``memory/allocated_gib``: allocated by tensors at the end of the step.
     - ``memory/reserved_gib``: held by PyTorch's caching allocator at the end of the step.
     - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/oom_summary`` (text).
@@ -164,6 +166,8 @@ class MemorySnapshot(pl.Callback):
         self._phase = "forward"
         self._stepped = False
         self._phase_start_us = 0
+        self._measure = False  # this step's peaks are read and logged
+        self._window_done = False
         self._marks: list[PhaseMark] = []
         self._labels_before: dict[int, str] = {}
         self._values: dict[str, float] = {}
@@ -181,7 +185,7 @@ class MemorySnapshot(pl.Callback):
         self._device = trainer.strategy.root_device
         self._cuda = self._device.type == "cuda"
         self._window = StepWindow(self.start_step, self.num_steps)
-        self._marks, self.files = [], []
+        self._marks, self.files, self._window_done = [], [], False
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
@@ -191,6 +195,10 @@ class MemorySnapshot(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._cuda and self.start_step is not None and not self._window_done:
+            self._warn(f"MemorySnapshot: training stopped after {self._window.batches_seen} batches, before the "
+                       f"end of the snapshot window (start_step={self.start_step}, num_steps={self.num_steps}); "
+                       "no snapshot was written. Lower start_step or train for more steps.")
         self._stop_recording()
 
     def _start_recording(self) -> None:
@@ -222,9 +230,12 @@ class MemorySnapshot(pl.Callback):
         self._index = self._window.next_batch()
         if not self._cuda:
             return
-        torch.cuda.reset_peak_memory_stats(self._device)
-        self._values = {}
         self._phase, self._stepped = "forward", False
+        # Each read of the counters builds torch.cuda.memory_stats' whole dict: read only what is logged.
+        self._measure = self._index % self.log_every_n_steps == 0
+        if self._measure:
+            torch.cuda.reset_peak_memory_stats(self._device)
+            self._values = {}
         if self._window.contains(self._index):
             if self._window.is_first(self._index):
                 self._marks = []
@@ -234,7 +245,8 @@ class MemorySnapshot(pl.Callback):
             self._phase_start_us = time.time_ns() // 1000
 
     def _peak(self, key: str) -> None:
-        self._values[key] = torch.cuda.max_memory_allocated(self._device) / GIB
+        if self._measure:
+            self._values[key] = torch.cuda.max_memory_allocated(self._device) / GIB
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -259,19 +271,21 @@ class MemorySnapshot(pl.Callback):
                            batch_idx: int) -> None:
         if not self._cuda:
             return
-        if "memory/peak_after_forward_gib" not in self._values:  # no backward in this step
-            self._peak("memory/peak_after_forward_gib")
-        if self._stepped:
-            self._peak("memory/peak_after_optimizer_gib")
-        self._values["memory/allocated_gib"] = torch.cuda.memory_allocated(self._device) / GIB
-        self._values["memory/reserved_gib"] = torch.cuda.memory_reserved(self._device) / GIB
-        if self._index % self.log_every_n_steps == 0:
+        if self._measure:
+            stats = torch.cuda.memory_stats(self._device)  # one read for the peak, allocated and reserved
+            peak = stats.get("allocated_bytes.all.peak", 0) / GIB
+            self._values.setdefault("memory/peak_after_forward_gib", peak)  # a step without backward
+            if self._stepped:
+                self._values["memory/peak_after_optimizer_gib"] = peak
+            self._values["memory/allocated_gib"] = stats.get("allocated_bytes.all.current", 0) / GIB
+            self._values["memory/reserved_gib"] = stats.get("reserved_bytes.all.current", 0) / GIB
             log_scalars(trainer, self._values, step=self._index)
         self._phase_boundary(None)
         if self._window.is_last(self._index):
             self._finish_window(trainer, pl_module)
 
     def _finish_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._window_done = True
         snapshot = AllocatorHistory.snapshot()
         if not self.on_oom:
             self._stop_recording()
