@@ -377,6 +377,28 @@ def test_kernel_share_warns_when_window_never_starts(tmp_path: Path) -> None:
     assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
 
 
+class RaiseAtBatch(Callback):
+    """Raises in the forward of training batch ``index`` (a crash in the middle of a step)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if batch_idx == self.index:
+            def boom(module, args):  # noqa: ANN001, ANN202
+                raise RuntimeError("boom")
+
+            pl_module.model.blocks[0].mlp.register_forward_pre_hook(boom)
+
+
+def test_kernel_share_cleans_up_when_a_step_raises(tmp_path: Path) -> None:
+    cb = KernelShare(wait=1, warmup=1, active=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, [cb, RaiseAtBatch(2)], max_steps=5)
+    assert active_requests() == (0, 0) and not torch.autograd._profiler_enabled()
+    assert cb._prof is None and cb._open == [] and cb._tmpdir is None and cb.summary is None
+
+
 def test_kernel_share_rejects_bad_window(tmp_path: Path) -> None:
     with pytest.raises(LmtrainError, match="KernelShare.active"):
         _fit(tmp_path, [KernelShare(active=0)], max_steps=1)

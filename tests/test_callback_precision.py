@@ -127,6 +127,32 @@ def test_step_not_reached_and_bad_step(tmp_path: Path) -> None:
         _fit(tmp_path, "32-true", PrecisionInspector(step=-1))
 
 
+class RaiseInForward(Callback):
+    """Makes the forward of the last block raise in training batch 1, after the inspector's hooks went in."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if batch_idx == 1:
+            def boom(module, args):  # noqa: ANN001, ANN202
+                raise RuntimeError("boom")
+
+            pl_module.model.blocks[-1].register_forward_pre_hook(boom)
+
+
+def test_hooks_removed_when_the_inspected_step_raises(tmp_path: Path) -> None:
+    cb = PrecisionInspector(step=1)
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, callbacks=[cb, RaiseInForward()],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model, data)
+    assert cb.hooks_installed == 0 and cb.result is None
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+
+
 def test_recorder_reasons_for_autocast_fp32_ops() -> None:
     """A LayerNorm that autocast widens is explained as autocast's fp32 list (checked with a stand-in module)."""
 
