@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import warnings
 from pathlib import Path
 
@@ -343,6 +344,10 @@ def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
                 *[f"kernels/{c}_share_step" for c in CATEGORIES]):
         assert tag in logged, tag
     assert [step for step, _ in logged["kernels/gemm_share_step"]] == [trainer.global_step - 1]
+    for tag in [t for t in logged if t.startswith("kernels/")]:  # documented (phase, category: as placeholders)
+        generic = re.sub(r"^kernels/(forward|backward|optimizer|outside)_ms", "kernels/{phase}_ms", tag)
+        generic = re.sub(rf"^kernels/({'|'.join(CATEGORIES)})_share_step$", "kernels/{category}_share_step", generic)
+        assert f"    {generic}  " in KernelShare.__doc__, tag
     assert logged["kernels/attn_softmax_to_matmul_flop_ratio"][0][1] == pytest.approx(5 / (4 * 16))
     assert logged["kernels/gemm_share_forward"][0][1] > 0  # aten::mm / aten::bmm self time
     assert sum(logged[f"kernels/{c}_share_step"][0][1] for c in CATEGORIES) == pytest.approx(1.0, abs=1e-5)

@@ -242,6 +242,7 @@ def test_exact_peaks_and_nothing_read_on_steps_not_logged(fake_cuda):
     expected = {"memory/peak_after_forward_gib": 3.0, "memory/peak_after_backward_gib": 4.0,
                 "memory/peak_after_optimizer_gib": 4.5, "memory/allocated_gib": 1.25, "memory/reserved_gib": 2.0}
     assert trainer.loggers[0].logged == [(0, expected), (2, expected)]
+    assert all(f"``{tag}``" in MemorySnapshot.__doc__ for tag in expected)  # every logged tag is documented
     assert reads == [3, 0, 3, 0] and alloc.resets == 2  # two phase reads and one memory_stats per logged step
     assert cb.files == [] and not alloc.recording
 

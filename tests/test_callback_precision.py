@@ -90,6 +90,8 @@ def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
                 "precision/flagged_modules"):
         assert len(logged[tag]) == 1 and math.isfinite(logged[tag][0][1])
     assert logged["precision/flagged_modules"][0][1] == len(r.flagged)
+    ours = [tag for tag in logged if tag.startswith("precision/")]
+    assert all(f"``{tag}``" in PrecisionInspector.__doc__ for tag in ours)  # every logged tag is documented
     assert logged["precision/loss_abs_err"][0][1] < 0.05
     report = texts(trainer.log_dir)["precision/report"][0]
     assert "`model.blocks.{i}.attn_norm`" in report and "⚑" in report and "exp_avg_sq" in report

@@ -70,6 +70,8 @@ def test_exact_phase_times_tokens_and_mfu(tmp_path, fake_clock):
                        ("time/step_ms", 1000.0), ("throughput/tokens_per_s", B * T / 1.0)]:
         assert [s for s, _ in logged[tag]] == [1, 2, 3], tag
         assert [v for _, v in logged[tag]] == [value] * 3, tag
+    ours = [tag for tag in logged if tag.startswith(("time/", "throughput/"))]
+    assert all(f"``{tag}``" in CudaSyncTimer.__doc__ for tag in ours)  # every logged tag is documented
     expected_mfu = flops_per_step(module.config, B, T, "train") / 1.0 / peak
     assert 0 < expected_mfu < 1
     assert all(v == pytest.approx(expected_mfu, rel=1e-6) for _, v in logged["throughput/mfu"])

@@ -73,39 +73,7 @@ divide (exp counted as one FLOP, the causal mask and the score scale not counted
 launched inside the ``attention/softmax`` range against those inside ``attention/qk_matmul`` and
 ``attention/pv_matmul`` (naive backend only: fused backends have no such stages).
 
-Logged metrics (all at the trainer's global step when the window closes; per-step values are means over
-the active steps; phases: forward, backward, optimizer, outside; on CPU every "kernel" value is CPU
-operator self time):
-
-    kernels/total_ms_per_step                   kernel device time per step (memcpy / memset included)
-    kernels/{phase}_ms_per_step                 kernel time per step launched in that phase
-    kernels/{category}_share_step               category's share of the step's kernel time, for gemm,
-                                                attention, softmax, elementwise, reduction, optimizer,
-                                                copy, other
-    kernels/gemm_share_forward                  GEMM share of the forward phase's kernel time
-    kernels/gemm_share_backward                 same for backward
-    kernels/gemm_share_optimizer                same for the optimizer phase
-    kernels/gemm_share_step                     same for the whole step (equal to the category share)
-    kernels/top_kernel_share_forward            share of the forward phase's top kernel (by total time)
-    kernels/top_kernel_share_backward           same for backward
-    kernels/top_kernel_share_step               same for the whole step
-    kernels/top_kernel_calls_forward            calls per step of the forward phase's top kernel
-    kernels/top_kernel_calls_backward           same for backward
-    kernels/top_kernel_calls_step               calls per step of the step's top kernel (all phases)
-    kernels/attn_softmax_ms_per_step            forward kernel time inside ``attention/softmax`` ranges
-    kernels/attn_matmul_ms_per_step             forward kernel time inside ``attention/qk_matmul`` and
-                                                ``attention/pv_matmul`` ranges
-    kernels/attn_softmax_to_matmul_time_ratio   the two above divided
-    kernels/attn_softmax_to_matmul_flop_ratio   5 / (4 head_dim), when the head dimension is known
-    kernels/step_wall_ms                        mean wall time of the profiled steps (``ProfilerStep#``
-                                                ranges, profiler overhead included)
-    kernels/busy_share                          total_ms_per_step / step_wall_ms
-
-Values that do not exist in a run (a phase with no kernels, attention stages without the naive backend)
-are not logged. Also logged: ``kernels/report`` (Markdown answering the seeds' questions),
-``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), ``kernels/categories`` (bar chart of
-category time per phase); written to the log dir: ``kernel_table.csv`` (every kernel, full names, per
-phase) and, with ``export_trace``, ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
+Every metric the callback logs, with its unit, is listed in the docstring of :class:`KernelShare`.
 """
 
 from __future__ import annotations
@@ -511,9 +479,44 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
 class KernelShare(Callback):
     """Profile a window of training steps and report where the kernel time goes (see the module docstring).
 
-    Metrics: see the module docstring (``kernels/total_ms_per_step``, ``kernels/gemm_share_forward``,
-    ``kernels/gemm_share_step``, ``kernels/{category}_share_step``, ``kernels/top_kernel_share_forward``
-    ...). Costs nothing before and after its window; inside it the profiler slows steps down.
+    The window is training batches ``wait`` .. ``wait + warmup + active - 1`` (counted from 0 at the start
+    of the fit). Before and after it the callback costs nothing (no profiler, no ranges, no hooks, no
+    device synchronisation); inside it the profiler slows steps down.
+
+    Metrics (TensorBoard scalars, all at the trainer's global step when the window closes; per-step values
+    are means over the active steps; phases: forward, backward, optimizer, outside; on CPU every "kernel"
+    value is CPU operator self time):
+
+        kernels/total_ms_per_step                   ms: kernel device time per step (memcpy / memset included)
+        kernels/{phase}_ms_per_step                 ms: kernel time per step launched in that phase
+        kernels/{category}_share_step               fraction in [0, 1]: category's share of the step's kernel
+                                                    time, for gemm, attention, softmax, elementwise,
+                                                    reduction, optimizer, copy, other
+        kernels/gemm_share_forward                  fraction: GEMM share of the forward phase's kernel time
+        kernels/gemm_share_backward                 fraction: same for backward
+        kernels/gemm_share_optimizer                fraction: same for the optimizer phase
+        kernels/gemm_share_step                     fraction: same for the whole step (= the category share)
+        kernels/top_kernel_share_forward            fraction: the forward phase's top kernel (by total time)
+        kernels/top_kernel_share_backward           fraction: same for backward
+        kernels/top_kernel_share_step               fraction: same for the whole step
+        kernels/top_kernel_calls_forward            calls per step of the forward phase's top kernel
+        kernels/top_kernel_calls_backward           calls per step: same for backward
+        kernels/top_kernel_calls_step               calls per step of the step's top kernel (all phases)
+        kernels/attn_softmax_ms_per_step            ms: forward kernel time inside ``attention/softmax`` ranges
+        kernels/attn_matmul_ms_per_step             ms: forward kernel time inside ``attention/qk_matmul`` and
+                                                    ``attention/pv_matmul`` ranges
+        kernels/attn_softmax_to_matmul_time_ratio   ratio (no unit): the two above divided
+        kernels/attn_softmax_to_matmul_flop_ratio   ratio (no unit): 5 / (4 head_dim), when head_dim is known
+        kernels/step_wall_ms                        ms: mean wall time of the profiled steps (``ProfilerStep#``
+                                                    ranges, profiler overhead included)
+        kernels/busy_share                          fraction: total_ms_per_step / step_wall_ms
+
+    Values that do not exist in a run (a phase with no kernels, attention stages without the naive
+    backend) are not logged. Also logged: text ``kernels/report`` (Markdown answering the seeds'
+    questions), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
+    ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
+    ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
+    ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
 
     Args:
         wait: training batches to skip before profiling (compilation, cuDNN/cuBLAS autotuning).

@@ -23,15 +23,9 @@ autocast) are flagged with the reason, found from what was observed rather than 
 * a module whose input is already wide keeps it (the residual stream stays fp32 once an fp32 tensor
   enters it: bf16 + fp32 promotes to fp32); the report names the module where the widening started.
 
-Logged metrics (at the inspected step's global step):
-
-    precision/logits_max_abs_err    max |logits - logits_fp32| (logits cast to fp32 first)
-    precision/logits_rel_err        ||logits - logits_fp32||_2 / ||logits_fp32||_2
-    precision/loss_abs_err          |loss - loss_fp32| (needs a ``loss(batch)`` method on the LightningModule)
-    precision/flagged_modules       number of module paths whose output is wider than the compute dtype
-
-plus ``precision/report`` (Markdown: answers, grouped tables, flags) and ``precision_step{N}.json`` in the log
-dir (every parameter, module, gradient and optimizer-state entry, ungrouped).
+Every metric the callback logs, with its unit, is listed in the docstring of :class:`PrecisionInspector`;
+it also writes ``precision/report`` (Markdown: answers, grouped tables, flags) and ``precision_step{N}.json``
+in the log dir (every parameter, module, gradient and optimizer-state entry, ungrouped).
 
 The fp32 reference needs fp32 parameter storage (mixed precision or ``32-true``); with ``bf16-true`` or
 ``16-true`` storage it is skipped with a note. Dropout or other randomness in the model makes the
@@ -415,8 +409,18 @@ def compare(mixed: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]
 class PrecisionInspector(Callback):
     """Record the dtypes of one training step and the error mixed precision adds (see the module docstring).
 
-    Metrics: ``precision/logits_max_abs_err``, ``precision/logits_rel_err``, ``precision/loss_abs_err``,
-    ``precision/flagged_modules``; text ``precision/report``; file ``precision_step{N}.json``.
+    Only the inspected batch pays: its forward hooks are installed in its ``on_train_batch_start`` and
+    removed at its end (or in ``on_exception``); every other batch costs a counter increment.
+
+    Metrics (TensorBoard scalars at the inspected step's global step; the first three only when the fp32
+    reference ran, see the module docstring):
+
+    - ``precision/logits_max_abs_err``: max |logits - logits_fp32|, in logit units (logits cast to fp32).
+    - ``precision/logits_rel_err``: ||logits - logits_fp32||_2 / ||logits_fp32||_2, a ratio (no unit).
+    - ``precision/loss_abs_err``: |loss - loss_fp32| in the loss's unit (nats for cross-entropy); needs a
+      ``loss(batch)`` method on the LightningModule.
+    - ``precision/flagged_modules``: count of module paths whose output is wider than the compute dtype.
+    - text ``precision/report`` (Markdown); file ``precision_step{N}.json`` in the log dir.
 
     Args:
         step: the training batch to inspect, counted from 0 at the start of the fit (0: the first step).
