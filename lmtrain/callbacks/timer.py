@@ -167,7 +167,8 @@ class CudaSyncTimer(pl.Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            # A run that stopped with an exception skips on_train_end: keep what was measured.
+            # Normally on_train_end has summarised already. (After an exception Lightning calls
+            # on_exception instead of teardown, so this does not cover a crashed run.)
             self._finish(trainer, log=False)
             self._event_pool.clear()
 
