@@ -14,15 +14,10 @@ from lmtrain.attention import needs_gpu
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
+from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
 
 StepMode = Literal["train", "forward", "forward_backward"]
-
-
-def _triton_interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class LMModule(pl.LightningModule):
@@ -95,7 +90,7 @@ class LMModule(pl.LightningModule):
                                f"warmup_steps={warmup_steps}.",
                                "use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
         # Checked here, not in configure_model: the trainer has written its log folder by then.
-        if needs_gpu(self.config.attention) and not torch.cuda.is_available() and not _triton_interpreted():
+        if needs_gpu(self.config.attention) and not torch.cuda.is_available() and not triton_interpreted():
             raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")

@@ -8,6 +8,7 @@ imported on first use, so ``import lmtrain.kernels`` neither needs Triton nor co
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from lmtrain.kernels.flash_pytorch import FlashAttentionPyTorch, flash_attention_pytorch
@@ -15,7 +16,13 @@ from lmtrain.kernels.flash_pytorch import FlashAttentionPyTorch, flash_attention
 if TYPE_CHECKING:
     from lmtrain.kernels.flash_triton import FlashAttentionTriton, flash_attention
 
-__all__ = ["FlashAttentionPyTorch", "FlashAttentionTriton", "flash_attention", "flash_attention_pytorch"]
+__all__ = ["FlashAttentionPyTorch", "FlashAttentionTriton", "flash_attention", "flash_attention_pytorch",
+           "triton_interpreted"]
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def __getattr__(name: str) -> Any:
