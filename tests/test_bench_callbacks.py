@@ -9,10 +9,11 @@ import pytest
 from tb import scalars
 
 from lmtrain.bench._common import FAIL_ENV
+from lmtrain.bench.callbacks import CALLBACKS, last_window_step, window_plan
 from lmtrain.cli import main
 
 TINY = ["--allow-cpu", "--config", "", "--size", "tiny", "--batch-size", "2", "--context-length", "16",
-        "--precision", "32-true", "--steps", "4", "--window-start", "1", "--measure-from", "3"]
+        "--precision", "32-true", "--steps", "4", "--window-start", "1", "--measure-from", "3", "--no-stagger"]
 
 
 def test_bench_callbacks_smoke_in_process(tmp_path):
@@ -66,3 +67,21 @@ def test_bench_callbacks_needs_gpu_without_allow_cpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "callbacks"]) == 2
     assert "--allow-cpu" in capsys.readouterr().err
+
+
+def test_window_plan_staggers_only_when_several_run_together():
+    plan = window_plan(list(CALLBACKS), 5)
+    assert plan == {"CudaSyncTimer": 5, "NVTXRanges": 10, "MemorySnapshot": 9, "KernelShare": 5,
+                    "PrecisionInspector": 8}
+    # KernelShare profiles 5..7; the others open after it, one after another, and never overlap
+    assert last_window_step(list(CALLBACKS), 5) == 12
+    assert window_plan(["KernelShare"], 5) == {"KernelShare": 5}
+    assert set(window_plan(list(CALLBACKS), 5, stagger=False).values()) == {5}
+    assert last_window_step(list(CALLBACKS), 5, stagger=False) == 7
+
+
+def test_bench_callbacks_warns_when_measuring_inside_a_window(tmp_path, capsys):
+    rc = main(["bench", "callbacks", *[a for a in TINY if a != "--no-stagger"], "--no-isolate", "--settings",
+               "none", "--out", str(tmp_path / "b.json"), "--logdir", str(tmp_path / "logs")])
+    assert rc == 0
+    assert "--measure-from 3 is inside a window (the last window step is 8)" in capsys.readouterr().err

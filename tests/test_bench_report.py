@@ -6,8 +6,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from lmtrain.bench import model as bench
-from lmtrain.bench.report import estimate_seconds, write_report
+from lmtrain.bench.report import estimate_seconds, with_current_plan, write_report
 from lmtrain.bench.studies import STUDIES
 
 
@@ -37,8 +39,13 @@ def test_report_has_tables_plots_and_commands(tmp_path: Path) -> None:
     out = tmp_path / "2026-01-01-H100-model.md"
     written = write_report(out, canned_rows(), ["python -m lmtrain bench report --out x.md"],
                            {"date": "2026-01-01", "torch": "2.11.0", "triton": "3.6.0"},
-                           skipped={"compile": "estimated 30.0 min, 2.0 min of the budget left"})
+                           skipped={"compile": "estimated 30.0 min, 2.0 min of the budget left",
+                                    "memory": "estimated 9.0 min, 1.0 min of the budget left"})
     text = re.sub(" +", " ", out.read_text())  # tables are padded to column width
+    # a skipped study with cells from an earlier run is shown, marked partial; one without cells is only named
+    memory = text[text.index("(`--study memory`)"):]
+    assert memory.index("Partial: this report did not run the study (estimated 9.0 min") < memory.index("| 2.7B |")
+    assert text.count("Partial:") == 1
     assert text.startswith("# Model benchmarks: 2026-01-01")
     assert "| torch | 2.11.0 |" in text and "python -m lmtrain bench report --out x.md" in text
     assert "## Timing per size and context (`--study timing`)" in text
@@ -60,3 +67,13 @@ def test_time_estimate_counts_cells_and_skips_done() -> None:
     assert 0 < half < full
     assert estimate_seconds(cells[:1], probe, probe_cell, set()) >= 2.0  # at least the start-up cost
     json.dumps(full)
+
+
+def test_rows_get_the_current_memory_plan() -> None:
+    cell = bench.Cell("small", 128, 4, "bf16-mixed", "sdpa", False, "forward", 1, 2)
+    row = bench.finish_row({**bench.base_row(cell), "status": "ok", "peak_gib": 1.0})
+    stale = {**row, "estimate_gib": 99.0, "estimate_error_pct": 9800.0}  # an older planner's numbers
+    fresh = with_current_plan(stale)
+    assert fresh["estimate_gib"] == pytest.approx(row["estimate_gib"]) and fresh["estimate_gib"] != 99.0
+    assert fresh["estimate_error_pct"] == pytest.approx(100.0 * (row["estimate_gib"] - 1.0))
+    assert with_current_plan({"key": "not json", "estimate_gib": 3.0})["estimate_gib"] == 3.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import re
 import warnings
 from pathlib import Path
@@ -20,10 +21,13 @@ from lmtrain.callbacks.kernel_share import (
     CATEGORIES,
     _self_times,
     categorize,
+    gpu_timeline,
     records_from_trace,
+    request_cupti_teardown,
     short_name,
     softmax_matmul_flop_ratio,
     summarize,
+    timeline_text,
 )
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
@@ -278,6 +282,25 @@ def test_records_from_trace_phases_by_launch_time() -> None:
         (GEMM, "forward", 40.0, None), (SM, "forward", 10.0, "attention/softmax"), (GEMM, "backward", 100.0, None),
         (OPT, "optimizer", 30.0, None), (CP, "outside", 4.0, None), (EW, "forward", 3.0, None),
     ])
+    # GPU timeline of the attributed activities: 200 .. 983, busy 187, gaps charged to the phase they end in
+    tl = tr.timeline
+    assert tl is not None and (tl.span_us, tl.busy_us, tl.idle_us) == (783.0, 187.0, 596.0)
+    assert tl.idle_by_phase_us == {"forward": 26.0, "backward": 240.0, "optimizer": 300.0, "outside": 30.0}
+    assert tl.largest_gaps[:2] == [(300.0, "optimizer", GEMM, OPT), (240.0, "backward", SM, GEMM)]
+
+
+def test_gpu_timeline_overlap_and_steps() -> None:
+    # two streams overlap (counted once); 2 steps halve the per-step values; an activity inside another adds no gap
+    tl = gpu_timeline([(0, 100, "a", "forward"), (50, 100, "b", "forward"), (60, 10, "c", "forward"),
+                       (200, 50, "d", "backward"), (400, 100, "e", "optimizer")], steps=2)
+    assert tl is not None
+    assert (tl.span_us, tl.busy_us, tl.idle_us) == (250.0, 150.0, 100.0)
+    assert tl.idle_by_phase_us == {"backward": 25.0, "optimizer": 75.0}
+    assert tl.largest_gaps == [(150.0, "optimizer", "d", "e"), (50.0, "backward", "b", "d")]
+    assert gpu_timeline([]) is None
+    text = timeline_text(tl)
+    assert "0.25 ms per step" in text and "(60.0%)" in text and "waited 0.10 ms per step" in text
+    assert text.index("before optimizer kernels") < text.index("backward kernels")  # largest first
 
 
 def test_records_from_trace_cpu_self_time() -> None:
@@ -454,3 +477,10 @@ def test_kernel_share_cuda(tmp_path: Path) -> None:
     kernel_ms = s.total_us / 1e3
     assert kernel_ms <= 1.05 * step_ms
     assert kernel_ms >= 0.5 * step_ms, (kernel_ms, step_ms)
+
+
+def test_request_cupti_teardown_respects_a_set_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    assert request_cupti_teardown() is True and os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # e.g. set by torch.compile with CUDA graphs
+    assert request_cupti_teardown() is False and os.environ["TEARDOWN_CUPTI"] == "0"

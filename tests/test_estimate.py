@@ -95,14 +95,18 @@ def test_parameters_gradients_and_adamw_state_are_exact() -> None:
     assert parameter_count(cfg) * 4 == grads
 
 
-def test_modes_order_and_bf16_weight_cache() -> None:
+def test_modes_order_and_no_autocast_weight_cache() -> None:
     cfg = ModelConfig.from_size("2.7B", context_length=512)
     fwd = estimate_memory(cfg, 4, 512, "32-true", "forward").peak
     fb = estimate_memory(cfg, 4, 512, "32-true", "forward_backward").peak
     train = estimate_memory(cfg, 4, 512, "32-true", "train").peak
     assert fwd < fb < train
-    # Autocast keeps a bf16 copy of every matmul weight during a no_grad forward: more than fp32.
-    assert estimate_memory(cfg, 4, 512, "bf16-mixed", "forward").peak > fwd
+    # Lightning's autocast has cache_enabled=False: a bf16-mixed forward holds the fp32 weights and one weight's
+    # bf16 copy at a time, not a cached bf16 copy of every weight (H100: 12.98 GiB bf16 vs 13.08 GiB fp32).
+    bf16 = estimate_memory(cfg, 4, 512, "bf16-mixed", "forward")
+    weights_bf16 = 2 * estimate_memory(cfg, 4, 512, "32-true", "forward").components["parameters"] / 4
+    assert abs(bf16.peak - fwd) < 0.05 * fwd and bf16.peak < fwd + weights_bf16 / 10
+    assert bf16.components["weight_cast"] == 2 * cfg.d_model * cfg.d_ff
     ckpt = ModelConfig.from_size("2.7B", context_length=512, activation_checkpointing=True)
     assert estimate_memory(ckpt, 4, 512, "32-true", "train").peak < train
 

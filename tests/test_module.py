@@ -38,11 +38,11 @@ class GradsSeen(pl.Callback):
 
 def fit(module: LMModule, steps: int, callbacks: list[pl.Callback] | None = None, **trainer_kwargs) -> pl.Trainer:
     data = LMDataModule(batch_size=BATCH, context_length=CONTEXT, vocab_size=VOCAB, train_batches=50, val_batches=1)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks or [],
-        **trainer_kwargs,
-    )
+    trainer = pl.Trainer(**{
+        "accelerator": "cpu", "devices": 1, "max_steps": steps, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
+        "callbacks": callbacks or [], **trainer_kwargs,
+    })
     trainer.fit(module, data)
     return trainer
 
@@ -208,3 +208,58 @@ def test_bf16_mixed_on_cuda_uses_fused_adamw() -> None:
     assert optimizer.defaults["fused"] is True
     assert trainer.global_step == 2
     assert math.isfinite(trainer.callback_metrics["train/loss"].item())
+
+
+class LogCalls(pl.Callback):
+    """Records, per batch, whether the progress bar and the logger's metrics hold the loss."""
+
+    def __init__(self) -> None:
+        self.bar: list[int] = []
+        self.logged: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.bar.append(batch_idx if "loss" in trainer.progress_bar_metrics else -1)
+        self.logged.append(batch_idx if "train/loss" in trainer.callback_metrics else -1)
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_loss_goes_to_the_logger_and_to_the_progress_bar_only_when_shown(bar: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    module = small_module()
+    calls: list[tuple[str, bool]] = []
+    original = LMModule.log
+
+    def log(self, name, value, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls.append((name, bool(kwargs.get("prog_bar", False))))
+        return original(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(LMModule, "log", log)
+    seen = LogCalls()
+    fit(module, 5, [seen], enable_progress_bar=bar)
+    assert [c for c in calls if c[0] == "train/loss"] == [("train/loss", False)] * 5  # logger only, no bar
+    assert [c for c in calls if c[0] == "loss"] == ([("loss", True)] * 5 if bar else [])
+    assert seen.logged == list(range(5))
+    assert seen.bar == (list(range(5)) if bar else [-1] * 5)
+
+
+@pytest.mark.gpu
+def test_progress_bar_loss_does_not_synchronise_on_cuda() -> None:
+    """With the bar shown, steps run without a host-device synchronisation (sync debug mode "error")."""
+
+    class NoSync(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == 2:
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == 5:
+                torch.cuda.set_sync_debug_mode("default")
+
+    module = small_module()
+    try:
+        trainer = fit(module, 7, [NoSync()], accelerator="cuda", enable_progress_bar=True, log_every_n_steps=100)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    shown = trainer.progress_bar_metrics["loss"]
+    assert isinstance(shown, float) and math.isfinite(shown) and shown > 0
+    assert module._bar_loss is not None and module._bar_loss.device.type == "cpu"

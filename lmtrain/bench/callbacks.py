@@ -4,7 +4,15 @@ The same ``LMModule`` (from ``--config``) is trained with ``Trainer.fit`` for ``
 in this order: no callback, each of CudaSyncTimer, NVTXRanges, MemorySnapshot, KernelShare and
 PrecisionInspector alone, all five together, and no callback again. Windowed callbacks are placed early
 (from ``--window-start``, a few steps), and statistics use only the steps from ``--measure-from`` on, so
-they show the cost *outside* the windows, which is what a long training run pays.
+they show the cost *outside* the windows, which is what a long training run pays. In the all-five setting
+the windows follow one another (``window_plan``): KernelShare profiles steps ``start .. start+2``, then
+PrecisionInspector inspects ``start+3``, MemorySnapshot records ``start+4`` and NVTXRanges covers
+``start+5 .. start+7``, so that no callback's window measures another's work (KernelShare's kernel
+table would otherwise include PrecisionInspector's fp32 reference forward). ``--no-stagger`` opens them
+all at ``--window-start``.
+
+For the settings with KernelShare the row also gives its kernel time per step and the GPU's idle time in
+the profiled steps, next to the probe's median step time: how much of a step the kernel table explains.
 
 Each setting runs in a fresh Python process (``--isolate``, the default): run one after another in one
 process, later settings ran slower (on a GPU the second no-callback run, after the profiler-based
@@ -62,10 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="batch size instead of the config's")
     parser.add_argument("--context-length", type=int, help="context length instead of the config's")
     parser.add_argument("--precision", help="trainer precision instead of the config's")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per setting (default 30)")
+    parser.add_argument("--steps", type=int, default=36, help="training steps per setting (default 36)")
     parser.add_argument("--window-start", type=int, default=5, help="first step of the callbacks' windows (default 5)")
-    parser.add_argument("--measure-from", type=int, default=10,
-                        help="first step counted in the statistics, after every window (default 10)")
+    parser.add_argument("--measure-from", type=int, default=14,
+                        help="first step counted in the statistics, after every window (default 14)")
+    parser.add_argument("--no-stagger", dest="stagger", action="store_false",
+                        help="all-five setting: open every window at --window-start instead of one after another")
     parser.add_argument("--settings", nargs="+", help="run only these settings (none, a callback name, all)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--logdir", default="logs/bench_callbacks",
@@ -93,7 +103,7 @@ def load_setup(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     else:
         model = {"size": "2.7B", "vocab_size": 10_000, "context_length": 512}
         data = {"source": "synthetic", "batch_size": 4}
-        precision, source = "bf16-mixed", f"built-in (no {path})"
+        precision, source = "bf16-mixed", f"built-in defaults (no {path})" if path else "built-in defaults"
     if args.size:
         model["size"] = args.size
     if args.context_length:
@@ -109,6 +119,24 @@ def load_setup(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     return model, data, precision, source
 
 
+#: Where each callback's window starts in the all-five setting, relative to ``--window-start``
+#: (KernelShare profiles 3 steps; NVTXRanges covers 3).
+STAGGER = {"KernelShare": 0, "PrecisionInspector": 3, "MemorySnapshot": 4, "NVTXRanges": 5, "CudaSyncTimer": 0}
+WINDOW_STEPS = {"KernelShare": 3, "PrecisionInspector": 1, "MemorySnapshot": 1, "NVTXRanges": 3, "CudaSyncTimer": 0}
+
+
+def window_plan(names: list[str], window_start: int, stagger: bool = True) -> dict[str, int]:
+    """First window step of each callback: one after another when several run together and ``stagger``."""
+    together = len(names) > 1 and stagger
+    return {n: window_start + (STAGGER.get(n, 0) if together else 0) for n in names}
+
+
+def last_window_step(names: list[str], window_start: int, stagger: bool = True) -> int:
+    """The last step inside any callback's window (``window_start - 1`` when none has one)."""
+    plan = window_plan(names, window_start, stagger)
+    return max([plan[n] + WINDOW_STEPS.get(n, 1) - 1 for n in names] or [window_start - 1])
+
+
 def make_callback(name: str, window_start: int) -> tuple[Any | None, str]:
     """The callback ``name`` with its window at ``window_start`` (and a few steps), or None and why not."""
     try:
@@ -119,10 +147,11 @@ def make_callback(name: str, window_start: int) -> tuple[Any | None, str]:
         return None, f"not available ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
     wanted = {
         "CudaSyncTimer": {"warmup_steps": window_start, "print_summary": False},
-        "NVTXRanges": {"depth": "op", "start_step": window_start, "num_steps": 3},
+        "NVTXRanges": {"depth": "op", "start_step": window_start, "num_steps": WINDOW_STEPS["NVTXRanges"]},
         "MemorySnapshot": {"start_step": window_start, "num_steps": 1},
         # torch.profiler schedule: wait, warmup, then active steps window_start .. window_start + 2.
-        "KernelShare": {"wait": max(0, window_start - 2), "warmup": min(2, window_start), "active": 3},
+        "KernelShare": {"wait": max(0, window_start - 2), "warmup": min(2, window_start),
+                        "active": WINDOW_STEPS["KernelShare"]},
         "PrecisionInspector": {"step": window_start},
     }[name]
     try:
@@ -210,6 +239,14 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
         "hooks_left": _hooks_left(module),
     }
     for cb in callbacks:
+        summary = getattr(cb, "summary", None) if type(cb).__name__ == "KernelShare" else None
+        if summary is not None:
+            row["kernel_ms"] = summary.total_us / 1e3
+            if row["median_step_ms"]:
+                row["kernel_vs_step_pct"] = 100.0 * (row["kernel_ms"] / row["median_step_ms"] - 1.0)
+            timeline = getattr(cb, "timeline", None)
+            if timeline is not None:
+                row["gpu_idle_ms"] = timeline.idle_us / 1e3
         if type(cb).__name__ == "CudaSyncTimer":
             own = [r["step_ms"] for r in cb.step_times if r["step"] >= args.measure_from]
             same = [steps[int(r["step"])] for r in cb.step_times if r["step"] >= args.measure_from]
@@ -239,8 +276,9 @@ def measure_setting(name: str, names: list[str], module: Any, data: Any, precisi
                     cuda: bool, scratch: str) -> dict[str, Any]:
     """The row of one setting in this process; a setting that fails is recorded in the row's ``note``."""
     callbacks, notes = [], []
+    starts = window_plan(names, args.window_start, getattr(args, "stagger", True))
     for cb_name in names:
-        cb, why = make_callback(cb_name, args.window_start)
+        cb, why = make_callback(cb_name, starts[cb_name])
         if cb is None:
             notes.append(f"{cb_name} {why}")
         else:
@@ -288,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench callbacks: --measure-from {args.measure_from} must be below --steps {args.steps}.",
               file=sys.stderr)
         return 2
+    last = last_window_step(list(CALLBACKS), args.window_start, args.stagger)
+    if args.measure_from <= last:
+        print(f"bench callbacks: warning: --measure-from {args.measure_from} is inside a window (the last window "
+              f"step is {last}); the statistics then include profiled steps.", file=sys.stderr)
     model_kwargs, data_kwargs, precision, source = load_setup(args)
     plan = settings_plan(args.settings)
 
@@ -326,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
             r["overhead_pct"] = 100.0 * (r["median_step_ms"] / base - 1.0)
     meta = {"device": device, "config": source, "model": model_kwargs, "data": data_kwargs, "precision": precision,
             "steps": args.steps, "window_start": args.window_start, "measure_from": args.measure_from,
+            "windows_all_five": window_plan(list(CALLBACKS), args.window_start, args.stagger),
             "isolated": bool(args.isolate), "baseline_step_ms": base, "baseline_drift_pct": drift,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     how = "each setting in a fresh process" if args.isolate else "all settings in one process"
@@ -361,6 +404,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     table = [[r["setting"], num(r.get("median_step_ms"), ".2f"), num(r.get("overhead_pct"), "+.2f"),
               num(r.get("timer_step_ms"), ".2f"), num(r.get("timer_vs_probe_pct"), "+.2f"),
+              num(r.get("kernel_ms"), ".2f"), num(r.get("kernel_vs_step_pct"), "+.2f"),
+              num(r.get("gpu_idle_ms"), ".2f"),
               num(r.get("first_step_ms"), ".0f"), r.get("hooks_left", "-"), r.get("note", "")] for r in rows]
     return markdown_table(["setting", "median step ms", "overhead %", "timer step ms", "timer vs probe %",
-                           "first step ms", "hooks left", "note"], table)
+                           "kernel ms/step", "kernel vs step %", "GPU idle ms/step (profiled)", "first step ms",
+                           "hooks left", "note"], table)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,25 @@ def estimate_seconds(cells: list[Cell], probe: dict[str, Any], probe_cell: Cell,
     return total
 
 
+def with_current_plan(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with the memory plan of this lmtrain version (analytic: re-evaluated, the peak is not re-measured).
+
+    A results file can hold cells measured by an earlier version; its plan column would otherwise show that
+    version's planner. Rows whose key is not a cell are returned unchanged.
+    """
+    try:
+        cell = Cell(**json.loads(row["key"]))
+    except (KeyError, TypeError, ValueError):
+        return row
+    estimate = base_row(cell).get("estimate_gib")
+    if estimate is None:
+        return row
+    new = {**row, "estimate_gib": estimate, "estimate_error_pct": None}
+    if new.get("peak_gib"):
+        new["estimate_error_pct"] = 100.0 * (estimate - new["peak_gib"]) / new["peak_gib"]
+    return new
+
+
 def versions() -> dict[str, str]:
     """torch, triton, lightning, CUDA, driver and Python versions (call after the cells ran)."""
     import platform
@@ -137,6 +157,34 @@ def versions() -> dict[str, str]:
 # -- plots ----------------------------------------------------------------------------------------------------
 
 
+def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows split into lines: one per size (and attention backend / batch size where those vary), one point per
+    context (where several studies measured the same point, the cell with the most measured steps)."""
+    vary_attn = len({r["attention"] for r in rows}) > 1
+    vary_batch = len({r["batch_size"] for r in rows}) > 1
+    lines: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        label = str(r["size"]) + (f" {r['attention']}" if vary_attn else "") + (f" B{r['batch_size']}" if vary_batch
+                                                                                else "")
+        points = lines.setdefault(label, {})
+        old = points.get(r["context"])
+        if old is None or (r.get("steps") or 0) > (old.get("steps") or 0):
+            points[r["context"]] = r
+    return {label: [pts[t] for t in sorted(pts)] for label, pts in lines.items()}
+
+
+def _context_axis(ax: Any, contexts: list[int]) -> None:
+    """Log-scaled context axis labelled with the measured contexts themselves."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ax.set_xscale("log")
+    ticks = sorted(set(contexts))
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("context (tokens)")
+
+
 def plot_step_times(rows: list[dict[str, Any]], path: Path) -> bool:
     """Step time vs context, one line per size, one panel per (precision, mode). False when nothing to plot."""
     import matplotlib
@@ -152,12 +200,11 @@ def plot_step_times(rows: list[dict[str, Any]], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.8), squeeze=False)
     for ax, (precision, mode) in zip(axes[0], groups, strict=True):
         sel = [r for r in ok if (r["precision"], r["mode"]) == (precision, mode)]
-        for size in dict.fromkeys(r["size"] for r in sel):
-            pts = sorted((r["context"], r["step_ms_mean"]) for r in sel if r["size"] == size)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=size)
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="step time (ms)",
-               title=f"{mode}, {precision}")
-        ax.legend(fontsize=8)
+        for label, pts in _series(sel).items():
+            ax.plot([r["context"] for r in pts], [r["step_ms_mean"] for r in pts], marker="o", label=label)
+        _context_axis(ax, [r["context"] for r in sel])
+        ax.set(yscale="log", ylabel="step time (ms)", title=f"{mode}, {precision}")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -178,20 +225,24 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
         mine = [r for r in sel if r["size"] == size]
-        groups = list(dict.fromkeys((r["precision"], r["mode"], r["attention"]) for r in mine))
+        groups = list(dict.fromkeys((r["precision"], r["mode"], r["attention"], r["batch_size"]) for r in mine))
+        many_attn, many_batch = len({g[2] for g in groups}) > 1, len({g[3] for g in groups}) > 1
         for i, g in enumerate(groups):
-            pts = sorted((r["context"], r.get("peak_gib"), r["estimate_gib"], r.get("status")) for r in mine
-                         if (r["precision"], r["mode"], r["attention"]) == g)
+            line = [r for r in mine if (r["precision"], r["mode"], r["attention"], r["batch_size"]) == g]
+            pts = next(iter(_series(line).values()))
             color = f"C{i % 10}"
-            measured = [(t, p) for t, p, _, _ in pts if p]
-            ax.plot([t for t, _ in measured], [p for _, p in measured], marker="o", color=color,
-                    label=f"{g[0]} {g[1]}" + (f" {g[2]}" if len({x[2] for x in groups}) > 1 else ""))
-            ax.plot([t for t, *_ in pts], [e for _, _, e, _ in pts], linestyle="--", marker=".", color=color)
-            oom = [(t, e) for t, _, e, s in pts if s == "OOM"]
+            measured = [r for r in pts if r.get("peak_gib")]
+            label = f"{g[0]} {g[1]}" + (f" {g[2]}" if many_attn else "") + (f" B{g[3]}" if many_batch else "")
+            ax.plot([r["context"] for r in measured], [r["peak_gib"] for r in measured], marker="o", color=color,
+                    label=label)
+            ax.plot([r["context"] for r in pts], [r["estimate_gib"] for r in pts], linestyle="--", marker=".",
+                    color=color)
+            oom = [r for r in pts if r.get("status") == "OOM"]
             if oom:
-                ax.scatter([t for t, _ in oom], [e for _, e in oom], marker="x", color=color, s=60)
-        ax.set(xscale="log", xlabel="context (tokens)", ylabel="GiB", title=size)
-        ax.legend(fontsize=7)
+                ax.scatter([r["context"] for r in oom], [r["estimate_gib"] for r in oom], marker="x", color=color, s=60)
+        _context_axis(ax, [r["context"] for r in mine])
+        ax.set(ylabel="GiB", title=size)
+        ax.legend(fontsize=6)
     fig.suptitle("peak memory: measured (solid), plan (dashed), OOM (x at the plan)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -233,8 +284,11 @@ def write_report(
     if skipped:
         lines += ["Studies not run:", ""] + [f"- `{k}`: {v}" for k, v in skipped.items()] + [""]
     for name, rows in per_study.items():
-        lines += [f"## {STUDIES[name].title} (`--study {name}`)", "", STUDIES[name].render(rows) if rows
-                  else "No cells of this study have results.", ""]
+        lines += [f"## {STUDIES[name].title} (`--study {name}`)", ""]
+        if skipped and name in skipped:
+            lines += [f"Partial: this report did not run the study ({skipped[name]}); the cells below come from "
+                      "an earlier run into the same results file.", ""]
+        lines += [STUDIES[name].render(rows) if rows else "No cells of this study have results.", ""]
     written = [out]
     plots = []
     step_png = out.with_name(out.stem + "_step_time.png")
@@ -277,9 +331,10 @@ def run(args: argparse.Namespace) -> int:
             budget -= (dt.datetime.now() - t0).total_seconds()
             done.update(c.key() for c in cells)
             commands.append(study_command(args, name, results))
-    by_key = {r["key"]: r for r in load_results(results)}
-    per_study = {name: [by_key[c.key()] for c in cells if c.key() in by_key] for name, cells in per_cells.items()
-                 if name not in skipped}
+    by_key = {r["key"]: with_current_plan(r) for r in load_results(results)}
+    # A skipped study still shows the cells an earlier run (same results file) measured, marked as partial.
+    per_study = {name: [by_key[c.key()] for c in cells if c.key() in by_key] for name, cells in per_cells.items()}
+    per_study = {name: rows for name, rows in per_study.items() if rows or name not in skipped}
     info = {"date": dt.date.today().isoformat(), **versions()}
     written = write_report(args.out, per_study, commands, info, skipped)
     print("\n".join(str(p) for p in written))

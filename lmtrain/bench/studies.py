@@ -7,9 +7,10 @@ says otherwise) so that a study fits a short GPU session; raise ``--steps`` for 
     timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
     warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
     precision           fp32 vs bf16-mixed per size (contexts 128, 512), forward+backward and train; speed-up
-    compile             eager vs torch.compile: small, medium, large at context 512; forward, fwd+bwd, train
-    memory              2.7B at contexts 128, 256, 512, 1024: forward vs train, fp32 vs bf16-mixed peaks
-                        next to the memory plan (warm-up 1, 2 steps: a peak needs no statistics)
+    compile             eager vs torch.compile: all five sizes at context 512; forward, fwd+bwd, train
+    memory              2.7B at contexts 128, 256, 512, 1024, 2048: forward vs train, fp32 vs bf16-mixed peaks
+                        next to the memory plan (warm-up 1, 2 steps: a peak needs no statistics); on an
+                        80 GB GPU the 2048 train cells run out of memory
     attention-backends  small, bf16-mixed, forward+backward: naive vs sdpa vs flash_triton at contexts 256
                         .. 16384, stopping each backend at its first OOM
 """
@@ -162,10 +163,10 @@ STUDIES: dict[str, Study] = {
         "sizes": list(SEED_SIZES), "contexts": [128, 512], "precision": ["32-true", "bf16-mixed"],
         "mode": ["forward_backward", "train"]}, render_precision),
     "compile": Study("compile", "Eager vs torch.compile", {
-        "sizes": ["small", "medium", "large"], "contexts": [512], "compile": ["off", "on"],
+        "sizes": list(SEED_SIZES), "contexts": [512], "compile": ["off", "on"],
         "mode": ["forward", "forward_backward", "train"]}, render_compile),
     "memory": Study("memory", "Memory peaks", {
-        "sizes": ["2.7B"], "contexts": [128, 256, 512, 1024], "mode": ["forward", "train"],
+        "sizes": ["2.7B"], "contexts": [128, 256, 512, 1024, 2048], "mode": ["forward", "train"],
         "precision": ["32-true", "bf16-mixed"], "warmup": [1], "steps": [2]}, render_memory),
     "attention-backends": Study("attention-backends", "Attention backends", {
         "sizes": ["small"], "contexts": [256, 1024, 4096, 8192, 16384], "attention": ["naive", "sdpa", "flash_triton"],
