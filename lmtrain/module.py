@@ -47,7 +47,8 @@ class LMModule(pl.LightningModule):
         betas: AdamW betas.
         eps: AdamW epsilon.
         fused_adamw: use the fused CUDA AdamW kernel when the parameters are on a GPU.
-        compile: wrap the model in ``torch.compile``.
+        compile: compile the model with ``torch.compile``, in place (``nn.Module.compile``: checkpoint keys
+            stay those of the eager model).
         step_mode: ``train`` (forward, backward, AdamW step), ``forward_backward`` (no optimizer
             step) or ``forward`` (no gradients at all), for benchmarks that time part of a step with
             the same loop.
@@ -111,7 +112,11 @@ class LMModule(pl.LightningModule):
         if self.model is not None:
             return
         model = TransformerLM(self.config)
-        self.model = torch.compile(model) if self.hparams.compile else model
+        if self.hparams.compile:
+            # In place (nn.Module.compile): the module stays a TransformerLM and its state_dict keys stay
+            # those of the eager model, so checkpoints load with or without compile.
+            model.compile()
+        self.model = model
 
     @property
     def flops_per_batch(self) -> float | None:
@@ -193,6 +198,12 @@ class LMModule(pl.LightningModule):
         # step's closure, after its forward pass, so the forward would otherwise hold a full set of stale
         # gradients at the activation peak (12.7 GiB more for the 2.7B model than a plain loop).
         optimizer.zero_grad(set_to_none=True)
+
+    def on_fit_start(self) -> None:
+        # A trainer.validate() before fit leaves the metric's state as inference tensors (validate runs
+        # under torch.inference_mode); fit validates under no_grad, where updating them in place fails.
+        # reset() outside inference mode replaces them with normal tensors.
+        self.val_loss.reset()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))

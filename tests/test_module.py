@@ -167,8 +167,26 @@ def test_compile_matches_eager() -> None:
     batch = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1))
     eager = built(small_module())
     compiled = built(small_module(compile=True))  # same seed: same initial weights
-    assert isinstance(compiled.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled.model._compiled_call_impl is not None  # compiled in place (nn.Module.compile)
     torch.testing.assert_close(compiled.loss(batch), eager.loss(batch), rtol=1e-5, atol=1e-5)
+    # The state dict is the eager model's: a checkpoint loads with or without compile.
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    other = built(small_module())
+    other.load_state_dict(compiled.state_dict())
+    torch.testing.assert_close(other.loss(batch), eager.loss(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_validate_then_fit_on_the_same_module() -> None:
+    """validate() leaves the metric's state as inference tensors; fit's validation must still update it."""
+    module = small_module()
+    data = LMDataModule(batch_size=BATCH, context_length=CONTEXT, vocab_size=VOCAB, train_batches=4, val_batches=2)
+    kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    first = pl.Trainer(**kwargs).validate(module, data, verbose=False)[0]["val/loss"]
+    trainer = pl.Trainer(max_steps=4, val_check_interval=2, **kwargs)
+    trainer.fit(module, data)
+    after = float(trainer.callback_metrics["val/loss"])
+    assert math.isfinite(first) and math.isfinite(after) and after != first
 
 
 @pytest.mark.parametrize(
