@@ -6,8 +6,8 @@ says otherwise) so that a study fits a short GPU session; raise ``--steps`` for 
 
     timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
     warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
-    precision           fp32 vs bf16-mixed per size (contexts 128, 512), forward+backward and train; speed-up
-    compile             eager vs torch.compile: all five sizes at contexts 128 and 512; forward, fwd+bwd, train
+    precision           fp32 vs bf16-mixed per size (contexts 128, 512, 1024), forward+backward and train; speed-up
+    compile             eager vs torch.compile: all five sizes at contexts 128, 512, 1024; forward, fwd+bwd, train
     memory              2.7B at contexts 128, 256, 512, 1024, 2048: forward vs train, fp32 vs bf16-mixed peaks
                         next to the memory plan (warm-up 1, 2 steps: a peak needs no statistics); on an
                         80 GB GPU the 2048 train cells run out of memory
@@ -160,10 +160,10 @@ STUDIES: dict[str, Study] = {
     "warmup": Study("warmup", "Warm-up study", {
         "sizes": ["small"], "contexts": [512], "warmup": [0, 1, 2, 5], "mode": ["forward_backward"]}, render_warmup),
     "precision": Study("precision", "FP32 vs BF16", {
-        "sizes": list(SEED_SIZES), "contexts": [128, 512], "precision": ["32-true", "bf16-mixed"],
+        "sizes": list(SEED_SIZES), "contexts": [128, 512, 1024], "precision": ["32-true", "bf16-mixed"],
         "mode": ["forward_backward", "train"]}, render_precision),
     "compile": Study("compile", "Eager vs torch.compile", {
-        "sizes": list(SEED_SIZES), "contexts": [128, 512], "compile": ["off", "on"],
+        "sizes": list(SEED_SIZES), "contexts": [128, 512, 1024], "compile": ["off", "on"],
         "mode": ["forward", "forward_backward", "train"]}, render_compile),
     "memory": Study("memory", "Memory peaks", {
         "sizes": ["2.7B"], "contexts": [128, 256, 512, 1024, 2048], "mode": ["forward", "train"],
