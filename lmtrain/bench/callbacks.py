@@ -276,7 +276,7 @@ def measure_setting(name: str, names: list[str], module: Any, data: Any, precisi
                     cuda: bool, scratch: str) -> dict[str, Any]:
     """The row of one setting in this process; a setting that fails is recorded in the row's ``note``."""
     callbacks, notes = [], []
-    starts = window_plan(names, args.window_start, getattr(args, "stagger", True))
+    starts = window_plan(names, args.window_start, args.stagger)
     for cb_name in names:
         cb, why = make_callback(cb_name, starts[cb_name])
         if cb is None:

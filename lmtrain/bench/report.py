@@ -30,6 +30,7 @@ from lmtrain.bench.model import (
     cell_config,
     cells_from_values,
     command_line,
+    finish_row,
     load_results,
     markdown_rows,
     run_sweep,
@@ -124,10 +125,7 @@ def with_current_plan(row: dict[str, Any]) -> dict[str, Any]:
     estimate = base_row(cell).get("estimate_gib")
     if estimate is None:
         return row
-    new = {**row, "estimate_gib": estimate, "estimate_error_pct": None}
-    if new.get("peak_gib"):
-        new["estimate_error_pct"] = 100.0 * (estimate - new["peak_gib"]) / new["peak_gib"]
-    return new
+    return finish_row({**row, "estimate_gib": estimate, "estimate_error_pct": None})
 
 
 def versions() -> dict[str, str]:

@@ -461,10 +461,9 @@ def gpu_timeline(intervals: Sequence[tuple[float, float, str, str]], steps: int 
             cur_end = max(cur_end, ts + dur)
         if ts + dur >= cur_end:
             prev_name = name
-    busy += cur_end - cur_start
-    end = max(iv[0] + iv[1] for iv in ordered)
+    busy += cur_end - cur_start  # cur_end is now the end of the last activity to finish
     gaps.sort(key=lambda g: -g[0])
-    return GpuTimeline(span_us=(end - start) / steps, busy_us=busy / steps,
+    return GpuTimeline(span_us=(cur_end - start) / steps, busy_us=busy / steps,
                        idle_by_phase_us={k: v / steps for k, v in idle.items()}, largest_gaps=gaps[:keep_gaps])
 
 
