@@ -56,7 +56,8 @@ the backward pass recomputes one layer at a time (its activations are added once
                          block's (n*D*(4 + 4 [+ c]) + 3*n*F*c). No autocast weight cache: Lightning enters
                          autocast with ``cache_enabled=False``, so each weight's bf16 copy is made when it is
                          used and freed after (measured on an H100: 2.7B bf16-mixed forward peaks at the fp32
-                         parameters plus 0.2 GiB, not plus the 6.3 GiB a cache of bf16 weights would hold)
+                         parameters plus 0.2-0.9 GiB at contexts 128-2048, not plus the 6.3 GiB a cache of
+                         bf16 weights would hold)
 
 plus a fixed CUDA workspace term (cuBLAS / cuBLASLt workspaces come from PyTorch's caching allocator and
 are counted by ``max_memory_allocated``; see ``CUDA_WORKSPACE_BYTES``).
