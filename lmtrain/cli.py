@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -71,7 +72,9 @@ def _tool(name: str, module: str, args: Sequence[str], prog: str) -> int:
     mod = importlib.import_module(module)
     parser = argparse.ArgumentParser(prog=prog, description=(mod.__doc__ or "").strip().splitlines()[0])
     mod.add_arguments(parser)
-    return int(mod.run(parser.parse_args(list(args))) or 0)
+    ns = parser.parse_args(list(args))
+    ns.command_line = shlex.join([*prog.split(), *args])  # as typed, for the records the tool writes
+    return int(mod.run(ns) or 0)
 
 
 def _bench(args: Sequence[str]) -> int:

@@ -145,6 +145,12 @@ def test_resume_runs_only_new_cells_and_stop_after_oom(tmp_path: Path, stub_time
     assert len(launches) == 2  # 24 ran out of memory, 32 was skipped without a process
     rows = {int(r["context"]): r for r in read_csv(out)}
     assert rows[32]["status"] == "OOM" and rows[32]["error"].startswith("skipped")
+    # the results file keeps every command that added cells, in order, and the environment they ran in
+    meta = bench.load_meta(out)
+    assert [c.split("--contexts ")[1].split()[0] for c in meta["commands"]] == ["16", "16,24,32"]
+    assert meta["environment"]["torch"] == __import__("torch").__version__
+    assert sweep(out, "--contexts", "16", "--mode", "forward") == 0  # nothing to run: the file is unchanged
+    assert bench.load_meta(out) == meta
 
 
 def test_timeout_is_recorded(tmp_path: Path, stub_timer: None, monkeypatch: pytest.MonkeyPatch) -> None:

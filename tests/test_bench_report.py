@@ -77,3 +77,22 @@ def test_rows_get_the_current_memory_plan() -> None:
     assert fresh["estimate_gib"] == pytest.approx(row["estimate_gib"]) and fresh["estimate_gib"] != 99.0
     assert fresh["estimate_error_pct"] == pytest.approx(100.0 * (row["estimate_gib"] - 1.0))
     assert with_current_plan({"key": "not json", "estimate_gib": 3.0})["estimate_gib"] == 3.0
+
+
+def test_report_from_results_only_uses_the_recorded_environment_and_commands(tmp_path: Path) -> None:
+    from lmtrain.cli import main
+
+    results = tmp_path / "res.csv"
+    rows = [r for rows in canned_rows().values() for r in rows]
+    env = {"python": "3.12.3", "torch": "2.11.0+cu130", "lightning": "2.6.6", "CUDA (torch build)": "13.0",
+           "triton": "3.6.0", "driver": "580.1"}
+    bench.save_results(results, rows, {"commands": ["python -m lmtrain bench model --study timing --out res.csv"],
+                                       "environment": env, "launcher": "fork"})
+    out = tmp_path / "report.md"
+    assert main(["bench", "report", "--out", str(out), "--results", str(results), "--no-run",
+                 "--studies", "timing", "memory"]) == 0
+    text = re.sub(" +", " ", out.read_text())
+    assert "| torch | 2.11.0+cu130 |" in text and "| driver | 580.1 |" in text
+    block = text[text.index("Commands:"):]
+    assert block.index("bench model --study timing --out res.csv") < block.index("bench report --out")
+    assert "| 2.7B | 1024 | 4 | 32-true | train |" in text  # the OOM cell, from the file alone

@@ -28,6 +28,8 @@ import csv
 import json
 import math
 import os
+import shlex
+import subprocess
 import sys
 import time
 import traceback
@@ -388,6 +390,51 @@ def load_results(out: Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text()).get("rows", []))
 
 
+def load_meta(out: Path) -> dict[str, Any]:
+    """The ``meta`` of the results JSON beside ``out`` (commands, environment, launcher), or {}."""
+    path = out.with_suffix(".json")
+    if not path.is_file():
+        return {}
+    return dict(json.loads(path.read_text()).get("meta", {}))
+
+
+def versions() -> dict[str, str]:
+    """torch, triton, lightning, CUDA, driver and Python versions (of this process; cells run with the same)."""
+    import platform
+
+    import lightning
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+            "CUDA (torch build)": str(torch.version.cuda)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "not installed"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "n/a"
+    except (OSError, subprocess.SubprocessError):
+        info["driver"] = "n/a"
+    return info
+
+
+def _merged_meta(out: Path, meta: dict[str, Any] | None, launcher: str) -> dict[str, Any]:
+    """The results file's meta updated for this run: every command that added cells, in order, and the
+    environment (versions, driver) of the latest run."""
+    old = load_meta(out)
+    commands = list(old.get("commands") or ([old["command"]] if old.get("command") else []))
+    new = dict(meta or {})
+    command = new.pop("command", None)
+    if command and (not commands or commands[-1] != command):
+        commands.append(command)
+    return {**{k: v for k, v in old.items() if k != "command"}, **new, "commands": commands, "launcher": launcher,
+            "environment": versions()}
+
+
 def save_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Write the rows as CSV (``out``) and JSON (``out`` with ``.json``), atomically."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -494,7 +541,7 @@ def run_sweep(
     existing = {r["key"]: r for r in load_results(out) if r.get("key")}
     rerun = ("error", "timeout") if retry_failed else ()
     todo = [c for c in unique if c.key() not in existing or existing[c.key()].get("status") in rerun]
-    meta = {**(meta or {}), "launcher": launcher}
+    meta = _merged_meta(out, meta, launcher) if todo else {}
     work_dir = out.parent / f"{out.stem}_cells"
     failed = [c for c in unique if existing.get(c.key(), {}).get("status") == "OOM"]
     start = time.perf_counter()
@@ -635,10 +682,11 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
     return cells
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    """The command that is running, as ``python -m lmtrain ...`` (for reports)."""
-    argv = sys.argv[1:] if argv is None else argv
-    return "python -m lmtrain " + " ".join(argv)
+def command_line(args: argparse.Namespace | None = None) -> str:
+    """The command that is running, as ``python -m lmtrain ...`` (for reports): as the command line passed it to
+    ``main``, else from ``sys.argv``."""
+    given = getattr(args, "command_line", None)
+    return given if given else "python -m lmtrain " + shlex.join(sys.argv[1:])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -649,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(cells)} cells -> {args.out}", file=sys.stderr)
     rows = run_sweep(cells, args.out, launcher=args.launcher, timeout=args.timeout, logdir=logdir,
                      retry_failed=args.retry_failed, stop_after_oom=stop_after_oom,
-                     max_minutes=args.max_minutes, meta={"command": command_line()})
+                     max_minutes=args.max_minutes, meta={"command": command_line(args)})
     print(markdown_rows(rows))
     by_key = {r["key"]: r for r in rows}
     for name, study_cells in per_study.items():

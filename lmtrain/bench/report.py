@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from lmtrain.bench.model import (
+    load_meta,
+    versions,
     Cell,
     base_row,
     cell_config,
@@ -126,30 +127,6 @@ def with_current_plan(row: dict[str, Any]) -> dict[str, Any]:
     if estimate is None:
         return row
     return finish_row({**row, "estimate_gib": estimate, "estimate_error_pct": None})
-
-
-def versions() -> dict[str, str]:
-    """torch, triton, lightning, CUDA, driver and Python versions (call after the cells ran)."""
-    import platform
-
-    import lightning
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-            "CUDA (torch build)": str(torch.version.cuda)}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "not installed"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "n/a"
-    except (OSError, subprocess.SubprocessError):
-        info["driver"] = "n/a"
-    return info
 
 
 # -- plots ----------------------------------------------------------------------------------------------------
@@ -308,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     per_cells = study_cells(args)
     logdir = None if str(args.logdir).lower() == "none" else args.logdir
     skipped: dict[str, str] = {}
-    commands = [command_line()]
+    commands = [command_line(args)]
     if not args.no_run:
         done = {r["key"] for r in load_results(results) if r.get("status")}
         probe_cell = Cell("small", 128, 4, "32-true", "sdpa", False, "forward", 1, 2)
@@ -333,7 +310,14 @@ def run(args: argparse.Namespace) -> int:
     # A skipped study still shows the cells an earlier run (same results file) measured, marked as partial.
     per_study = {name: [by_key[c.key()] for c in cells if c.key() in by_key] for name, cells in per_cells.items()}
     per_study = {name: rows for name, rows in per_study.items() if rows or name not in skipped}
-    info = {"date": dt.date.today().isoformat(), **versions()}
+    if args.no_run:
+        # The environment and the commands of the machine that ran the cells, as the results file recorded them.
+        meta = load_meta(results)
+        commands = list(meta.get("commands", [])) + commands
+        environment = meta.get("environment") or versions()
+    else:
+        environment = versions()
+    info = {"date": dt.date.today().isoformat(), **environment}
     written = write_report(args.out, per_study, commands, info, skipped)
     print("\n".join(str(p) for p in written))
     return 0
