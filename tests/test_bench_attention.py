@@ -45,6 +45,7 @@ def test_cpu_sweep_writes_csv_json_table_and_progress(tmp_path, capsys):
                 ms = float(r[f"{kind}_ms"])
                 assert ms > 0
                 assert float(r[f"{kind}_tflops"]) == pytest.approx(factor * flops / (ms * 1e-3) / 1e12)
+            assert float(r["fwd_host_us"]) > 0 and float(r["fwd_bwd_host_us"]) > 0
     data = json.loads((tmp_path / "attn.json").read_text())
     assert data["meta"]["torch"] == torch.__version__ and "command" in data["meta"]
     assert [r["backend"] for r in data["rows"]] == [r["backend"] for r in rows]
@@ -99,3 +100,31 @@ def test_grids_and_flop_model():
     assert {c.batch * c.heads * c.seq_len for c in lm} == {2**21} and {c.head_dim for c in lm} == {64, 80, 128}
     assert bench.attention_flops(8, 1, 1024, 1024, 64, causal=False) == 4 * 8 * 1024 * 1024 * 64
     assert bench.attention_flops(8, 1, 1024, 1024, 64, causal=True) == 2 * 8 * 1024 * 1024 * 64
+
+
+def test_host_time_is_per_call_over_bursts(monkeypatch):
+    """A fake clock that advances 5 us per call: the median per call is exactly 5 us; setup and lead calls are not
+    timed (setup advances the clock by 1 s)."""
+    clock = [100.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def setup():
+        clock[0] += 1.0  # a slow setup outside the timed region
+        return len(calls)
+
+    def timed(state):
+        calls.append(state)
+        clock[0] += 5e-6
+
+    us = bench._median_host_us(setup, timed, rep=3, device=torch.device("cpu"))
+    assert us == pytest.approx(5.0)
+    assert len(calls) == 3 * (bench.HOST_LEAD + bench.HOST_BURST)
+
+
+def test_launch_grid_is_the_small_models_attention():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cells = bench.plan_cells(parser.parse_args(["--grid", "launch", "--backends", "flash_triton", "sdpa_cudnn"]))
+    assert {(c.batch, c.heads, c.head_dim) for c in cells} == {(1, 12, 64)}
+    assert [(c.seq_len, c.backend) for c in cells][:2] == [(128, "flash_triton"), (128, "sdpa_cudnn")]

@@ -150,6 +150,11 @@ def _run_worker(in_path: str, out_path: str) -> None:
             out = flash_attention(*leaves, causal=causal)
             out.backward(do)
             res[f"public{run}"] = [out.detach()] + [t.grad for t in leaves]
+        # The custom ops (the path torch.compile takes) with their registered autograd.
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse_op = torch.ops.lmtrain.flash_attn_fwd(*leaves, causal, False)
+        out.backward(do)
+        res["op"] = [out.detach(), lse_op] + [t.grad for t in leaves]
         # The seeds' interface on 3-D inputs: FlashAttentionTriton.apply(q, k, v, is_causal), saved tensors listed.
         if q.ndim == 3:
             saved = []
@@ -165,6 +170,10 @@ def _run_worker(in_path: str, out_path: str) -> None:
             res["apply"] = [out.detach()] + [t.grad for t in leaves]
             res["saved"] = saved
         results[case["id"]] = res
+    from lmtrain.kernels.flash_triton import _CHOSEN
+
+    # Launches after the first of each tuning key skip the autotuner: the configurations it chose are held here.
+    results["chosen"] = sorted((kernel.fn.__name__, *key[1:-1]) for kernel, *key in _CHOSEN)
     torch.save(results, out_path)
 
 
@@ -253,9 +262,16 @@ def test_triton_interpreter_matches_reference(interpreter_results):
         base = _reference_results(q, k, v, do, case["causal"], upcast=False)
         out = {name: res[name] for name in ("o", "lse", "dq", "dk", "dv")}
         assert_matches_reference(out, ref, base, case["dtype"], f"flash_triton[interpreter] {case['id']}")
-        # The public path (custom op + autograd) computes exactly what the launchers computed.
+        # The public path (autograd.Function, launches with the chosen configurations) and the custom ops with
+        # their autograd compute exactly what the launchers computed.
         for got, want in zip(res["public1"], (res["o"], res["dq"], res["dk"], res["dv"]), strict=True):
             assert torch.equal(got, want), case["id"]
+        for got, want in zip(res["op"], (res["o"], res["lse"], res["dq"], res["dk"], res["dv"]), strict=True):
+            assert torch.equal(got, want), case["id"]
+    # every kernel and causal setting of the cases went through the cached-configuration launch
+    kernels = {name for name, *_ in results["chosen"]}
+    assert kernels == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}, results["chosen"]
+    assert {key[2] for key in results["chosen"]} == {True, False}
 
 
 @requires_triton

@@ -7,6 +7,8 @@ Grids (``--grid``):
             at every N and the inputs stay at 2^21 x d elements each.
     memory  long sequences, one head of d 64, batch 1, N in {16384, 32768, 65536, 131072}: peak memory must
             grow linearly in N for the flash backends.
+    launch  the small model's attention at batch 1 (12 heads, d 64, N in {128, 512, 2048}): calls so short
+            that the host time to issue them (the ``host us`` columns) decides the step time.
 ``--head-dims``, ``--seq-lens``, ``--batch-size``, ``--heads`` override a grid's values.
 
 Backends (``--backends``): ``naive`` (materialised scores, ``lmtrain.attention``), ``naive_compiled`` (the
@@ -20,7 +22,10 @@ Per cell: median forward, backward and forward+backward milliseconds over ``--re
 event), TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when causal; backward 2.5x forward), GiB allocated after the
 forward (before the backward: inputs, output and what autograd saved) and the peak GiB of one
 forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever stays allocated across
-cells (for example a cuBLAS workspace once a matmul-based backend has run). One untimed forward+backward
+cells (for example a cuBLAS workspace once a matmul-based backend has run). Host time: the CPU time to issue one
+forward, and one forward+backward, in microseconds: the median over ``--rep`` bursts of 16 calls issued back
+to back after 4 untimed ones, each burst started on an idle GPU and timed without waiting for it (a burst is too
+short to fill the launch queue); where it exceeds the GPU time the backend is launch-bound at that size. One untimed forward+backward
 comes first, so compilation and autotuning stay out of both. Inputs are random (never zeros) and fresh per
 cell. A cell that runs out of memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run
 a cell is recorded as ``n/a`` with the reason.
@@ -54,11 +59,15 @@ GRIDS: dict[str, dict] = {
     "seeds": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
     "lm": {"head_dims": [64, 80, 128], "seq_lens": [1024, 2048, 4096, 8192, 16384], "batch_size": None, "heads": 16},
     "memory": {"head_dims": [64], "seq_lens": [16384, 32768, 65536, 131072], "batch_size": 1, "heads": 1},
+    "launch": {"head_dims": [64], "seq_lens": [128, 512, 2048], "batch_size": 1, "heads": 12},
 }
+HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
+# backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CSV_FIELDS = (
     "backend", "dtype", "causal", "batch", "heads", "seq_len", "head_dim", "status", "reason",
     "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "mem_before_bwd_gib", "peak_gib",
+    "fwd_host_us", "fwd_bwd_host_us",
 )
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
@@ -89,6 +98,8 @@ class Cell:
     fwd_bwd_tflops: float | None = None
     mem_before_bwd_gib: float | None = None
     peak_gib: float | None = None
+    fwd_host_us: float | None = None
+    fwd_bwd_host_us: float | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
 
@@ -188,6 +199,28 @@ def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], war
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def _median_host_us(setup: Callable[[], object], timed: Callable[[object], None], rep: int,
+                    device: torch.device) -> float:
+    """Median host microseconds per ``timed`` call over ``rep`` bursts: each burst starts on an idle device,
+    issues ``HOST_LEAD`` untimed calls (so that the CPU is not timed waking up from the wait), then
+    ``HOST_BURST`` calls back to back on the CPU clock, without waiting for the device."""
+    per_call = []
+    for _ in range(max(rep, 1)):
+        states = [setup() for _ in range(HOST_LEAD + HOST_BURST)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for state in states[:HOST_LEAD]:
+            timed(state)
+        t0 = time.perf_counter()
+        for state in states[HOST_LEAD:]:
+            timed(state)
+        per_call.append((time.perf_counter() - t0) / HOST_BURST * 1e6)
+        del states
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(per_call)
+
+
 def attention_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, causal: bool) -> float:
     """Forward FLOPs: two matmuls of 2·N_q·N_k·d per (batch, head); half when causal. Backward: 2.5x."""
     flops = 4.0 * batch * heads * n_q * n_k * head_dim
@@ -248,6 +281,9 @@ def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int,
     cell.fwd_ms = _median_ms(lambda: None, forward, warmup, rep, device)
     cell.bwd_ms = _median_ms(lambda: (clear_grads(), forward())[1], backward, warmup, rep, device)
     cell.fwd_bwd_ms = _median_ms(clear_grads, forward_backward, warmup, rep, device)
+    cell.fwd_host_us = _median_host_us(lambda: None, forward, rep, device)
+    cell.fwd_bwd_host_us = _median_host_us(lambda: None, forward_backward, rep, device)
+    clear_grads()
     flops = attention_flops(cell.batch, cell.heads, cell.seq_len, cell.seq_len, cell.head_dim, causal)
     cell.fwd_tflops = flops / (cell.fwd_ms * 1e-3) / 1e12
     cell.bwd_tflops = 2.5 * flops / (cell.bwd_ms * 1e-3) / 1e12
@@ -292,7 +328,7 @@ def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell
         else:
             cell.status, cell.reason = "error", f"{type(exc).__name__}: {message}"
         for attr in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
-                     "mem_before_bwd_gib", "peak_gib"):
+                     "mem_before_bwd_gib", "peak_gib", "fwd_host_us", "fwd_bwd_host_us"):
             setattr(cell, attr, None)
     finally:
         _free(device)
@@ -307,18 +343,19 @@ def markdown_table(cells: list[Cell]) -> str:
     """The short table: one row per cell, times in ms, throughput in TFLOP/s, memory in GiB."""
     lines = [
         "| backend | B | H | N | d | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s "
-        "| mem before bwd GiB | peak GiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mem before bwd GiB | peak GiB | fwd host us | fwd+bwd host us |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in cells:
         if c.status != "ok":
             status = c.status if c.status == "OOM" else f"{c.status}: {c.reason}"
-            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} | | | | | | |")
+            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} | | | | | | | | |")
             continue
         lines.append(
             f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {_fmt(c.fwd_ms, 3)} | "
             f"{_fmt(c.bwd_ms, 3)} | {_fmt(c.fwd_bwd_ms, 3)} | {_fmt(c.fwd_tflops, 1)} | {_fmt(c.fwd_bwd_tflops, 1)} | "
-            f"{_fmt(c.mem_before_bwd_gib, 3)} | {_fmt(c.peak_gib, 3)} |"
+            f"{_fmt(c.mem_before_bwd_gib, 3)} | {_fmt(c.peak_gib, 3)} | {_fmt(c.fwd_host_us, 1)} | "
+            f"{_fmt(c.fwd_bwd_host_us, 1)} |"
         )
     return "\n".join(lines)
 
@@ -367,15 +404,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cells = plan_cells(args)
     meta = environment(device)
-    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "attention"] else sys.argv[1:]
-    meta["command"] = " ".join(["python -m lmtrain bench attention", *argv])
+    meta["command"] = getattr(args, "command_line", None) or " ".join(["python -m lmtrain bench attention",
+                                                                        *sys.argv[1:]])
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     for i, cell in enumerate(cells, 1):
         run_cell(cell, device, args)
         if cell.status == "ok":
             summary = (f"fwd {cell.fwd_ms:.3f} ms ({cell.fwd_tflops:.1f} TFLOP/s), fwd+bwd {cell.fwd_bwd_ms:.3f} ms "
-                       f"({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB")
+                       f"({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB, "
+                       f"host {cell.fwd_host_us:.0f} / {cell.fwd_bwd_host_us:.0f} us")
         else:
             summary = f"{cell.status} {cell.reason}"
         print(f"[{i}/{len(cells)}] {cell.backend} B={cell.batch} H={cell.heads} N={cell.seq_len} d={cell.head_dim} "

@@ -135,6 +135,31 @@ def _n_key(n_q: int, n_k: int) -> int:
     return min(triton.next_power_of_2(max(n_q, n_k)), 16384)
 
 
+# (kernel, N_KEY, HEAD_DIM, IS_CAUSAL, DOT_PRECISION, dtype of Q) -> the configuration the autotuner chose: the
+# autotuner's own key (its key fields plus the tensors' dtypes; L and Delta are always fp32).
+_CHOSEN: dict[tuple, triton.Config] = {}
+
+
+def _launch(kernel, grid, args: tuple, consts: dict, key: tuple) -> None:
+    """``kernel[grid](*args, **consts)`` for an autotuned kernel. The autotuner runs until it has chosen a
+    configuration for ``key``; later calls launch the JIT function with that configuration directly, which
+    skips the autotuner's per-call Python (about 25 us of host time per launch on an H100 machine, where
+    PyTorch's whole SDPA forward call takes about 22 us).
+
+    Args:
+        grid: a tuple, or a function of the configuration's meta-parameters, as for ``kernel[grid]``.
+        key: the tuning key (see ``_CHOSEN``).
+    """
+    cfg = _CHOSEN.get((kernel, *key))
+    if cfg is None:
+        kernel[grid](*args, **consts)
+        chosen = getattr(kernel, "best_config", None)  # set by every autotuned launch
+        if chosen is not None and chosen.pre_hook is None:
+            _CHOSEN[(kernel, *key)] = chosen
+        return
+    kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **consts, **cfg.all_kwargs())
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -531,7 +556,10 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _device_guard(x: torch.Tensor):
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else _NullContext()
+    """Make x's GPU the current one for the launch (a no-op context when it already is, or off CUDA)."""
+    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return _NULL_CONTEXT
 
 
 class _NullContext:
@@ -540,6 +568,9 @@ class _NullContext:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+_NULL_CONTEXT = _NullContext()
 
 
 def _dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -581,17 +612,17 @@ def _forward(
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,)
 
+    n_key, precision = _n_key(n_q, n_k), _dot_precision(q.dtype, allow_tf32)
     with _device_guard(q):
-        _fwd_kernel[grid](
+        _launch(_fwd_kernel, grid, (
             q4, k4, v4, o4, lse,
             q4.stride(0), q4.stride(1), q4.stride(2),
             k4.stride(0), k4.stride(1), k4.stride(2),
             v4.stride(0), v4.stride(1), v4.stride(2),
             o4.stride(0), o4.stride(1), o4.stride(2),
-            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E,
-            HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal),
-            DOT_PRECISION=_dot_precision(q.dtype, allow_tf32),
-        )
+            h, n_q, n_k, n_key, sm_scale * _LOG2E,
+        ), dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision),
+            (n_key, d, bool(is_causal), precision, q.dtype))
     return o, lse
 
 
@@ -630,8 +661,9 @@ def _backward(
         return dq, dk, dv
     sm_scale = d**-0.5
     block_d = _block_d(d)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal),
-                  DOT_PRECISION=_dot_precision(q.dtype, allow_tf32))
+    n_key, precision = _n_key(n_q, n_k), _dot_precision(q.dtype, allow_tf32)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
+    key = (n_key, d, bool(is_causal), precision, q.dtype)
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)
     pre_block_m = 16 if _INTERPRET else 64
     with _device_guard(q):
@@ -641,7 +673,7 @@ def _backward(
             do4.stride(0), do4.stride(1), do4.stride(2),
             h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block_m,
         )
-        _bwd_dkdv_kernel[lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,)](
+        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
             q4, k4, v4, do4, lse, delta, dk4, dv4,
             q4.stride(0), q4.stride(1), q4.stride(2),
             k4.stride(0), k4.stride(1), k4.stride(2),
@@ -649,17 +681,17 @@ def _backward(
             do4.stride(0), do4.stride(1), do4.stride(2),
             dk4.stride(0), dk4.stride(1), dk4.stride(2),
             dv4.stride(0), dv4.stride(1), dv4.stride(2),
-            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E, sm_scale, **common,
-        )
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,)](
+            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+        ), common, key)
+        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
             q4, k4, v4, do4, lse, delta, dq4,
             q4.stride(0), q4.stride(1), q4.stride(2),
             k4.stride(0), k4.stride(1), k4.stride(2),
             v4.stride(0), v4.stride(1), v4.stride(2),
             do4.stride(0), do4.stride(1), do4.stride(2),
             dq4.stride(0), dq4.stride(1), dq4.stride(2),
-            h, n_q, n_k, _n_key(n_q, n_k), sm_scale * _LOG2E, sm_scale, **common,
-        )
+            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+        ), common, key)
     return dq, dk, dv
 
 
@@ -723,20 +755,29 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     q (..., N_q, d), k and v (..., N_k, d) (3-D (batch, N, d) in the seeds' tests). The forward saves the
     logsumexp L (natural log, fp32, shape q.shape[:-1]) with q, k, v and O; no N x N tensor is saved.
+
+    In eager mode the kernels are launched directly; while ``torch.compile`` traces, through the custom ops
+    ``lmtrain::flash_attn_fwd`` / ``lmtrain::flash_attn_bwd`` (opaque to the compiler). The custom-op
+    dispatch costs host time on every call (about 80 us per op on an H100 machine), which a launch-bound
+    eager model pays in full.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        o, lse = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(is_causal), False)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                allow_tf32: bool = False) -> torch.Tensor:
+        fwd = torch.ops.lmtrain.flash_attn_fwd if torch.compiler.is_compiling() else _forward
+        o, lse = fwd(q, k, v, bool(is_causal), bool(allow_tf32))
         ctx.save_for_backward(lse, q, k, v, o)
         ctx.is_causal = bool(is_causal)
+        ctx.allow_tf32 = bool(allow_tf32)
         return o
 
     @staticmethod
     def backward(ctx, grad_o: torch.Tensor):
         lse, q, k, v, o = ctx.saved_tensors
-        dq, dk, dv = torch.ops.lmtrain.flash_attn_bwd(grad_o, q, k, v, o, lse, ctx.is_causal, False)
-        return dq, dk, dv, None
+        bwd = torch.ops.lmtrain.flash_attn_bwd if torch.compiler.is_compiling() else _backward
+        dq, dk, dv = bwd(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.allow_tf32)
+        return dq, dk, dv, None, None
 
 
 def flash_attention(
@@ -754,8 +795,10 @@ def flash_attention(
     Returns:
         (..., N_q, d) in q's dtype, contiguous. Differentiable in q, k, v; works under torch.compile.
     """
-    o, _ = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(causal), bool(allow_tf32))
-    return o
+    if torch.compiler.is_compiling():
+        o, _ = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(causal), bool(allow_tf32))
+        return o
+    return FlashAttentionTriton.apply(q, k, v, bool(causal), bool(allow_tf32))
 
 
 __all__ = ["FlashAttentionTriton", "flash_attention"]
