@@ -428,6 +428,43 @@ def test_gpu_backward_is_deterministic():
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(monkeypatch):
+    """Tuning runs inside the first call (in training: inside the first step's memory peak). Its cache-flush buffer
+    must be the L2's size, not Triton's default 256 MB, which this test would see as a 256 MB higher first peak."""
+    from lmtrain.kernels import flash_triton as ft
+
+    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "1")
+    # A tuning key (fp16, head dim 48, 4096-bucket, causal) that no other test uses, so this call tunes.
+    q, k, v, do = _inputs((2, 3, 3000, 48), (2, 3, 3000, 48), torch.float16, device="cuda", seed=11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    tuned_before = {kern: len(kern.cache) for kern in (ft._fwd_kernel, ft._bwd_dq_kernel, ft._bwd_dkdv_kernel)}
+    peaks = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ft.flash_attention(*leaves, causal=True).backward(do)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        for t in leaves:
+            t.grad = None
+    assert all(len(kern.cache) == n + 1 for kern, n in tuned_before.items()), "the first call did not tune"
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    assert peaks[0] - peaks[1] <= l2 + 2**20, (peaks, l2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tuning_bench_returns_ordered_quantiles():
+    from lmtrain.kernels.flash_triton import _tuning_bench
+
+    x = torch.randn(4096, 4096, device="cuda")
+    med, low, high = _tuning_bench(lambda: x @ x, quantiles=(0.5, 0.2, 0.8), warmup_ms=5, rep_ms=20)
+    assert 0 < low <= med <= high
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_seeds_interface_saves_only_logsumexp():
     from lmtrain.kernels.flash_triton import FlashAttentionTriton
 

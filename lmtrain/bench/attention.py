@@ -25,10 +25,10 @@ forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever
 cells (for example a cuBLAS workspace once a matmul-based backend has run). Host time: the CPU time to issue one
 forward, and one forward+backward, in microseconds: the median over ``--rep`` bursts of 16 calls issued back
 to back after 4 untimed ones, each burst started on an idle GPU and timed without waiting for it (a burst is too
-short to fill the launch queue); where it exceeds the GPU time the backend is launch-bound at that size. One untimed forward+backward
-comes first, so compilation and autotuning stay out of both. Inputs are random (never zeros) and fresh per
-cell. A cell that runs out of memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run
-a cell is recorded as ``n/a`` with the reason.
+short to fill the launch queue); where it exceeds the GPU time the backend is launch-bound at that size. One
+untimed forward+backward comes first, so compilation and autotuning stay out of both. Inputs are random
+(never zeros) and fresh per cell. A cell that runs out of memory is recorded as ``OOM`` and the sweep goes on;
+a backend that cannot run a cell is recorded as ``n/a`` with the reason.
 
 Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
 a CSV at PATH and the same rows as JSON beside it (PATH with suffix .json). Needs a CUDA GPU;
@@ -349,7 +349,8 @@ def markdown_table(cells: list[Cell]) -> str:
     for c in cells:
         if c.status != "ok":
             status = c.status if c.status == "OOM" else f"{c.status}: {c.reason}"
-            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} | | | | | | | | |")
+            blank = " |" * 8
+            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} |{blank}")
             continue
         lines.append(
             f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {_fmt(c.fwd_ms, 3)} | "

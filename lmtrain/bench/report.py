@@ -24,18 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.bench.model import (
-    load_meta,
-    versions,
     Cell,
     base_row,
     cell_config,
     cells_from_values,
     command_line,
     finish_row,
+    load_meta,
     load_results,
     markdown_rows,
     run_sweep,
     sweep_values,
+    versions,
 )
 from lmtrain.bench.studies import STUDIES
 from lmtrain.flops import flops_per_step

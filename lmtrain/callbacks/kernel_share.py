@@ -45,7 +45,7 @@ category        what falls in it
 attention       fused attention: FlashAttention (``flash_fwd_kernel``, ``pytorch_flash::...``),
                 cuDNN SDPA (``cudnn_generated_fort_native_sdpa_...``), memory-efficient attention
                 (``fmha_cutlassF...``), lmtrain's Triton kernels (``_fwd_kernel``, ``_bwd_dq_kernel``,
-                ``_bwd_dkdv_kernel``, ``_bwd_preprocess_kernel``), ``aten::_scaled_dot_product...``
+                ``_bwd_dkdv_kernel``) and Triton-style ``_attn_fwd``/``_attn_bwd...``, ``aten::_scaled_dot_product...``
 gemm            cuBLAS / cuBLASLt / CUTLASS matrix products (``sm90_xmma_gemm_...``, ``nvjet_...``,
                 ``ampere_sgemm_...``, ``cutlass::Kernel2<cutlass_80_wmma_tensorop...>``, gemv,
                 cuBLASLt's split-K reduction), compiled ``triton_tem_...mm`` templates, ``aten::mm`` ...

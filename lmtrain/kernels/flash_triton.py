@@ -7,10 +7,14 @@ denominator ``l`` and an fp32 output accumulator (online softmax); it writes the
 logsumexp ``L = m + log(l)`` (natural log, fp32, one value per query row). No N x N tensor is ever
 stored. The backward pass recomputes ``P = exp(S - L)`` tile by tile:
 
-* ``_bwd_preprocess_kernel``: ``D = rowsum(O * dO)`` (fp32, one value per query row);
+* ``_bwd_dq_kernel``: one program per query block, looping over key blocks: ``dQ += dS K`` with
+  ``dS = P * (dO V^T - D)``; it first computes ``D = rowsum(O * dO)`` (fp32, one value per query row) for its
+  rows and writes it out;
 * ``_bwd_dkdv_kernel``: one program per key block, looping over query blocks: ``dV += P^T dO``,
-  ``dK += dS^T Q`` with ``dS = P * (dO V^T - D)``;
-* ``_bwd_dq_kernel``: one program per query block, looping over key blocks: ``dQ += dS K``.
+  ``dK += dS^T Q``, reading the ``D`` that the dQ kernel wrote.
+
+A training step therefore launches three kernels per attention call: a separate kernel for ``D`` would cost
+another launch, and at small sizes the launches' host time is what a step waits on.
 
 Every output element is written by exactly one program and there are no atomics, so the backward
 pass is deterministic: two runs on the same inputs give bit-identical gradients.
@@ -37,9 +41,10 @@ dim is contiguous. The grid is one-dimensional (blocks x batch-heads), so batch 
 
 Block sizes are autotuned per (head dim, sequence-length bucket, causal, dtype) among a few
 configurations chosen for Hopper GPUs; ``LMTRAIN_FLASH_AUTOTUNE=0`` takes the first valid
-configuration instead (faster start, for tests). Under Triton's interpreter (``TRITON_INTERPRET=1``
-set before this module is imported) the kernels run on CPU tensors with one small configuration;
-that is for tests only.
+configuration instead (faster start, for tests). Tuning times each candidate with an L2-sized
+cache-flush buffer (``_tuning_bench``) rather than Triton's 256 MB one, since it runs inside the first
+step's memory peak. Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
+imported) the kernels run on CPU tensors with one small configuration; that is for tests only.
 
 Limits: no dropout, no attention bias or arbitrary masks, no grouped-query attention (k and v must
 have q's leading dims), d of v equal to d of q, at least one key. The logsumexp output of the
@@ -84,6 +89,42 @@ else:
 
 def _autotune_enabled() -> bool:
     return not _INTERPRET and os.environ.get("LMTRAIN_FLASH_AUTOTUNE", "1") != "0"
+
+
+def _tuning_bench(fn, quantiles=None, warmup_ms: float = 25.0, rep_ms: float = 100.0, **_ignored) -> list[float]:
+    """Time one candidate configuration for the autotuner: ``triton.testing.do_bench``'s method and contract
+    (milliseconds at ``quantiles``), with one difference: the buffer written between runs to evict the inputs from
+    the L2 cache has the L2's size (50 MB on an H100) instead of a fixed 256 MB. Tuning happens inside the first
+    training step, when activations are live, so that buffer adds to the step's memory peak.
+    """
+    dev = torch.cuda.current_device()
+    l2_bytes = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 * 2**20
+    fn()
+    torch.cuda.synchronize()
+    flush = torch.empty(l2_bytes // 4, dtype=torch.int32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    n_rep = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for s, e in zip(starts, ends, strict=True):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    del flush
+    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], dtype=torch.float64)
+    qs = (0.5,) if quantiles is None else tuple(quantiles)
+    return torch.quantile(times, torch.tensor(qs, dtype=torch.float64)).tolist()
 
 
 def _prune(held: str, configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -161,6 +202,66 @@ def _launch(kernel, grid, args: tuple, consts: dict, key: tuple) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Shared pieces of the kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, d_ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load a (rows x BLOCK_D) tile. Rows at or past ``n_rows`` (only if MASKED) and the padded head-dim columns
+    (only if BLOCK_D > HEAD_DIM) read as 0; a full tile of an unpadded head dim loads without a mask."""
+    if MASKED:
+        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & d_ok, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        x = tl.load(ptrs, mask=d_ok, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _row_tiles(stride_a, stride_b, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For a loop streaming (ROWS x BLOCK_D) tiles of two tensors with row strides ``stride_a`` and ``stride_b``:
+    (row offsets 0..ROWS-1, head-dim mask, element offsets of a tile of the first, of the second)."""
+    offs = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile_a = offs[:, None] * stride_a + offs_d[None, :]
+    tile_b = offs[:, None] * stride_b + offs_d[None, :]
+    return offs, offs_d[None, :] < HEAD_DIM, tile_a, tile_b
+
+
+@triton.jit
+def _keep(offs_m, n_idx, N_K, IS_CAUSAL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask of the scores that exist: key in range and, if causal, not after the query."""
+    keep = n_idx[None, :] < N_K
+    if IS_CAUSAL:
+        keep = keep & (offs_m[:, None] >= n_idx[None, :])
+    return keep
+
+
+@triton.jit
+def _query_block(N_Q, H, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """This program's (batch x head index, batch, head, first query row) for kernels with one program per query
+    block. Causal programs take the longest rows first (reverse block order) so the short ones fill the tail."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    bh = pid // num_m
+    m_blk = pid % num_m
+    if IS_CAUSAL:
+        m_blk = num_m - 1 - m_blk
+    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), m_blk * BLOCK_M
+
+
+@triton.jit
+def _key_range(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the query block starting at ``start_m``: (end of the whole key blocks that need no mask, end of the keys
+    it sees). Causal blocks skip the key blocks above the diagonal."""
+    if IS_CAUSAL:
+        return tl.minimum(start_m, (N_K // BLOCK_N) * BLOCK_N), tl.minimum(start_m + BLOCK_M, N_K)
+    return (N_K // BLOCK_N) * BLOCK_N, N_K
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
@@ -172,47 +273,28 @@ def _fwd_inner(
     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of one query block over key blocks [lo, hi)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_DIM
-    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :]
+    offs_n, d_ok, k_tile, v_tile = _row_tiles(stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         n_idx = start_n + offs_n
         start = tl.cast(start_n, tl.int64)
-        k_ptrs = k_base + start * stride_kn + k_tile
-        v_ptrs = v_base + start * stride_vn + v_tile
-        if MASKED:
-            kv_ok = (n_idx[:, None] < N_K) & d_ok
-            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _load_rows(k_base + start * stride_kn + k_tile, n_idx, N_K, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:
-            keep = n_idx[None, :] < N_K
-            if IS_CAUSAL:
-                keep = keep & (offs_m[:, None] >= n_idx[None, :])
-            qk = tl.where(keep, qk, float("-inf"))
+            qk = tl.where(_keep(offs_m, n_idx, N_K, IS_CAUSAL), qk, float("-inf"))
         # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_rows(v_base + start * stride_vn + v_tile, n_idx, N_K, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m})
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
+                 do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
     Q, K, V, OUT, LSE,
@@ -225,15 +307,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    bh = pid // num_m
-    m_blk = pid % num_m
-    if IS_CAUSAL:
-        m_blk = num_m - 1 - m_blk  # longest rows first
-    z = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start_m = m_blk * BLOCK_M
+    bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
@@ -246,12 +320,7 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if IS_CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, N_K)  # blocks above the diagonal are skipped
-        full_end = tl.minimum(start_m, (N_K // BLOCK_N) * BLOCK_N)  # whole blocks left of the diagonal
-    else:
-        hi = N_K
-        full_end = (N_K // BLOCK_N) * BLOCK_N
+    full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end, N_K, qk_scale,
         HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
@@ -273,28 +342,76 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["H", "N_Q"])
-def _bwd_preprocess_kernel(
-    OUT, DO, DELTA,
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, lo, hi, N_K, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+    offs_n, d_ok, k_tile, v_tile = _row_tiles(stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        n_idx = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        k = _load_rows(k_base + start * stride_kn + k_tile, n_idx, N_K, d_ok, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base + start * stride_vn + v_tile, n_idx, N_K, d_ok, MASKED, HEAD_DIM, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(_keep(offs_m, n_idx, N_K, IS_CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
+                 do_bench=_tuning_bench)
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_dq_kernel(
+    Q, K, V, OUT, DO, LSE, DELTA, DQ,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     stride_doz, stride_doh, stride_dom,
-    H, N_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_dqz, stride_dqh, stride_dqm,
+    H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """D = rowsum(O * dO) in fp32. Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    bh = pid // num_m
-    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,).
+
+    Also writes ``D = rowsum(O * dO)`` (fp32) of its rows, which it needs itself and the dK/dV kernel reads after it.
+    """
+    bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    z = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
     rows = offs_m.to(tl.int64)[:, None]
-    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(OUT + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + z * stride_doz + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=ok, other=0.0)
+    m_ok = offs_m < N_Q
+    row_ok = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + z * stride_qz + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
+    do = tl.load(DO + z * stride_doz + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=row_ok, other=0.0)
+    o = tl.load(OUT + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=row_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=m_ok)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    k_base = K + z * stride_kz + h * stride_kh
+    v_base = V + z * stride_vz + h * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, full_end, hi, N_K, qk_scale,
+        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, True, DOT_PRECISION,
+    )
+    dq = dq * sm_scale
+    tl.store(DQ + z * stride_dqz + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -304,29 +421,17 @@ def _bwd_dkdv_inner(
     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi). Works on transposed tiles (keys x queries)."""
-    offs_i = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_DIM
-    q_tile = offs_i[:, None] * stride_qm + offs_d[None, :]
-    do_tile = offs_i[:, None] * stride_dom + offs_d[None, :]
+    offs_i, d_ok, q_tile, do_tile = _row_tiles(stride_qm, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M):
         m_idx = start_m + offs_i
         start = tl.cast(start_m, tl.int64)
-        q_ptrs = q_base + start * stride_qm + q_tile
-        do_ptrs = do_base + start * stride_dom + do_tile
+        q = _load_rows(q_base + start * stride_qm + q_tile, m_idx, N_Q, d_ok, MASKED, HEAD_DIM, BLOCK_D)
+        do = _load_rows(do_base + start * stride_dom + do_tile, m_idx, N_Q, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         if MASKED:
             m_ok = m_idx < N_Q
-            q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)
             lse = tl.load(lse_base + m_idx, mask=m_ok, other=float("inf"))  # padded rows: P = 0
             delta = tl.load(delta_base + m_idx, mask=m_ok, other=0.0)
         else:
-            if BLOCK_D != HEAD_DIM:
-                q = tl.load(q_ptrs, mask=d_ok, other=0.0)
-                do = tl.load(do_ptrs, mask=d_ok, other=0.0)
-            else:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
             lse = tl.load(lse_base + m_idx)
             delta = tl.load(delta_base + m_idx)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -339,9 +444,8 @@ def _bwd_dkdv_inner(
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
-
-
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n})
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n},
+                 do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -358,6 +462,7 @@ def _bwd_dkdv_kernel(
     """One program = one block of BLOCK_N keys of one (batch, head). Grid: (cdiv(N_K, BLOCK_N) * Z * H,).
 
     Causal programs start at their diagonal, so low key blocks (the longest loops) come first in launch order.
+    Reads ``D`` (DELTA), which the dQ kernel writes, so it runs after that kernel.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N_K, BLOCK_N)
@@ -404,100 +509,6 @@ def _bwd_dkdv_kernel(
     tl.store(DV + z * stride_dvz + h * stride_dvh + rows * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_ok)
 
-
-@triton.jit
-def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, lo, hi, N_K, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Accumulate dQ of one query block over key blocks [lo, hi)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_DIM
-    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in range(lo, hi, BLOCK_N):
-        n_idx = start_n + offs_n
-        start = tl.cast(start_n, tl.int64)
-        k_ptrs = k_base + start * stride_kn + k_tile
-        v_ptrs = v_base + start * stride_vn + v_tile
-        if MASKED:
-            kv_ok = (n_idx[:, None] < N_K) & d_ok
-            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASKED:
-            keep = n_idx[None, :] < N_K
-            if IS_CAUSAL:
-                keep = keep & (offs_m[:, None] >= n_idx[None, :])
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
-
-
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m})
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_doz, stride_doh, stride_dom,
-    stride_dqz, stride_dqh, stride_dqm,
-    H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    bh = pid // num_m
-    m_blk = pid % num_m
-    if IS_CAUSAL:
-        m_blk = num_m - 1 - m_blk  # longest rows first
-    z = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start_m = m_blk * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)[:, None]
-    m_ok = offs_m < N_Q
-    row_ok = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + z * stride_qz + h * stride_qh + rows * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
-    do = tl.load(DO + z * stride_doz + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=row_ok, other=0.0)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
-    k_base = K + z * stride_kz + h * stride_kh
-    v_base = V + z * stride_vz + h * stride_vh
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if IS_CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, N_K)
-        full_end = tl.minimum(start_m, (N_K // BLOCK_N) * BLOCK_N)
-    else:
-        hi = N_K
-        full_end = (N_K // BLOCK_N) * BLOCK_N
-    dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end, N_K, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, False, DOT_PRECISION,
-    )
-    dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, full_end, hi, N_K, qk_scale,
-        HEAD_DIM, BLOCK_N, BLOCK_D, IS_CAUSAL, True, DOT_PRECISION,
-    )
-    dq = dq * sm_scale
-    tl.store(DQ + z * stride_dqz + h * stride_dqh + rows * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,7 +650,7 @@ def _backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward kernels. Returns (dQ, dK, dV), contiguous, in the input dtype."""
+    """Launch the two backward kernels (dQ with D, then dK/dV). Returns (dQ, dK, dV), contiguous, in the input dtype."""
     _check_inputs(q, k, v)
     if do.shape != q.shape:
         raise ValueError(f"flash_attention: grad of O has shape {tuple(do.shape)}, expected {tuple(q.shape)}.")
@@ -664,15 +675,18 @@ def _backward(
     n_key, precision = _n_key(n_q, n_k), _dot_precision(q.dtype, allow_tf32)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
     key = (n_key, d, bool(is_causal), precision, q.dtype)
-    delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)
-    pre_block_m = 16 if _INTERPRET else 64
+    delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
     with _device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block_m) * z * h,)](
-            o4, do4, delta,
+        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
+            q4, k4, v4, o4, do4, lse, delta, dq4,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
             o4.stride(0), o4.stride(1), o4.stride(2),
             do4.stride(0), do4.stride(1), do4.stride(2),
-            h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block_m,
-        )
+            dq4.stride(0), dq4.stride(1), dq4.stride(2),
+            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+        ), common, key)
         _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
             q4, k4, v4, do4, lse, delta, dk4, dv4,
             q4.stride(0), q4.stride(1), q4.stride(2),
@@ -681,15 +695,6 @@ def _backward(
             do4.stride(0), do4.stride(1), do4.stride(2),
             dk4.stride(0), dk4.stride(1), dk4.stride(2),
             dv4.stride(0), dv4.stride(1), dv4.stride(2),
-            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
-        ), common, key)
-        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-            q4, k4, v4, do4, lse, delta, dq4,
-            q4.stride(0), q4.stride(1), q4.stride(2),
-            k4.stride(0), k4.stride(1), k4.stride(2),
-            v4.stride(0), v4.stride(1), v4.stride(2),
-            do4.stride(0), do4.stride(1), do4.stride(2),
-            dq4.stride(0), dq4.stride(1), dq4.stride(2),
             h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
         ), common, key)
     return dq, dk, dv
