@@ -30,7 +30,9 @@ def _rows(tmp_path) -> list[dict]:
 
 
 def test_cpu_sweep_writes_csv_json_table_and_progress(tmp_path, capsys):
-    assert bench.run(_args(tmp_path)) == 0
+    args = _args(tmp_path)
+    args.command_line = "python -m lmtrain bench attention --allow-cpu"  # as the CLI sets it
+    assert bench.run(args) == 0
     rows = _rows(tmp_path)
     assert [(r["backend"], int(r["seq_len"])) for r in rows] == [(b, n) for n in (32, 48) for b in BACKENDS]
     assert list(rows[0]) == list(bench.CSV_FIELDS)
@@ -47,7 +49,8 @@ def test_cpu_sweep_writes_csv_json_table_and_progress(tmp_path, capsys):
                 assert float(r[f"{kind}_tflops"]) == pytest.approx(factor * flops / (ms * 1e-3) / 1e12)
             assert float(r["fwd_host_us"]) > 0 and float(r["fwd_bwd_host_us"]) > 0
     data = json.loads((tmp_path / "attn.json").read_text())
-    assert data["meta"]["torch"] == torch.__version__ and "command" in data["meta"]
+    assert data["meta"]["torch"] == torch.__version__
+    assert data["meta"]["command"] == "python -m lmtrain bench attention --allow-cpu"
     assert [r["backend"] for r in data["rows"]] == [r["backend"] for r in rows]
     out, err = capsys.readouterr()
     assert out.splitlines()[0].startswith("| backend |") and len(out.splitlines()) == 2 + len(rows)

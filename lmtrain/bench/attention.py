@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from lmtrain.bench.model import command_line
+
 DEFAULT_BACKENDS = (
     "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
 )
@@ -405,8 +407,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cells = plan_cells(args)
     meta = environment(device)
-    meta["command"] = getattr(args, "command_line", None) or " ".join(["python -m lmtrain bench attention",
-                                                                        *sys.argv[1:]])
+    meta["command"] = command_line(args)
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     for i, cell in enumerate(cells, 1):

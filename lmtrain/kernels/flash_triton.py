@@ -444,6 +444,8 @@ def _bwd_dkdv_inner(
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
+
+
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n},
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -508,7 +510,6 @@ def _bwd_dkdv_kernel(
              dk.to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + z * stride_dvz + h * stride_dvh + rows * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_ok)
-
 
 
 # ---------------------------------------------------------------------------------------------
