@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +29,56 @@ from lmtrain.errors import LmtrainError
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
-_REGISTRY: dict[str, AttentionFn] = {}
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A registered backend and the facts about it that the rest of lmtrain needs.
+
+    Attributes:
+        name: the name ``model.attention`` selects it by.
+        fn: the attention function (see the module docstring for its signature).
+        needs_gpu: runs only on a CUDA device (or under Triton's interpreter, ``TRITON_INTERPRET=1``).
+        materializes_scores: stores the full (..., N_q, N_k) score and probability matrices for the backward
+            pass (the memory planner counts them; fused backends save only O and the logsumexp).
+        kernel_pattern: a regular expression (searched, case-insensitive) matching the names of the GPU kernels
+            this backend launches itself, so kernel-time breakdowns count them as attention; None when its
+            kernels are library kernels that the generic rules already recognise.
+        description: one line for help texts and tables.
+    """
+
+    name: str
+    fn: AttentionFn
+    needs_gpu: bool = False
+    materializes_scores: bool = False
+    kernel_pattern: str | None = None
+    description: str = ""
 
 
-def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Decorator adding ``fn`` to the registry under ``name``."""
+_REGISTRY: dict[str, AttentionBackend] = {}
+
+
+def register_attention(
+    name: str,
+    *,
+    needs_gpu: bool = False,
+    materializes_scores: bool = False,
+    kernel_pattern: str | None = None,
+    description: str | None = None,
+) -> Callable[[AttentionFn], AttentionFn]:
+    """Decorator adding ``fn`` to the registry under ``name``, with the facts of :class:`AttentionBackend`.
+
+    A backend is one registration: the model, the memory planner, the kernel-time categories and the
+    benchmarks read these facts from the registry.
+    """
 
     def add(fn: AttentionFn) -> AttentionFn:
         if name in _REGISTRY:
             raise ValueError(f"attention backend {name!r} is already registered")
-        _REGISTRY[name] = fn
+        doc = description if description is not None else (fn.__doc__ or "").strip().splitlines()[0:1]
+        _REGISTRY[name] = AttentionBackend(
+            name=name, fn=fn, needs_gpu=needs_gpu, materializes_scores=materializes_scores,
+            kernel_pattern=kernel_pattern, description=doc if isinstance(doc, str) else "".join(doc),
+        )
         return fn
 
     return add
@@ -48,8 +89,8 @@ def available_backends() -> list[str]:
     return list(_REGISTRY)
 
 
-def get_attention(name: str) -> AttentionFn:
-    """The backend registered under ``name``.
+def backend_info(name: str) -> AttentionBackend:
+    """The registry entry of ``name``.
 
     Raises:
         LmtrainError: no backend has that name.
@@ -61,12 +102,26 @@ def get_attention(name: str) -> AttentionFn:
                            f"use one of {', '.join(_REGISTRY)}.") from None
 
 
+def get_attention(name: str) -> AttentionFn:
+    """The backend function registered under ``name``.
+
+    Raises:
+        LmtrainError: no backend has that name.
+    """
+    return backend_info(name).fn
+
+
+def own_kernel_patterns() -> list[str]:
+    """The ``kernel_pattern`` of every registered backend that has one (for kernel-time categories)."""
+    return [b.kernel_pattern for b in _REGISTRY.values() if b.kernel_pattern]
+
+
 def causal_mask(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
     """Boolean (n_q, n_k) mask, True where query i may attend to key j (j <= i)."""
     return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
 
 
-@register_attention("naive")
+@register_attention("naive", materializes_scores=True)
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V with the full score matrix stored; softmax in fp32."""
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -95,7 +150,11 @@ def flash_pytorch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return flash_attention_pytorch(q, k, v, causal=causal)
 
 
-@register_attention("flash_triton")
+@register_attention(
+    "flash_triton", needs_gpu=True,
+    # lmtrain.kernels.flash_triton's kernels: _fwd_kernel, _bwd_dq_kernel, _bwd_dkdv_kernel (and older names).
+    kernel_pattern=r"^_(fwd|bwd_dq|bwd_dkdv|bwd_preprocess)_kernel$",
+)
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """FlashAttention-2 forward and backward Triton kernels."""
     from lmtrain.kernels.flash_triton import flash_attention
@@ -105,4 +164,4 @@ def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 
 def needs_gpu(name: str) -> bool:
     """Whether a backend needs a CUDA device (Triton kernels; they also run under ``TRITON_INTERPRET=1``)."""
-    return name == "flash_triton"
+    return backend_info(name).needs_gpu
