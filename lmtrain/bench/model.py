@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lmtrain.callbacks._common import markdown_table
+from lmtrain.analysis.tables import markdown_table
 from lmtrain.config import SEED_SIZES, SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count

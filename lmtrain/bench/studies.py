@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmtrain.bench.model import fmt, fmt_ms, markdown_rows, status_text
-from lmtrain.callbacks._common import markdown_table
+from lmtrain.analysis.tables import markdown_table
 from lmtrain.config import SEED_SIZES
 
 Rows = list[dict[str, Any]]

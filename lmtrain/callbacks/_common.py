@@ -9,6 +9,7 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lmtrain.analysis.tables import markdown_table  # noqa: F401 (re-exported for the callbacks)
 from lmtrain.errors import LmtrainError
 
 
@@ -63,15 +64,6 @@ class WarnOnce:
         if message not in self._seen:
             self._seen.add(message)
             rank_zero_warn(message)
-
-
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A Markdown table (TensorBoard renders it in the Text tab; terminals print it readably)."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + " |" for row in cells]
-    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
-    return "\n".join(lines)
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False,
