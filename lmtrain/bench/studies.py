@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmtrain.bench.model import fmt, fmt_ms, markdown_rows, status_text
 from lmtrain.analysis.tables import markdown_table
+from lmtrain.bench.model import fmt, fmt_ms, markdown_rows, status_text
 from lmtrain.config import SEED_SIZES
 
 Rows = list[dict[str, Any]]
