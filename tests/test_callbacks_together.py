@@ -47,11 +47,20 @@ def test_all_five_callbacks_in_one_fit(tmp_path: Path) -> None:
     assert [s for s, _ in logged["time/step_ms"]] == list(range(2, 12))
     assert len(logged["time/warmup_step_ms"]) == 2 and "throughput/tokens_per_s" in logged
     assert "Forward (s)" in text["time/summary"][0]
+    # ... whose statistics leave out the steps inside the other callbacks' windows, reported apart
+    # (KernelShare 2..4, PrecisionInspector 5, NVTXRanges 7..9; MemorySnapshot records nothing on CPU)
+    timer = callbacks[0]
+    assert timer.excluded_steps == {2: ["KernelShare"], 3: ["KernelShare"], 4: ["KernelShare"],
+                                    5: ["PrecisionInspector"], 7: ["NVTXRanges"], 8: ["NVTXRanges"], 9: ["NVTXRanges"]}
+    assert [row["step"] for row in timer.step_times] == list(range(2, 12))  # every step measured and logged
+    assert timer.summary()["step_ms"]["count"] == 3  # steps 6, 10, 11
+    assert timer.summary(excluded=True)["step_ms"]["count"] == 7
+    assert "7 step(s) inside other callbacks' measurement windows excluded" in text["time/summary"][0]
     # KernelShare (CPU operator time on this machine): one report when its window closed
     assert len(logged["kernels/total_ms_per_step"]) == 1 and logged["kernels/total_ms_per_step"][0][1] > 0
     assert "GEMM share" in text["kernels/report"][0] and "kernels/categories" in images(trainer.log_dir)
-    # PrecisionInspector at its own step, after the profiler window
-    assert [s for s, _ in logged["precision/logits_rel_err"]] == [start["PrecisionInspector"] + 1]
+    # PrecisionInspector at its own step (the global_step while it ran), after the profiler window
+    assert [s for s, _ in logged["precision/logits_rel_err"]] == [start["PrecisionInspector"]]
     assert "precision/report" in text
     # MemorySnapshot needs CUDA: it says so once and logs nothing here
     assert sum("need a CUDA device" in str(w.message) for w in caught) == 1
