@@ -219,6 +219,8 @@ def describe_frame(frame: dict[str, Any] | None) -> str:
 def _phase_of(time_us: int | None, marks: list[PhaseMark]) -> str:
     if time_us is None:
         return "before window"
+    if not marks:  # a snapshot analysed offline: no phase times known
+        return "recording"
     for m in marks:
         if m.start_us <= time_us <= m.end_us:
             return f"step {m.step} {m.phase}"
@@ -244,6 +246,8 @@ def _category(a: LiveAllocation, marks: list[PhaseMark], labels_before: dict[int
     if a.time_us is None:
         return "other, allocated before the window"
     phase = _phase_of(a.time_us, marks)
+    if phase == "recording":
+        return "allocated during the recording"
     return f"allocated in {phase.split(' ', 2)[-1] if phase.startswith('step ') else phase}"
 
 
