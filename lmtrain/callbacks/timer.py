@@ -315,7 +315,8 @@ class CudaSyncTimer(pl.Callback):
         if self.print_summary:
             rank_zero_only(print)(text)
         if log:
-            log_text(trainer, "time/summary", text, step=trainer.global_step)
+            # at the last step of the fit (the step axis of every value; global_step has moved past it)
+            log_text(trainer, "time/summary", text, step=max(self._phases.step, 0))
 
     # -- results --------------------------------------------------------------------------------
 
