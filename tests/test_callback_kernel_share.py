@@ -34,7 +34,8 @@ from lmtrain.errors import LmtrainError
 from lmtrain.module import LMModule
 
 # Real names: from torch.profiler traces of lmtrain on an H100 (torch 2.11, cuBLAS nvjet, cuDNN SDPA), the
-# seeds' nsys tables (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and torch.compile.
+# nsys tables of the reference profiling study (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and
+# torch.compile.
 REAL_NAMES: list[tuple[str, str]] = [
     # GEMM
     ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm"),
