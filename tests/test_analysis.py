@@ -161,3 +161,43 @@ def test_analyze_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert _run("memory", str(SNAPSHOT), "--device", "3") == 2  # no trace for that device
     err = capsys.readouterr().err
     assert err.count("error: analyze") == 5
+
+
+# -- communication: category and exposed time (interval arithmetic on synthetic GPU activities) ---------
+
+
+@pytest.mark.parametrize("name", ["ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ncclKernel_AllGather_RING_LL_Sum_int8_t",
+                                  "gloo:all_reduce", "c10d::allreduce_", "_c10d_functional::all_gather_into_tensor",
+                                  "record_param_comms", "aten::all_reduce"])
+def test_communication_category(name: str) -> None:
+    assert categorize(name) == "communication"
+
+
+def test_communication_rule_leaves_other_kernels_alone() -> None:
+    assert categorize("reduce_kernel<512, 1, 4>") == "reduction" and categorize("aten::copy_") == "copy"
+
+
+NCCL, GEMM_K, EW_K = "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "sm90_xmma_gemm_bf16", "vectorized_elementwise_kernel"
+
+
+def test_exposed_communication_interval_arithmetic() -> None:
+    from lmtrain.analysis.kernels import exposed_communication
+
+    intervals = [
+        (0, 100, GEMM_K, "backward"),  # compute 0..100
+        (50, 100, NCCL, "backward"),  # comm 50..150: 50..100 hidden, 100..150 exposed
+        (120, 10, EW_K, "backward"),  # compute 120..130 hides 10 of it -> exposed 40
+        (140, 30, NCCL, "backward"),  # overlaps the first comm kernel: union 50..170, 150..170 exposed too
+        (200, 20, "Memcpy DtoD (Device -> Device)", "optimizer"),  # a copy is not compute
+        (200, 40, NCCL, "optimizer"),  # fully exposed
+        (300, 10, NCCL, "forward"),
+        (295, 20, GEMM_K, "optimizer"),  # compute of another phase hides it all
+    ]
+    result = exposed_communication(intervals)
+    assert result["backward"] == (120.0, 60.0)  # union 50..170; exposed 100..120 and 130..170
+    assert result["optimizer"] == (40.0, 40.0)
+    assert result["forward"] == (10.0, 0.0)
+    assert result["step"] == (170.0, 100.0)
+    halved = exposed_communication(intervals, steps=2)
+    assert halved["step"] == (85.0, 50.0)
+    assert exposed_communication([(0, 10, GEMM_K, "forward")]) == {}

@@ -37,6 +37,9 @@ from lmtrain.module import LMModule
 # nsys tables of the reference profiling study (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and
 # torch.compile.
 REAL_NAMES: list[tuple[str, str]] = [
+    # communication (NCCL 2.19+ and older NCCL kernel names)
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "communication"),
     # GEMM
     ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm"),
     ("nvjet_sm90_tst_96x128_64x6_2x1_v_bz_NNN", "gemm"),

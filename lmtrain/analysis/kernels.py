@@ -47,6 +47,9 @@ elementwise     torch.compile pointwise kernels (``triton_poi_...``), ATen eleme
                 that do arithmetic), activations, masks, ``aten::add``, ``aten::mul`` ...
 reduction       torch.compile reductions (``triton_red_...``, ``triton_per_...``), ``reduce_kernel``,
                 norms, the loss's NLL (``cunn_ClassNLLCriterion...``, ``nll_loss...``), ``aten::sum`` ...
+communication   collectives between ranks: NCCL kernels (``ncclDevKernel_AllReduce_Sum_f32_RING_LL``,
+                ``ncclKernel_...``), on CPU gloo / c10d operators (``gloo:all_reduce``, ``c10d::allreduce_``,
+                ``record_param_comms``); see :func:`exposed_communication` for how much of it the GPU waited on
 copy            data movement: ``Memcpy``/``Memset``, copy and cast kernels (``direct_copy_kernel``,
                 ``..._copy_kernel``), ``cat``/``stack``, index gathers and scatters (the embedding's
                 ``indexSelectLargeIndex``, ``embedding_backward...``), ``aten::copy_``, ``aten::to`` ...
@@ -100,6 +103,7 @@ __all__ = [
     "load_trace",
     "write_csv",
     "categorize",
+    "exposed_communication",
     "records_from_trace",
     "short_name",
     "softmax_matmul_flop_ratio",
@@ -111,12 +115,13 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
 #: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
 PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer")
 #: Kernel categories, in report order.
-CATEGORIES: tuple[str, ...] = ("gemm", "attention", "softmax", "elementwise", "reduction", "optimizer", "copy",
-                               "other")
+CATEGORIES: tuple[str, ...] = ("gemm", "attention", "softmax", "elementwise", "reduction", "optimizer",
+                               "communication", "copy", "other")
 #: Display names of the categories.
 CATEGORY_LABELS: dict[str, str] = {
     "gemm": "GEMM", "attention": "attention", "softmax": "softmax", "elementwise": "elementwise",
-    "reduction": "reduction", "optimizer": "optimizer", "copy": "copy/cast", "other": "other",
+    "reduction": "reduction", "optimizer": "optimizer", "communication": "communication", "copy": "copy/cast",
+    "other": "other",
 }
 #: Attention stage ranges of the naive backend (``lmtrain.attention``).
 STAGE_PREFIX = "attention/"
@@ -130,6 +135,11 @@ OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 _I = re.IGNORECASE
 #: Ordered (category, pattern) rules; the first match wins. See the module docstring for the reasons.
 CATEGORY_RULES: list[tuple[str, re.Pattern[str]]] = [
+    # Collectives between ranks: NCCL kernels (ncclDevKernel_*, ncclKernel_*), and on CPU the gloo / c10d
+    # operators. First: their names mention reduce, copy and sum, which later rules would take.
+    ("communication", re.compile(r"nccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$|"
+                                 r"^(aten::)?(all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all|barrier)"
+                                 r"_?(base_|into_tensor|coalesced_?)?$", _I)),
     # Fused attention. Before GEMM: FlashAttention-3 and xformers kernels mention cutlass.
     ("attention", re.compile(r"flash|fmha|_sdpa_|native_sdpa|scaled_dot_product|efficient_attention|"
                              r"attention|_attn_(fwd|bwd)|"
@@ -491,6 +501,69 @@ def load_trace(path: str | Path) -> dict:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError(f"{path} is not a Chrome trace (no traceEvents list)")
     return trace
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint (start, end) intervals covering the given ones."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Total length of disjoint ``intervals`` outside the disjoint, sorted ``cover``."""
+    total, j = 0.0, 0
+    for start, end in intervals:
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        pos, k = start, j
+        while k < len(cover) and cover[k][0] < end:
+            if cover[k][0] > pos:
+                total += cover[k][0] - pos
+            pos = max(pos, cover[k][1])
+            k += 1
+        total += max(0.0, end - pos)
+    return total
+
+
+def exposed_communication(intervals: Sequence[tuple[float, float, str, str]],
+                          steps: int = 1) -> dict[str, tuple[float, float]]:
+    """Communication time per phase and the part of it no compute kernel overlaps (the GPU waited on it).
+
+    Args:
+        intervals: GPU activities of one GPU as ``(start_us, duration_us, name, phase)``; the names choose the
+            category (:func:`categorize`). Compute is every activity that is neither communication nor a
+            memcpy / memset.
+        steps: steps the intervals cover (results are per step).
+
+    Returns:
+        ``{phase: (communication_us, exposed_us)}`` for the phases with communication, plus ``"step"`` for all
+        of them; overlapping communication kernels count once, and ``exposed_us`` is the part of the
+        communication intervals' union outside the union of all compute intervals (of every phase: compute of
+        the next phase hides communication just as well).
+    """
+    steps = max(1, steps)
+    comm: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    compute: list[tuple[float, float]] = []
+    for start, dur, name, phase in intervals:
+        category = categorize(name)
+        if category == "communication":
+            comm[phase].append((start, start + dur))
+            comm["step"].append((start, start + dur))
+        elif not re.match(r"memcpy|memset", name, _I):
+            compute.append((start, start + dur))
+    cover = _union(compute)
+    out = {}
+    for phase, spans in comm.items():
+        merged = _union(spans)
+        out[phase] = (sum(e - s for s, e in merged) / steps, _uncovered(merged, cover) / steps)
+    return out
 
 
 def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:

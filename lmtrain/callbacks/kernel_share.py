@@ -83,7 +83,7 @@ class KernelShare(Callback):
         kernels/{phase}_ms_per_step                 ms: kernel time per step launched in that phase
         kernels/{category}_share_step               fraction in [0, 1]: category's share of the step's kernel
                                                     time, for gemm, attention, softmax, elementwise,
-                                                    reduction, optimizer, copy, other
+                                                    reduction, optimizer, communication, copy, other
         kernels/gemm_share_forward                  fraction: GEMM share of the forward phase's kernel time
         kernels/gemm_share_backward                 fraction: same for backward
         kernels/gemm_share_optimizer                fraction: same for the optimizer phase
