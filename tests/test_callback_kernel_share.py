@@ -15,27 +15,31 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from tb import images, scalars, texts
 
-from lmtrain.annotate import active_requests
-from lmtrain.callbacks import KernelShare
-from lmtrain.callbacks.kernel_share import (
+from lmtrain.analysis.kernels import (
     CATEGORIES,
     _self_times,
     categorize,
     gpu_timeline,
     records_from_trace,
-    request_cupti_teardown,
     short_name,
     softmax_matmul_flop_ratio,
     summarize,
     timeline_text,
 )
+from lmtrain.annotate import active_requests
+from lmtrain.callbacks import KernelShare
+from lmtrain.callbacks.kernel_share import request_cupti_teardown
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.module import LMModule
 
 # Real names: from torch.profiler traces of lmtrain on an H100 (torch 2.11, cuBLAS nvjet, cuDNN SDPA), the
-# seeds' nsys tables (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and torch.compile.
+# nsys tables of the reference profiling study (A100: ampere_sgemm, CUTLASS SIMT), other PyTorch builds and
+# torch.compile.
 REAL_NAMES: list[tuple[str, str]] = [
+    # communication (NCCL 2.19+ and older NCCL kernel names)
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "communication"),
     # GEMM
     ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm"),
     ("nvjet_sm90_tst_96x128_64x6_2x1_v_bz_NNN", "gemm"),
@@ -278,9 +282,11 @@ def test_records_from_trace_phases_by_launch_time() -> None:
     tr = records_from_trace(trace, "cuda")
     assert tr.steps == 1 and tr.step_wall_us == 1000.0
     assert (tr.unattributed_kernels, tr.unattributed_us) == (1, 7.0)
+    # (name, phase, us, stage, category override): no Optimizer.step range in this trace, so no override
     assert sorted(tr.records) == sorted([
-        (GEMM, "forward", 40.0, None), (SM, "forward", 10.0, "attention/softmax"), (GEMM, "backward", 100.0, None),
-        (OPT, "optimizer", 30.0, None), (CP, "outside", 4.0, None), (EW, "forward", 3.0, None),
+        (GEMM, "forward", 40.0, None, None), (SM, "forward", 10.0, "attention/softmax", None),
+        (GEMM, "backward", 100.0, None, None), (OPT, "optimizer", 30.0, None, None), (CP, "outside", 4.0, None, None),
+        (EW, "forward", 3.0, None, None),
     ])
     # GPU timeline of the attributed activities: 200 .. 983, busy 187, gaps charged to the phase they end in
     tl = tr.timeline
@@ -314,11 +320,43 @@ def test_records_from_trace_cpu_self_time() -> None:
     ]}
     tr = records_from_trace(trace, "cpu")
     assert sorted(tr.records) == sorted([
-        ("aten::linear", "forward", 17.0, None), ("aten::t", "forward", 3.0, None),
-        ("aten::addmm", "forward", 20.0, None), ("aten::copy_", "forward", 10.0, None),
-        ("aten::add", "outside", 5.0, None),
+        ("aten::linear", "forward", 17.0, None, None), ("aten::t", "forward", 3.0, None, None),
+        ("aten::addmm", "forward", 20.0, None, None), ("aten::copy_", "forward", 10.0, None, None),
+        ("aten::add", "outside", 5.0, None, None),
     ])
     assert len(_self_times([])) == 0
+
+
+def test_optimizer_category_from_the_optimizer_step_range() -> None:
+    # Lightning runs forward and backward inside the optimizer's closure, so torch.optim's Optimizer.step range
+    # encloses them; only the work outside forward and backward is the optimizer's. CPU AdamW runs per-parameter
+    # aten::mul_ / aten::lerp_ that the name rules call elementwise: the range makes them optimizer work, so the
+    # optimizer category's share matches the optimizer phase's time (it was 0 before).
+    trace = {"traceEvents": [
+        _x("user_annotation", "Optimizer.step#AdamW.step", 0, 400),
+        _x("user_annotation", "forward", 0, 100),
+        _x("cpu_op", "aten::mul", 10, 50),
+        _x("user_annotation", "backward", 100, 100),
+        _x("cpu_op", "aten::mul", 110, 40),
+        _x("user_annotation", "optimizer", 300, 100),
+        _x("cpu_op", "aten::mul_", 310, 20),
+        _x("cpu_op", "aten::lerp_", 340, 10),
+        _x("cpu_op", "aten::mul_", 500, 5),  # after the optimizer step (logging): the name decides
+    ]}
+    tr = records_from_trace(trace, "cpu")
+    assert sorted(tr.records) == sorted([
+        ("aten::mul", "forward", 50.0, None, None), ("aten::mul", "backward", 40.0, None, None),
+        ("aten::mul_", "optimizer", 20.0, None, "optimizer"), ("aten::lerp_", "optimizer", 10.0, None, "optimizer"),
+        ("aten::mul_", "outside", 5.0, None, None),
+    ])
+    summary = summarize(tr.records, tr.steps)
+    metrics = summary.metrics()
+    assert metrics["kernels/optimizer_ms_per_step"] == pytest.approx(30.0 / 1e3)
+    assert metrics["kernels/optimizer_share_step"] == pytest.approx(30.0 / 125.0)
+    assert metrics["kernels/elementwise_share_step"] == pytest.approx(95.0 / 125.0)
+    # one name, two categories: two rows
+    assert sorted((r.name, r.category) for r in summary.rows["step"] if r.name == "aten::mul_") == [
+        ("aten::mul_", "elementwise"), ("aten::mul_", "optimizer")]
 
 
 # -- the callback through a real Trainer.fit on CPU ---------------------------------------------------
@@ -366,7 +404,10 @@ def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
                 "kernels/attn_softmax_to_matmul_flop_ratio", "kernels/step_wall_ms", "kernels/busy_share",
                 *[f"kernels/{c}_share_step" for c in CATEGORIES]):
         assert tag in logged, tag
-    assert [step for step, _ in logged["kernels/gemm_share_step"]] == [trainer.global_step - 1]
+    # logged at the window's last step (global_step while it ran): wait + warmup + active - 1
+    assert [step for step, _ in logged["kernels/gemm_share_step"]] == [cb.wait + cb.warmup + cb.active - 1]
+    # the optimizer category holds the optimizer's own work (CPU AdamW: per-parameter ops in Optimizer.step)
+    assert logged["kernels/optimizer_share_step"][0][1] > 0
     for tag in [t for t in logged if t.startswith("kernels/")]:  # documented (phase, category: as placeholders)
         generic = re.sub(r"^kernels/(forward|backward|optimizer|outside)_ms", "kernels/{phase}_ms", tag)
         generic = re.sub(rf"^kernels/({'|'.join(CATEGORIES)})_share_step$", "kernels/{category}_share_step", generic)

@@ -12,10 +12,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tb import images, scalars, texts
 
 import lmtrain
-from lmtrain.callbacks import MemorySnapshot
-from lmtrain.callbacks.memory import (
+from lmtrain.analysis.memory import (
     GIB,
-    AllocatorHistory,
     PhaseMark,
     informative_frame,
     live_at_end,
@@ -28,6 +26,8 @@ from lmtrain.callbacks.memory import (
     tensor_labels,
     top_allocations_table,
 )
+from lmtrain.callbacks import MemorySnapshot
+from lmtrain.callbacks.memory import AllocatorHistory
 from lmtrain.data import LMDataModule
 from lmtrain.module import LMModule
 
@@ -210,7 +210,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[FakeAllo
     monkeypatch.setattr(AllocatorHistory, "snapshot", staticmethod(synthetic_snapshot))
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), global_rank=0,
                               loggers=[ListLogger()], optimizers=[], log_dir=str(tmp_path),
-                              default_root_dir=str(tmp_path))
+                              default_root_dir=str(tmp_path), global_step=0, accumulate_grad_batches=1,
+                              lightning_module=None)
     return alloc, trainer
 
 
@@ -228,6 +229,7 @@ def run_step(cb: MemorySnapshot, trainer: SimpleNamespace, module: torch.nn.Modu
     cb.on_before_optimizer_step(trainer, module, None)
     alloc.set(4.5)  # optimizer: temporaries
     alloc.set(1.25)
+    trainer.global_step += 1  # as Lightning does when the optimizer has stepped
     cb.on_train_batch_end(trainer, module, None, None, 0)
     return alloc.reads - reads
 

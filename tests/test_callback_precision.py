@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from tb import scalars, texts
 
+from lmtrain.analysis.dtypes import path_pattern
 from lmtrain.callbacks import PrecisionInspector
-from lmtrain.callbacks.precision import DtypeRecorder, path_pattern
+from lmtrain.callbacks.precision import DtypeRecorder
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.module import LMModule

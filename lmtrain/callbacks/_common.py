@@ -90,39 +90,145 @@ def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool 
 
 
 class StepWindow:
-    """A window of training batches, and the count of batches that places each one relative to it.
-
-    Batches are counted from 0 at the start of each fit by the callback itself (``next_batch`` in
-    ``on_train_batch_start``), not read from ``trainer.global_step``, which counts optimizer steps (fewer
-    under gradient accumulation, none while a manual-optimization step mode never steps) and continues
-    from a checkpoint. Create a fresh window in ``setup``, after validating the arguments.
+    """A window of training steps on Lightning's step axis (see :class:`StepPhases`).
 
     Args:
-        start_step: index of the first batch in the window; None: the window never opens.
-        num_steps: batches in the window; None: it never closes.
+        start_step: ``trainer.global_step`` of the first step in the window; None: the window never opens.
+        num_steps: steps (optimizer steps) in the window; None: it never closes.
     """
 
     def __init__(self, start_step: int | None, num_steps: int | None = 1) -> None:
         self.start_step = start_step
         self.num_steps = num_steps
-        self.batches_seen = 0  # training batches started since the fit started
 
-    def next_batch(self) -> int:
-        """Count a training batch that starts now; returns its index (0 for the fit's first batch)."""
-        index = self.batches_seen
-        self.batches_seen += 1
-        return index
-
-    def contains(self, index: int) -> bool:
-        """Batch ``index`` lies in the window."""
-        if self.start_step is None or index < self.start_step:
+    def contains(self, step: int) -> bool:
+        """Step ``step`` lies in the window."""
+        if self.start_step is None or step < self.start_step:
             return False
-        return self.num_steps is None or index < self.start_step + self.num_steps
+        return self.num_steps is None or step < self.start_step + self.num_steps
 
-    def is_first(self, index: int) -> bool:
-        """Batch ``index`` opens the window."""
-        return self.start_step is not None and index == self.start_step and self.contains(index)
+    @property
+    def last_step(self) -> int | None:
+        """The window's last step (None for a window that never opens or never closes)."""
+        if self.start_step is None or self.num_steps is None:
+            return None
+        return self.start_step + self.num_steps - 1
 
-    def is_last(self, index: int) -> bool:
-        """Batch ``index`` closes the window (never true for a window without end)."""
-        return self.contains(index) and not self.contains(index + 1)
+    def describe(self) -> str:
+        """``steps a-b`` (``steps a-`` without an end), for messages and reports."""
+        if self.start_step is None:
+            return "no steps"
+        last = self.last_step
+        return f"step {last}" if last == self.start_step else f"steps {self.start_step}-{'' if last is None else last}"
+
+
+class StepPhases:
+    """The one step axis and the phase boundaries of a training step, shared by every lmtrain callback.
+
+    Each callback owns one instance and forwards Lightning's hooks to it (``batch_start``,
+    ``before_backward``, ``after_backward``, ``before_optimizer_step``, ``batch_end``); the callback's own
+    work then reads :attr:`step`, :attr:`phase`, :attr:`micro_batch` and asks :meth:`enters` /
+    :meth:`leaves` about its windows.
+
+    Step axis: a *step* is one optimizer step, and its index is ``trainer.global_step`` while it runs:
+    0 for the first step of a fresh fit, the checkpoint's ``global_step`` after a resume, the same index
+    for every micro-batch of a step under gradient accumulation. Lightning logs a step's ``self.log``
+    values at that same index, so every lmtrain tag lines up with Lightning's own. In manual
+    optimization every batch is a step; when it never calls ``optimizer.step()`` (lmtrain's ``forward``
+    and ``forward_backward`` step modes) ``global_step`` stands still, and the index counts on by one per
+    batch from the last ``global_step`` seen (the only axis such a run has).
+
+    Phases of a batch: ``forward`` (batch start -> ``on_before_backward``, or -> batch end without a
+    backward; includes ``zero_grad``), ``backward`` (-> ``on_after_backward``), ``after backward`` (->
+    ``on_before_optimizer_step`` or batch end), ``optimizer`` (``on_before_optimizer_step`` -> batch end:
+    the optimizer step, gradient clipping, the LR scheduler).
+    """
+
+    FORWARD, BACKWARD, AFTER_BACKWARD, OPTIMIZER = "forward", "backward", "after backward", "optimizer"
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step (call from ``setup``: each fit starts a fresh count of its own steps)."""
+        self.step = -1  # index of the step in progress (or last ended); -1 before the first batch
+        self.micro_batch = 0  # batch number inside the step (0 without gradient accumulation)
+        self.phase: str | None = None  # phase in progress; None between batches
+        self.stepped = False  # the optimizer stepped in the batch in progress
+        self.ended = False  # the last batch_end ended its step
+        self.steps_started = 0  # steps started in this fit
+        self.batches_seen = 0  # training batches started in this fit
+        self.previous_step: int | None = None  # the step before the current one in this fit
+        self._open = False
+
+    def batch_start(self, trainer: pl.Trainer) -> int:
+        """A training batch starts (``on_train_batch_start``); returns its step index."""
+        if not self._open:
+            global_step = trainer.global_step
+            automatic = getattr(trainer.lightning_module, "automatic_optimization", True)
+            self.previous_step = self.step if self.steps_started else None
+            self.step = global_step if automatic or not self.steps_started else max(global_step, self.step + 1)
+            self.micro_batch = 0
+            self.steps_started += 1
+            self._open = True
+        else:
+            self.micro_batch += 1
+        self.batches_seen += 1
+        self.phase, self.stepped, self.ended = self.FORWARD, False, False
+        return self.step
+
+    def before_backward(self) -> None:
+        self.phase = self.BACKWARD
+
+    def after_backward(self) -> None:
+        self.phase = self.AFTER_BACKWARD
+
+    def before_optimizer_step(self) -> None:
+        self.phase, self.stepped = self.OPTIMIZER, True
+
+    def batch_end(self, trainer: pl.Trainer) -> bool:
+        """A training batch ends (``on_train_batch_end``); returns whether it ended its step."""
+        automatic = getattr(trainer.lightning_module, "automatic_optimization", True)
+        # The optimizer stepped, or no accumulation (a batch whose training_step returned None skips the
+        # optimizer yet ends its step), or manual optimization (every batch is a step).
+        self.ended = (self.stepped or trainer.accumulate_grad_batches == 1 or not automatic
+                      or trainer.global_step > self.step)
+        self.phase = None
+        if self.ended:
+            self._open = False
+        return self.ended
+
+    @property
+    def first_batch(self) -> bool:
+        """The batch in progress is the first of its step."""
+        return self.micro_batch == 0
+
+    def enters(self, window: StepWindow) -> bool:
+        """At a batch start: this batch opens ``window`` for this fit (its first batch inside it; after a
+        resume into the middle of a window, the first batch of the fit)."""
+        return (window.contains(self.step) and self.first_batch
+                and (self.previous_step is None or not window.contains(self.previous_step)))
+
+    def leaves(self, window: StepWindow) -> bool:
+        """At a batch end: this batch closes ``window`` (it ended the window's last step)."""
+        return self.ended and window.contains(self.step) and not window.contains(self.step + 1)
+
+
+def windows_holding(trainer: pl.Trainer, step: int, exclude: object = None) -> list[str]:
+    """Class names of the trainer's callbacks whose measurement window holds ``step``.
+
+    The mechanism is public and duck-typed: any callback with a method ``in_window(step: int) -> bool``
+    takes part (all lmtrain callbacks have one). ``CudaSyncTimer`` uses it to keep steps slowed by another
+    callback's measurement out of its summary.
+
+    Args:
+        trainer: the trainer (its public ``callbacks`` list is read).
+        step: a step index on the :class:`StepPhases` axis.
+        exclude: a callback to leave out (the one asking).
+    """
+    names = []
+    for cb in trainer.callbacks:
+        in_window = getattr(cb, "in_window", None)
+        if cb is not exclude and callable(in_window) and in_window(step):
+            names.append(type(cb).__name__)
+    return names

@@ -15,7 +15,7 @@ from torch.cuda import nvtx
 from typing_extensions import override
 
 from lmtrain.annotate import disable_ranges, enable_ranges
-from lmtrain.callbacks._common import StepWindow, WarnOnce, check_int
+from lmtrain.callbacks._common import StepPhases, StepWindow, WarnOnce, check_int
 from lmtrain.errors import LmtrainError
 
 Depth = Literal["step", "phase", "block", "module", "op"]
@@ -51,8 +51,8 @@ class NVTXRanges(pl.Callback):
     - ``step``: a constant-name range ``step`` around every training batch (so a filter such as
       ``ncu --nvtx --nvtx-include "step/forward/"`` can name it), and ``step/<index>`` (NVTX start/end
       range, outside the push/pop stack, so it does not get in the way of push/pop filters; a
-      ``record_function`` range for the profiler). The index counts training batches since the fit
-      started (the optimizer step without gradient accumulation).
+      ``record_function`` range for the profiler). The index is the step's ``trainer.global_step`` (see
+      ``lmtrain.callbacks._common.StepPhases``; the micro-batches of one step share it).
     - ``phase``: ``forward`` (batch start -> ``on_before_backward``, or the whole step without a
       backward), ``backward`` (``on_before_backward`` -> ``on_after_backward``), ``optimizer``
       (``on_before_optimizer_step`` -> batch end).
@@ -74,8 +74,8 @@ class NVTXRanges(pl.Callback):
 
     Args:
         depth: ``step``, ``phase``, ``block``, ``module`` or ``op`` (see above).
-        start_step: first training batch (index) with ranges.
-        num_steps: batches in the window; None: every batch from ``start_step`` on.
+        start_step: first step with ranges, on Lightning's ``global_step`` axis.
+        num_steps: steps (optimizer steps) in the window; None: every step from ``start_step`` on.
         nvtx: emit NVTX ranges (for ``nsys`` / ``ncu``).
         record_function: emit ``torch.profiler.record_function`` ranges (for ``torch.profiler``).
         module_types: class names (e.g. ``["SwiGLU"]``) of further modules, anywhere in the model, that
@@ -108,8 +108,12 @@ class NVTXRanges(pl.Callback):
         self._annotate_on: tuple[bool, bool] | None = None
         self._use_nvtx = False
         self._window = StepWindow(start_step, num_steps)
-        self._index = 0
+        self._phases = StepPhases()
         self._in_window = False
+
+    def in_window(self, step: int) -> bool:
+        """Step ``step`` has this callback's ranges (and, at depth ``block`` and deeper, its module hooks)."""
+        return self._window.contains(step)
 
     # -- setup / teardown -----------------------------------------------------------------------
 
@@ -128,6 +132,7 @@ class NVTXRanges(pl.Callback):
         if not self._use_nvtx and not self.record_function:
             self._warn("NVTXRanges: neither NVTX nor record_function ranges are enabled; nothing will be emitted.")
         self._window = StepWindow(self.start_step, self.num_steps)
+        self._phases.reset()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -216,29 +221,32 @@ class NVTXRanges(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._index = self._window.next_batch()
-        if not self._window.contains(self._index):
+        step = self._phases.batch_start(trainer)
+        if not self._window.contains(step):
             return
         if not self._in_window:
             self._open_window(pl_module)
         self._open(STEP_RANGE)
-        self._open(f"{STEP_RANGE}/{self._index}", nvtx_kind="start")
+        self._open(f"{STEP_RANGE}/{step}", nvtx_kind="start")
         if self._depth_at_least("phase"):
             self._open("forward")
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._phases.before_backward()
         if self._in_window and self._depth_at_least("phase"):
             self._close("forward")
             self._open("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phases.after_backward()
         if self._in_window and self._depth_at_least("phase"):
             self._close("backward")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._phases.before_optimizer_step()
         if self._in_window and self._depth_at_least("phase"):
             self._close("forward")  # a step without backward (not in lmtrain's modes, but cheap to handle)
             self._open("optimizer")
@@ -246,12 +254,13 @@ class NVTXRanges(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._phases.batch_end(trainer)
         if not self._in_window:
             return
         self._close(STEP_RANGE)
-        if self._window.is_last(self._index):
+        if self._phases.leaves(self._window):
             self._close_window()
-            rank_zero_info(f"NVTXRanges: window closed after step {self._index}.")
+            rank_zero_info(f"NVTXRanges: window closed after step {self._phases.step}.")
 
 
 def module_ranges(root: nn.Module, with_children: bool, patterns: list[str] | None = None,

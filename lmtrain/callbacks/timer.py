@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
@@ -13,7 +11,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lmtrain.callbacks._common import WarnOnce, check_int, log_scalars, log_text, markdown_table
+from lmtrain.analysis.timing import phase_statistics, summary_text, tokens_in_batch
+from lmtrain.callbacks._common import (
+    StepPhases,
+    WarnOnce,
+    check_int,
+    log_scalars,
+    log_text,
+    windows_holding,
+)
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import peak_flops as peak_flops_for
 
@@ -48,20 +54,20 @@ class CudaSyncTimer(pl.Callback):
     every boundary and so adds idle gaps; use it to cross-check). Without CUDA the host clock
     ``time.perf_counter`` is used (a message says so once).
 
-    Phases (Lightning hooks): forward = ``on_train_batch_start`` -> ``on_before_backward`` (or ->
-    ``on_train_batch_end`` when the step has no backward), which includes ``zero_grad``; backward =
-    ``on_before_backward`` -> ``on_after_backward``; optimizer = ``on_before_optimizer_step`` ->
-    ``on_train_batch_end`` (the optimizer step, gradient clipping if any, and the LR scheduler); step =
-    ``on_train_batch_start`` -> ``on_train_batch_end``. Data loading and validation between batches are
-    outside every phase.
+    Phases and steps are those of ``lmtrain.callbacks._common.StepPhases`` (forward from the batch start,
+    ``zero_grad`` included; backward; optimizer: the optimizer step, gradient clipping, the LR scheduler;
+    step: batch start -> batch end; data loading and validation between batches are outside every phase).
+    Every value is logged at its step's ``trainer.global_step``, for steps whose index is a multiple of
+    ``log_every_n_steps``. Gradient accumulation: one step is one optimizer step; its forward and backward
+    times are sums over its micro-batches, its step time the sum of their batch times (gaps between them
+    excluded), and tokens/s and MFU count all of them.
 
-    Gradient accumulation: one *step* is one optimizer step. Its forward and backward times are the
-    sums over its micro-batches, its step time the sum of the micro-batches' batch times (gaps between
-    micro-batches excluded), and tokens/s and MFU count all its micro-batches. Without accumulation (or
-    with manual optimization) every batch is a step.
-
-    The first ``warmup_steps`` steps (CUDA context, cuBLAS autotuning, allocator growth: the first
-    step is often ~20x slower) are logged only as ``time/warmup_step_ms`` and kept out of the summary.
+    The first ``warmup_steps`` steps of the fit (CUDA context, cuBLAS autotuning, allocator growth: the
+    first step is often ~20x slower) are logged only as ``time/warmup_step_ms`` and kept out of the summary.
+    Steps inside another callback's measurement window (any callback of the trainer with an
+    ``in_window(step)`` method that returns True: KernelShare's profiler, MemorySnapshot's history,
+    NVTXRanges' ranges and hooks, PrecisionInspector's inspected step) are logged as usual but kept out of
+    the summary's statistics too; the summary reports them apart and says how many there were.
 
     Metrics (TensorBoard scalars at the step they belong to; every ``log_every_n_steps`` steps):
 
@@ -71,11 +77,14 @@ class CudaSyncTimer(pl.Callback):
     - ``throughput/mfu``: model FLOPs utilisation in [0, 1], from ``pl_module.flops_per_batch`` and the
       peak FLOP/s of the device and precision (``lmtrain.flops.PEAK_FLOPS``) or ``peak_flops``.
     - ``time/summary`` (text, at the end): per-phase mean ± std, median, min and max in ms, and the
-      same in the seeds' ``Model  Params  Forward (s)  Backward (s)`` format.
+      same in the ``Model  Params  Forward (s)  Backward (s)`` format of the reference profiling study's
+      timing tables; then the steps excluded as inside other callbacks' windows, with their own statistics.
 
     Attributes:
-        step_times: one dict per measured (post-warm-up) step: ``step`` (index) and the phase keys
-            among ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` that the step has.
+        step_times: one dict per measured (post-warm-up) step: ``step`` (index) and the phase keys among
+            ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` that the step has.
+        excluded_steps: step index -> class names of the other callbacks whose measurement window held it
+            (those steps are in ``step_times`` but not in the summary's statistics).
         warmup_times: step time in ms of each warm-up step.
 
     Args:
@@ -101,15 +110,14 @@ class CudaSyncTimer(pl.Callback):
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.step_times: list[dict[str, float]] = []
+        self.excluded_steps: dict[int, list[str]] = {}
         self.warmup_times: list[float] = []
+        self._phases = StepPhases()
         self._warn = WarnOnce()
         self._cuda = False
         self._pending: list[_Step] = []  # steps whose CUDA events are not read yet (events mode)
         self._current: _Step | None = None
         self._batch: dict[str, Any] | None = None
-        self._stepped = False  # the optimizer stepped during the current batch
-        self._steps_seen = 0
-        self._first_index = 0
         self._peak: float | None = None
         self._event_pool: list[torch.cuda.Event] = []
         self._summarised = False
@@ -130,9 +138,10 @@ class CudaSyncTimer(pl.Callback):
                                             or not isinstance(self.peak_flops, (int, float)) or self.peak_flops <= 0):
             raise LmtrainError("callbacks.CudaSyncTimer.peak_flops", f"{self.peak_flops!r} is not a positive number.",
                                "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
-        self.step_times, self.warmup_times = [], []
+        self.step_times, self.excluded_steps, self.warmup_times = [], {}, []
         self._pending, self._current, self._batch = [], None, None
-        self._steps_seen, self._summarised = 0, False
+        self._summarised = False
+        self._phases.reset()
         self._cuda = trainer.strategy.root_device.type == "cuda"
         if not self._cuda:
             rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
@@ -150,7 +159,6 @@ class CudaSyncTimer(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first_index = trainer.global_step  # resumed runs continue the step count
         size = getattr(pl_module.hparams, "size", None) if hasattr(pl_module, "hparams") else None
         name = str(size) if size is not None else type(pl_module).__name__
         self._model_row = (name, sum(p.numel() for p in pl_module.parameters()))
@@ -190,13 +198,12 @@ class CudaSyncTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._collect(trainer, block=False)  # the previous steps' events, read now that they have passed
+        index = self._phases.batch_start(trainer)
         if self._current is None:
-            index = self._first_index + self._steps_seen
-            self._current = _Step(index=index, warmup=self._steps_seen < self.warmup_steps)
+            self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps)
         self._batch = {}
-        self._stepped = False
         self._current.batches.append(self._batch)
-        tokens = _tokens_in(batch)
+        tokens = tokens_in_batch(batch)
         if tokens is None:
             self._warn("CudaSyncTimer: cannot count tokens in this batch type; throughput/tokens_per_s is not logged.")
         self._current.tokens = None if tokens is None or self._current.tokens is None else self._current.tokens + tokens
@@ -204,20 +211,23 @@ class CudaSyncTimer(pl.Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._phases.before_backward()
         self._mark(_BEFORE_BWD)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phases.after_backward()
         self._mark(_AFTER_BWD)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._phases.before_optimizer_step()
         self._mark(_BEFORE_OPT)
-        self._stepped = True
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        ended = self._phases.batch_end(trainer)
         if self._batch is None or self._current is None:
             return
         self._mark(_END)
@@ -225,11 +235,8 @@ class CudaSyncTimer(pl.Callback):
         step = self._current
         flops = getattr(pl_module, "flops_per_batch", None)
         step.flops = None if flops is None or step.flops is None else step.flops + float(flops)
-        # A step ends with the optimizer step; without accumulation (or in manual optimization,
-        # where Lightning forbids accumulate_grad_batches) every batch is a step.
-        if self._stepped or trainer.accumulate_grad_batches == 1:
+        if ended:  # the optimizer stepped (StepPhases: every batch is a step without accumulation)
             self._current = None
-            self._steps_seen += 1
             self._pending.append(step)
             if not (self._cuda and self.sync == "events"):
                 self._collect(trainer, block=True)  # host-clock values are final already
@@ -271,7 +278,7 @@ class CudaSyncTimer(pl.Callback):
         if "step_ms" not in seen:
             return
         step_ms = times["step_ms"]
-        log_now = (step.index - self._first_index) % self.log_every_n_steps == 0
+        log_now = step.index % self.log_every_n_steps == 0
         if step.warmup:
             self.warmup_times.append(step_ms)
             if log_now:
@@ -280,6 +287,9 @@ class CudaSyncTimer(pl.Callback):
         row: dict[str, float] = {"step": step.index}
         row.update({k: times[k] for k in PHASES if k in seen})
         self.step_times.append(row)
+        windows = windows_holding(trainer, step.index, exclude=self)
+        if windows:
+            self.excluded_steps[step.index] = windows
         if not log_now:
             return
         metrics = {f"time/{k}": v for k, v in row.items() if k != "step"}
@@ -305,62 +315,34 @@ class CudaSyncTimer(pl.Callback):
         if self.print_summary:
             rank_zero_only(print)(text)
         if log:
-            log_text(trainer, "time/summary", text, step=trainer.global_step)
+            # at the last step of the fit (the step axis of every value; global_step has moved past it)
+            log_text(trainer, "time/summary", text, step=max(self._phases.step, 0))
 
     # -- results --------------------------------------------------------------------------------
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Statistics of the measured (post-warm-up) steps: phase key -> mean, std, median, min, max, count.
+    def summary(self, excluded: bool = False) -> dict[str, dict[str, float]]:
+        """Statistics of the summarised steps: phase key -> mean, std, median, min, max, count.
 
         Times in ms; ``std`` is the sample standard deviation (0 for a single step).
+
+        Args:
+            excluded: the statistics of the steps inside other callbacks' windows instead.
         """
-        out: dict[str, dict[str, float]] = {}
-        for key in PHASES:
-            values = [row[key] for row in self.step_times if key in row]
-            if not values:
-                continue
-            out[key] = {
-                "mean": statistics.fmean(values),
-                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                "median": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-                "count": float(len(values)),
-            }
-        return out
+        return phase_statistics(self._rows(excluded), PHASES)
+
+    def _rows(self, excluded: bool) -> list[dict[str, float]]:
+        return [row for row in self.step_times if (row["step"] in self.excluded_steps) == excluded]
 
     def summary_text(self) -> str:
-        """The summary as Markdown: a per-phase table and the seeds' ``Model Params Forward (s)`` table."""
-        stats = self.summary()
+        """The summary as Markdown (see ``lmtrain.analysis.timing.summary_text``)."""
         clock = "CUDA events" if self._cuda and self.sync == "events" else (
             "torch.cuda.synchronize + time.perf_counter" if self._cuda else "time.perf_counter (host, no CUDA)")
-        rows = [[k.removesuffix("_ms"), f"{s['mean']:.3f} ± {s['std']:.3f}", f"{s['median']:.3f}",
-                 f"{s['min']:.3f}", f"{s['max']:.3f}", int(s["count"])] for k, s in stats.items()]
-        table = markdown_table(["phase", "mean ± std (ms)", "median (ms)", "min (ms)", "max (ms)", "steps"], rows)
-        warm = ", ".join(f"{t:.1f}" for t in self.warmup_times)
-        lines = [f"Step timing ({clock}); {len(self.warmup_times)} warm-up step(s) excluded"
-                 + (f" (ms: {warm})" if warm else "") + ".", "", table, ""]
-        name, params = self._model_row or ("model", 0)
-
-        def seconds(key: str) -> str:
-            s = stats.get(key)
-            return f"{s['mean'] / 1000:.6f}±{s['std'] / 1000:.6f}" if s else "-"
-
-        lines += ["```", f"{'Model':<10} {'Params':<12} {'Forward (s)':<15} {'Backward (s)'}", "-" * 60,
-                  f"{name:<10} {params:<12,} {seconds('forward_ms'):<15} {seconds('backward_ms')}", "```"]
-        return "\n".join(lines)
+        excluded = [{**row, "windows": self.excluded_steps[row["step"]]} for row in self._rows(True)]
+        return summary_text(self._rows(False), excluded, self.warmup_times, clock,
+                            self._model_row or ("model", 0), PHASES)
 
 
 def _elapsed_ms(start: Any, end: Any) -> float:
     if isinstance(start, torch.cuda.Event):
         return float(start.elapsed_time(end))
     return (end - start) * 1000.0
-
-
-def _tokens_in(batch: Any) -> int | None:
-    """Input tokens of a batch: B * T for lmtrain windows (B, T + 1); B * T for (inputs, ...) pairs."""
-    if isinstance(batch, torch.Tensor) and batch.ndim == 2:
-        return batch.shape[0] * (batch.shape[1] - 1)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim == 2:
-        return math.prod(batch[0].shape)
-    return None

@@ -1,0 +1,152 @@
+"""Analyse a saved profiler trace or allocator snapshot: the tables and charts the callbacks make, offline.
+
+Two sub-commands, for files taken by anyone (a script, another machine, an earlier run):
+
+``python -m lmtrain analyze kernels TRACE.json[.gz]``
+    A Chrome trace exported by ``torch.profiler`` (``prof.export_chrome_trace``, or KernelShare's
+    ``kernel_trace.json.gz``). Prints KernelShare's report (time per phase, top kernels, GEMM share,
+    categories, softmax vs matmul) and the per-phase kernel tables; writes ``kernel_table.csv`` and
+    ``kernel_categories.png`` (the ``kernels/categories`` chart). Phases come from ``record_function`` ranges
+    named ``forward``, ``backward`` and ``optimizer`` in the trace; kernels launched outside them are
+    ``outside``. A trace without CUDA activities is read as CPU operator self time.
+
+``python -m lmtrain analyze memory SNAPSHOT.pickle``
+    An allocator snapshot (``torch.cuda.memory._dump_snapshot``, or MemorySnapshot's
+    ``memory_snapshot_*.pickle``). Prints MemorySnapshot's ``memory/top_allocations`` text (what was live at
+    the peak, by category, and the largest blocks with the Python frame that allocated them) for each
+    device in the snapshot, and writes ``memory_timeline_<name>_device<d>.png`` (the ``memory/timeline``
+    chart). Unpickling runs code named in the file: analyse only snapshots you trust.
+
+Files go to ``--out`` (default: the input's folder). Exit status 0, or 2 for a file that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lmtrain.errors import LmtrainError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kernels`` and ``memory`` sub-commands and their options."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = ("sub-commands:\n"
+                     "  kernels TRACE   kernel time per phase and category of a torch.profiler Chrome trace\n"
+                     "  memory SNAPSHOT live memory at the peak and the timeline of an allocator snapshot\n\n"
+                     "python -m lmtrain analyze kernels --help / memory --help for their options.")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{kernels,memory}")
+    kernels = sub.add_parser("kernels", help="kernel time per phase and category of a torch.profiler Chrome trace",
+                             description="Kernel tables, shares and report of a Chrome trace (.json or .json.gz) "
+                                         "exported by torch.profiler, as KernelShare logs them.")
+    kernels.add_argument("trace", type=Path, help="the Chrome trace (.json or .json.gz)")
+    kernels.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                         help="read GPU kernels (cuda) or CPU operator self times (cpu); auto: cuda when the trace "
+                              "has GPU activities")
+    kernels.add_argument("--top-k", type=int, default=15, help="rows of the kernel tables (default 15)")
+    kernels.add_argument("--head-dim", type=int, default=None,
+                         help="attention head dimension, for the softmax/matmul FLOP ratio")
+    kernels.add_argument("--out", type=Path, default=None, help="folder for the CSV and PNG (default: the trace's)")
+    kernels.add_argument("--no-chart", action="store_true", help="do not write the category chart")
+    memory = sub.add_parser("memory", help="live memory at the peak and the timeline of an allocator snapshot",
+                            description="What was live at the peak of an allocator snapshot (.pickle from "
+                                        "torch.cuda.memory._dump_snapshot), as MemorySnapshot logs it, and the "
+                                        "active-memory timeline PNG.")
+    memory.add_argument("snapshot", type=Path, help="the snapshot (.pickle)")
+    memory.add_argument("--device", type=int, default=None, help="CUDA device index (default: every device in it)")
+    memory.add_argument("--top-n", type=int, default=10, help="rows of the top-allocation table (default 10)")
+    memory.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the snapshot's)")
+    memory.add_argument("--no-chart", action="store_true", help="do not write the timeline PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen sub-command; prints the report, writes the files, returns the exit status."""
+    try:
+        return _kernels(args) if args.what == "kernels" else _memory(args)
+    except LmtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check(field: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise LmtrainError(f"analyze.{field}", f"must be >= {minimum}, got {value}.", f"give {field} >= {minimum}.")
+
+
+def _input(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise LmtrainError(f"analyze {what}", f"{path} is not a file.", f"give the path of a saved {what} file.")
+    return path
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from lmtrain.analysis import kernels
+
+    _check("top_k", args.top_k, 1)
+    _check("head_dim", args.head_dim, 1)
+    path = _input(args.trace, "trace")
+    try:
+        trace = kernels.load_trace(path)
+    except (OSError, ValueError) as e:  # not JSON, not gzip, not a trace
+        raise LmtrainError("analyze kernels", f"cannot read {path}: {e}",
+                           "give a Chrome trace from torch.profiler (export_chrome_trace).") from e
+    found = kernels.analyze_trace(trace, args.device, head_dim=args.head_dim, top_k=args.top_k,
+                                  batches=f"{_profiler_steps(trace)} (ProfilerStep numbers) of {path.name}")
+    print(found.report)
+    for scope, table in found.tables(args.top_k).items():
+        if scope != "step":  # the report ends with the step's table
+            print(f"\n**Top {'kernel' if found.cuda else 'CPU op'}s, {scope}:**\n{table}")
+    out = args.out or path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    kernels.write_csv(found.summary, str(out / "kernel_table.csv"))
+    written = [out / "kernel_table.csv"]
+    if not args.no_chart:
+        fig = kernels.category_chart(found.summary, cuda=found.cuda)
+        if fig is not None:
+            fig.savefig(out / "kernel_categories.png", dpi=110)
+            written.append(out / "kernel_categories.png")
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _profiler_steps(trace: dict) -> str:
+    """``ProfilerStep#a..b`` ranges of a trace, as ``a..b`` (``?`` when it has none)."""
+    steps = sorted(int(e["name"].split("#", 1)[1]) for e in trace.get("traceEvents", [])
+                   if str(e.get("name", "")).startswith("ProfilerStep#") and e["name"].split("#", 1)[1].isdigit())
+    return f"{steps[0]}..{steps[-1]}" if steps else "?"
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from lmtrain.analysis import memory
+
+    _check("top_n", args.top_n, 1)
+    _check("device", args.device, 0)
+    path = _input(args.snapshot, "snapshot")
+    try:
+        snapshot = memory.load_snapshot(path)
+    except Exception as e:  # noqa: BLE001 (unpickling can fail in many ways: say which file and go)
+        raise LmtrainError("analyze memory", f"cannot read {path}: {type(e).__name__}: {e}",
+                           "give a snapshot pickled by torch.cuda.memory._dump_snapshot.") from e
+    devices = memory.snapshot_devices(snapshot) if args.device is None else [args.device]
+    if not devices or not any(memory.device_trace(snapshot, d) for d in devices):
+        raise LmtrainError("analyze memory", f"{path} holds no allocation trace for device(s) {devices or '-'}.",
+                           "record it with torch.cuda.memory._record_memory_history() before the snapshot.")
+    out = args.out or path.parent
+    written = []
+    for device in devices:
+        print(f"## Device {device}\n")
+        print(memory.peak_report(snapshot, device, args.top_n, where=f"`{path.name}` (device {device})",
+                                 snapshot_name=path.name))
+        print()
+        if not args.no_chart:
+            out.mkdir(parents=True, exist_ok=True)
+            fig = memory.render_timeline(snapshot, device, [], title=f"{path.name}: active memory, device {device}")
+            png = out / f"memory_timeline_{path.stem}_device{device}.png"
+            fig.savefig(png, dpi=110)
+            written.append(png)
+    if written:
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0

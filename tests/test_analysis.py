@@ -1,0 +1,203 @@
+"""lmtrain.analysis on saved files: a real CPU profiler trace, a constructed allocator snapshot, the analyze tool."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pickle
+from pathlib import Path
+
+import pytest
+
+import lmtrain.analysis.cli as analyze
+from lmtrain.analysis.kernels import (
+    CATEGORIES,
+    PHASES,
+    analyze_trace,
+    categorize,
+    load_trace,
+    records_from_trace,
+    summarize,
+    trace_device,
+)
+from lmtrain.analysis.memory import (
+    GIB,
+    MIB,
+    live_at_peak,
+    load_snapshot,
+    memory_curve,
+    peak_report,
+    snapshot_devices,
+)
+from lmtrain.attention import own_kernel_patterns
+
+DATA = Path(__file__).parent / "data"
+TRACE = DATA / "kernel_trace_cpu_tiny.json.gz"  # tests/data/make_kernel_trace.py: KernelShare on a tiny model, CPU
+SNAPSHOT = DATA / "memory_snapshot_constructed.pickle"  # tests/data/make_memory_snapshot.py
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser ``python -m lmtrain analyze`` builds from the tool protocol (docstring, add_arguments)."""
+    parser = argparse.ArgumentParser(prog="python -m lmtrain analyze",
+                                     description=(analyze.__doc__ or "").strip().splitlines()[0])
+    analyze.add_arguments(parser)
+    return parser
+
+
+def _run(*argv: str) -> int:
+    return analyze.run(_parser().parse_args(list(argv)))
+
+
+# -- kernels: a real torch.profiler trace of a tiny model's steps on CPU ------------------------------
+
+
+def test_real_cpu_trace_records_phases_and_steps() -> None:
+    trace = load_trace(TRACE)
+    assert trace_device(trace) == "cpu"
+    tr = records_from_trace(trace, "auto")
+    steps = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    assert tr.device == "cpu" and tr.steps == len(steps) >= 1
+    phases = {r[1] for r in tr.records}
+    assert {"forward", "backward", "optimizer"} <= phases <= set(PHASES)
+    # naive attention: its stage ranges are in the trace, forward kernels are attributed to them
+    assert {r[3] for r in tr.records if r[3]} == {"attention/qk_matmul", "attention/softmax", "attention/pv_matmul"}
+    summary = summarize(tr.records, tr.steps)
+    assert summary.total_us == pytest.approx(sum(r[2] for r in tr.records) / tr.steps)
+    assert summary.stage_us["attention/softmax"].get("softmax", 0) > 0
+
+
+def test_real_cpu_trace_optimizer_category_is_the_optimizer_step() -> None:
+    """CPU AdamW runs per-parameter aten ops; they count as optimizer work, and only they do."""
+    tr = records_from_trace(load_trace(TRACE), "cpu")
+    summary = summarize(tr.records, tr.steps)
+    overridden = [r for r in tr.records if r[4] == "optimizer"]
+    assert overridden and all(r[1] == "optimizer" for r in overridden)
+    by_name = [r for r in tr.records if not r[4] and categorize(r[0]) == "optimizer"]  # foreach/fused names
+    expected = (sum(r[2] for r in overridden) + sum(r[2] for r in by_name)) / tr.steps
+    assert summary.category_us["step"]["optimizer"] == pytest.approx(expected)
+    metrics = summary.metrics()
+    assert expected > 0 and metrics["kernels/optimizer_share_step"] == pytest.approx(expected / summary.total_us)
+
+
+def test_analyze_trace_metrics_are_fractions_and_report_answers() -> None:
+    found = analyze_trace(load_trace(TRACE), head_dim=16, batches="1..2")
+    shares = {k: v for k, v in found.metrics.items() if "_share" in k}
+    assert shares and all(0.0 <= v <= 1.0 for v in shares.values()), shares
+    assert sum(found.metrics.get(f"kernels/{c}_share_step", 0.0) for c in CATEGORIES) == pytest.approx(1.0)
+    assert found.metrics["kernels/attn_softmax_to_matmul_flop_ratio"] == pytest.approx(5 / (4 * 16))
+    assert "GEMM share" in found.report and "steps 1..2" in found.report
+    assert set(found.tables()) == {"step", *[p for p in PHASES if found.summary.rows.get(p)]}
+
+
+def test_own_kernels_come_from_the_attention_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert own_kernel_patterns()  # flash_triton registers its kernels' names
+    for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        assert categorize(name) == "attention"
+    # the registry, not a name written into the category rules, decides
+    monkeypatch.setattr("lmtrain.analysis.kernels.own_kernel_patterns", lambda: [r"^my_fused_block$"])
+    assert categorize("my_fused_block") == "attention"
+    assert categorize("_fwd_kernel") == "other"
+
+
+def test_analyze_kernels_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("kernels", str(TRACE), "--out", str(tmp_path), "--top-k", "5") == 0
+    out = capsys.readouterr().out
+    found = analyze_trace(load_trace(TRACE), top_k=5)
+    assert "## Where the CPU time goes" in out and "**Top CPU ops, forward:**" in out
+    assert found.tables(5)["optimizer"] in out  # the same tables as the callback logs
+    with open(tmp_path / "kernel_table.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == sum(len(found.summary.rows[s]) for s in ("step", *found.summary.phase_us))
+    assert (tmp_path / "kernel_categories.png").read_bytes().startswith(PNG)
+
+
+# -- memory: a constructed allocator snapshot -----------------------------------------------------------
+
+
+def test_constructed_snapshot_peak_and_blocks() -> None:
+    """The snapshot is constructed (a CPU cannot capture one) in ``torch.cuda.memory._snapshot()``'s format.
+
+    By construction (tests/data/make_memory_snapshot.py): 8 MiB of weights exist before the recording; the
+    forward pass allocates H (8 MiB), the scores S (16 MiB) and the attention output (8 MiB) before S is
+    freed, so the peak is 40 MiB with the scores the largest block live; backward frees the activations.
+    """
+    snapshot = load_snapshot(SNAPSHOT)
+    assert snapshot_devices(snapshot) == [0]
+    positions, totals = memory_curve(snapshot, 0)
+    assert totals[0] == 8 * MIB and max(totals) == 40 * MIB
+    live, peak = live_at_peak(snapshot, 0)
+    assert peak == 40 * MIB and sum(a.size for a in live) == peak
+    assert max(live, key=lambda a: a.size).frames[0]["name"] == "attention"
+    text = peak_report(snapshot, 0, top_n=3)
+    assert f"{40 * MIB / GIB:.2f} GiB" in text and "model.py:57 attention" in text
+
+
+def test_analyze_memory_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("memory", str(SNAPSHOT), "--out", str(tmp_path), "--top-n", "3") == 0
+    out = capsys.readouterr().out
+    snapshot = load_snapshot(SNAPSHOT)
+    assert peak_report(snapshot, 0, 3, where=f"`{SNAPSHOT.name}` (device 0)", snapshot_name=SNAPSHOT.name) in out
+    assert (tmp_path / "memory_timeline_memory_snapshot_constructed_device0.png").read_bytes().startswith(PNG)
+
+
+def test_analyze_help_names_both_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "kernels TRACE" in out and "memory SNAPSHOT" in out
+
+
+def test_analyze_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("kernels", str(tmp_path / "missing.json")) == 2
+    not_a_trace = tmp_path / "x.json"
+    not_a_trace.write_text("{}")
+    assert _run("kernels", str(not_a_trace)) == 2
+    assert _run("kernels", str(TRACE), "--top-k", "0") == 2
+    not_a_snapshot = tmp_path / "x.pickle"
+    not_a_snapshot.write_bytes(pickle.dumps([1, 2]))
+    assert _run("memory", str(not_a_snapshot)) == 2
+    assert _run("memory", str(SNAPSHOT), "--device", "3") == 2  # no trace for that device
+    err = capsys.readouterr().err
+    assert err.count("error: analyze") == 5
+
+
+# -- communication: category and exposed time (interval arithmetic on synthetic GPU activities) ---------
+
+
+@pytest.mark.parametrize("name", ["ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ncclKernel_AllGather_RING_LL_Sum_int8_t",
+                                  "gloo:all_reduce", "c10d::allreduce_", "_c10d_functional::all_gather_into_tensor",
+                                  "record_param_comms", "aten::all_reduce"])
+def test_communication_category(name: str) -> None:
+    assert categorize(name) == "communication"
+
+
+def test_communication_rule_leaves_other_kernels_alone() -> None:
+    assert categorize("reduce_kernel<512, 1, 4>") == "reduction" and categorize("aten::copy_") == "copy"
+
+
+NCCL, GEMM_K, EW_K = "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "sm90_xmma_gemm_bf16", "vectorized_elementwise_kernel"
+
+
+def test_exposed_communication_interval_arithmetic() -> None:
+    from lmtrain.analysis.kernels import exposed_communication
+
+    intervals = [
+        (0, 100, GEMM_K, "backward"),  # compute 0..100
+        (50, 100, NCCL, "backward"),  # comm 50..150: 50..100 hidden, 100..150 exposed
+        (120, 10, EW_K, "backward"),  # compute 120..130 hides 10 of it -> exposed 40
+        (140, 30, NCCL, "backward"),  # overlaps the first comm kernel: union 50..170, 150..170 exposed too
+        (200, 20, "Memcpy DtoD (Device -> Device)", "optimizer"),  # a copy is not compute
+        (200, 40, NCCL, "optimizer"),  # fully exposed
+        (300, 10, NCCL, "forward"),
+        (295, 20, GEMM_K, "optimizer"),  # compute of another phase hides it all
+    ]
+    result = exposed_communication(intervals)
+    assert result["backward"] == (120.0, 60.0)  # union 50..170; exposed 100..120 and 130..170
+    assert result["optimizer"] == (40.0, 40.0)
+    assert result["forward"] == (10.0, 0.0)
+    assert result["step"] == (170.0, 100.0)
+    halved = exposed_communication(intervals, steps=2)
+    assert halved["step"] == (85.0, 50.0)
+    assert exposed_communication([(0, 10, GEMM_K, "forward")]) == {}
