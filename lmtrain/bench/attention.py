@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from lmtrain.bench.model import command_line
+from lmtrain.bench.sweep import command_line
 
 DEFAULT_BACKENDS = (
     "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
