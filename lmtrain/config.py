@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lmtrain.errors import LmtrainError

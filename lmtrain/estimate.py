@@ -11,6 +11,7 @@ sections, links, defaults and dotted overrides, so any option of ``fit`` is acce
 from __future__ import annotations
 
 import argparse
+
 from lmtrain.configuration import ResolvedConfig, resolve_args
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-from tb import scalars
-
 import bench_faults
+import pytest
 from bench_faults import FAIL_ENV
+from tb import scalars
 
 from lmtrain.bench import callbacks
 from lmtrain.bench.callbacks import CALLBACKS, last_window_step, window_plan

@@ -8,10 +8,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import bench_faults
 import lightning.pytorch as pl
 import pytest
-
-import bench_faults
 
 from lmtrain.bench import sweep as bench
 from lmtrain.bench import tables

@@ -7,10 +7,9 @@ import json
 import os
 from pathlib import Path
 
+import bench_faults
 import pytest
 import torch
-
-import bench_faults
 from bench_faults import FAIL_ENV
 
 from lmtrain.bench import overhead

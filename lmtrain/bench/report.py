@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lmtrain.bench.environment import environment
+from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.sweep import (
     Cell,
     base_row,
@@ -35,8 +37,6 @@ from lmtrain.bench.sweep import (
     run_sweep,
     sweep_values,
 )
-from lmtrain.bench.environment import environment
-from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.tables import markdown_rows
 from lmtrain.flops import flops_per_step
 from lmtrain.memory_plan import GIB

@@ -1,8 +1,9 @@
-"""Ready-made studies of ``python -m lmtrain bench model --study NAME`` (``lmtrain.bench.sweep``): sweep presets and their tables.
+"""Ready-made studies of ``python -m lmtrain bench model --study NAME``: sweep presets and their tables.
 
-Each study is a preset of the sweep flags (flags given explicitly override it) and a function that turns
-the study's rows into the tables of the reference profiling study. Steps are kept modest (warm-up 3, 10 measured steps unless a study
-says otherwise) so that a study fits a short GPU session; raise ``--steps`` for tighter error bars.
+Each study is a preset of the sweep flags of ``lmtrain.bench.sweep`` (flags given explicitly override it) and
+a function that turns the study's rows into the tables of the reference profiling study. Steps are kept
+modest (warm-up 3, 10 measured steps unless a study says otherwise) so that a study fits a short GPU
+session; raise ``--steps`` for tighter error bars.
 
     timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
     warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
