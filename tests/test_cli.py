@@ -18,13 +18,13 @@ from lmtrain.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
-SEED_CONFIGS = [f"{size}_{precision}" for size in ("small", "medium", "large", "xl", "2.7B")
+STUDY_CONFIGS = [f"{size}_{precision}" for size in ("small", "medium", "large", "xl", "2.7B")
                 for precision in ("fp32", "bf16")]
 
 
 def test_every_size_and_precision_is_shipped() -> None:
     names = {p.stem for p in CONFIGS}
-    assert set(SEED_CONFIGS) | {"tiny"} <= names
+    assert set(STUDY_CONFIGS) | {"tiny"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -51,8 +51,8 @@ def test_every_config_field_is_commented(path: Path) -> None:
         assert "#" in line, f"{path.name}:{number} has no comment: {line!r}"
 
 
-@pytest.mark.parametrize("name", SEED_CONFIGS)
-def test_seed_config_is_the_seeds_benchmark_setup(name: str) -> None:
+@pytest.mark.parametrize("name", STUDY_CONFIGS)
+def test_size_config_is_the_course_benchmark_setup(name: str) -> None:
     config = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     size, precision = name.split("_")
     assert config["model"]["size"] == size
@@ -234,4 +234,5 @@ def test_help_lists_every_command_and_version(capsys: pytest.CaptureFixture) -> 
     assert capsys.readouterr().out.strip() == "lmtrain 0.1.0"
     assert main(["bench", "--help"]) == 0
     listed = capsys.readouterr().out
-    assert all(f"  {name} " in listed for name in ("model", "attention", "precision", "report", "overhead", "callbacks"))
+    names = ("model", "attention", "precision", "report", "overhead", "callbacks")
+    assert all(f"  {name} " in listed for name in names)

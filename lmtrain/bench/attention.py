@@ -1,8 +1,8 @@
 """Attention sweep: forward/backward time, TFLOP/s and memory of each attention backend over (d, N) grids.
 
 Grids (``--grid``):
-    seeds   the attention grid of the reference profiling study: batch 8, one head, d in {16, 32, 64, 128} x
-            N in {256, 1024, 4096, 8192, 16384}.
+    study   the attention grid of the reference profiling study (``seeds``, its former name, still works):
+            batch 8, one head, d in {16, 32, 64, 128} x N in {256, 1024, 4096, 8192, 16384}.
     lm      multi-head LM shapes: bf16, causal, d in {64, 80, 128}, N in {1024, ..., 16384}, 16 heads and a
             batch chosen so that batch x heads x N = ``--tokens-heads`` (default 2^21): the GPU stays full
             at every N and the inputs stay at 2^21 x d elements each.
@@ -87,11 +87,13 @@ def default_backends() -> tuple[str, ...]:
 
 
 GRIDS: dict[str, dict] = {
-    "seeds": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
+    "study": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
     "lm": {"head_dims": [64, 80, 128], "seq_lens": [1024, 2048, 4096, 8192, 16384], "batch_size": None, "heads": 16},
     "memory": {"head_dims": [64], "seq_lens": [16384, 32768, 65536, 131072], "batch_size": 1, "heads": 1},
     "launch": {"head_dims": [64], "seq_lens": [128, 512, 2048], "batch_size": 1, "heads": 12},
 }
+#: Former grid names.
+GRID_ALIASES = {"seeds": "study"}
 HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
 # backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -136,7 +138,8 @@ class Cell:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain bench attention``."""
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="seeds", help="base grid (default: seeds)")
+    parser.add_argument("--grid", choices=sorted([*GRIDS, *GRID_ALIASES]), default="study",
+                        help="base grid (default: study)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="head dims d (default: the grid's)")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths N (default: the grid's)")
     parser.add_argument("--batch-size", type=int, help="batch size B (default: the grid's; lm: tokens-heads / (H N))")
@@ -319,7 +322,7 @@ def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int,
 
 def plan_cells(args: argparse.Namespace) -> list[Cell]:
     """The grid's cells, in sweep order (N outermost within each d, backends innermost)."""
-    grid = GRIDS[args.grid]
+    grid = GRIDS[GRID_ALIASES.get(args.grid, args.grid)]
     head_dims = args.head_dims or grid["head_dims"]
     seq_lens = args.seq_lens or grid["seq_lens"]
     heads = args.heads or grid["heads"]
