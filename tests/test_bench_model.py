@@ -191,3 +191,20 @@ def test_study_presets_and_overrides() -> None:
     _, per_study, stop = bench.plan_cells(parser.parse_args(["--study", "attention-backends"]))
     assert stop and {c.attention for c in per_study["attention-backends"]} == {"naive", "sdpa", "flash_triton"}
     assert main(["bench", "model", "--sizes", "huge"]) == 2
+
+
+def test_ctrl_c_keeps_finished_cells(tmp_path: Path, stub_timer: None, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    original = bench.launch_cell
+
+    def interrupted_on_second(cell: bench.Cell, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if cell.context == 24:
+            raise KeyboardInterrupt
+        return original(cell, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "launch_cell", interrupted_on_second)
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16,24", "--mode", "forward") == 130
+    assert [(r["context"], r["status"]) for r in read_csv(out)] == [("16", "ok")]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("interrupted: stopped by Ctrl-C") and str(out) in err[-1]
