@@ -1,113 +1,174 @@
-"""Command line: ``python -m lmtrain {fit,validate,test,bench,estimate} ...``.
+"""Command line: ``python -m lmtrain {fit,validate,test,bench,estimate,analyze} ...``.
 
 ``fit``, ``validate`` and ``test`` are LightningCLI subcommands over ``LMModule`` and ``LMDataModule``
-(``--config``, ``--print_config``, dotted overrides such as ``--model.context_length 1024``).
-``bench NAME`` runs one of the benchmark studies in ``lmtrain.bench``; ``estimate`` prints the
-memory planner's estimate for a config.
+(``--config``, ``--print_config``, dotted overrides such as ``--model.context_length 1024``), built in
+``lmtrain.configuration``, which also resolves the configs of ``estimate`` and every ``bench`` command.
+``bench NAME`` runs one of the benchmarks in ``lmtrain.bench``; ``estimate`` prints the memory plan of a
+config; ``analyze`` reads saved profiling records.
 
-Errors in the configuration or the data stop the command with one line naming the field and the
-fix, and exit status 2.
+Errors in the arguments, the configuration or the data stop the command with one line,
+``error: <field>: <problem> Fix: <fix>``, exit status 2, before anything is written. Ctrl-C stops a
+command with one line and exit status 130; a benchmark keeps the results it has written so far.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import re
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from lmtrain import __version__
+from lmtrain.configuration import PROG, SUBCOMMANDS
 from lmtrain.errors import LmtrainError
 
 #: ``bench`` subcommands and the modules that implement them. Each module provides
 #: ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's first line is its help.
 BENCH_COMMANDS: dict[str, str] = {
-    "model": "lmtrain.bench.model",
+    "model": "lmtrain.bench.sweep",
     "attention": "lmtrain.bench.attention",
     "precision": "lmtrain.bench.precision",
     "report": "lmtrain.bench.report",
     "overhead": "lmtrain.bench.overhead",
     "callbacks": "lmtrain.bench.callbacks",
 }
-#: Other non-Lightning commands, same protocol.
-TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.bench.estimate"}
-
-LOG_DIR = "logs"
-
-
-def _lightning_cli(args: Sequence[str] | None) -> None:
-    from lightning.pytorch.cli import LightningCLI
-
-    from lmtrain.data import LMDataModule
-    from lmtrain.module import LMModule
-
-    class LMCli(LightningCLI):
-        def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
-            # One source of truth for the shapes that the data must match.
-            parser.link_arguments("model.context_length", "data.context_length")
-            parser.link_arguments("model.vocab_size", "data.vocab_size")
-
-        def before_fit(self) -> None:
-            # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
-            from lmtrain.memory_plan import warn_if_too_large
-
-            warn_if_too_large(self.model, self.datamodule, self.trainer)
-
-    LMCli(
-        LMModule,
-        LMDataModule,
-        args=None if args is None else list(args),  # None: sys.argv, without LightningCLI's warning
-        trainer_defaults={
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": LOG_DIR, "name": "lmtrain"},
-            },
-        },
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": "Train or evaluate a GPT-style LM. Every option can go in a YAML --config."},
-    )
+#: Other commands, same protocol. ``analyze`` may be missing from a checkout: help then says so.
+TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.estimate", "analyze": "lmtrain.analysis.cli"}
+#: One line per Lightning subcommand for the top-level help.
+LIGHTNING_HELP: dict[str, str] = {
+    "fit": "train a model from a YAML config (LightningCLI: --config, --model.*, --data.*, --trainer.*)",
+    "validate": "evaluate a model on the validation split (same options as fit)",
+    "test": "evaluate a model on the test split (same options as fit)",
+}
 
 
-def _tool(name: str, module: str, args: Sequence[str], prog: str) -> int:
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse with lmtrain's error line (``error: <option>: <problem> Fix: <fix>``) and no abbreviations."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # a misspelt option must fail, not match a longer one
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        fix = f"see `{self.prog} --help`."
+        if match := re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message):
+            raise LmtrainError(match.group(1), _sentence(match.group(2)), fix)
+        if match := re.match(r"unrecognized arguments: (\S+)", message):
+            raise LmtrainError(match.group(1), "is not an option of this command.", fix)
+        if match := re.match(r"the following arguments are required: (.*)", message):
+            raise LmtrainError(match.group(1).split(",")[0].strip(), "is required.", fix)
+        raise LmtrainError("arguments", _sentence(message), fix)
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text if text.endswith(".") else text + "."
+
+
+def _first_doc_line(module: str) -> str:
+    """The first docstring line of ``module``, or a note when it cannot be imported."""
+    if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None or importlib.util.find_spec(module) is None:
+        return "(not available in this installation)"
+    try:
+        doc = importlib.import_module(module).__doc__ or ""
+    except ImportError as exc:
+        return f"(not available: {exc})"
+    lines = doc.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def top_level_help() -> str:
+    """``python -m lmtrain --help``: every command with one line."""
+    lines = [f"usage: {PROG} [-h] [--version] {{{','.join([*SUBCOMMANDS, 'bench', *TOOL_COMMANDS])}}} ...", "",
+             "Train, measure and benchmark GPT-style language models.", "", "commands:"]
+    for name, text in LIGHTNING_HELP.items():
+        lines.append(f"  {name:<10} {text}")
+    lines.append(f"  {'bench':<10} benchmarks: {{{','.join(BENCH_COMMANDS)}}} (`{PROG} bench --help`)")
+    for name, module in TOOL_COMMANDS.items():
+        lines.append(f"  {name:<10} {_first_doc_line(module)}")
+    lines += ["", "options:", "  -h, --help  show this message and exit", "  --version   print the version and exit",
+              "", f"`{PROG} COMMAND --help` lists a command's options."]
+    return "\n".join(lines)
+
+
+def bench_help() -> str:
+    """``python -m lmtrain bench --help``: every benchmark with one line."""
+    lines = [f"usage: {PROG} bench {{{','.join(BENCH_COMMANDS)}}} [options]", "", "benchmarks:"]
+    for name, module in BENCH_COMMANDS.items():
+        lines.append(f"  {name:<10} {_first_doc_line(module)}")
+    lines += ["", f"`{PROG} bench NAME --help` lists a benchmark's options."]
+    return "\n".join(lines)
+
+
+def _tool(module: str, args: Sequence[str], prog: str) -> int:
     mod = importlib.import_module(module)
-    parser = argparse.ArgumentParser(prog=prog, description=(mod.__doc__ or "").strip().splitlines()[0])
+    doc = (mod.__doc__ or "").strip().splitlines()
+    parser = _ArgumentParser(prog=prog, description=doc[0] if doc else None,
+                             epilog=mod.help_epilog() if hasattr(mod, "help_epilog") else None,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_arguments(parser)
-    ns = parser.parse_args(list(args))
+    parse_known = getattr(mod, "PASS_UNKNOWN_ARGUMENTS", False)  # estimate: the rest goes to the fit parser
+    if parse_known:
+        ns, rest = parser.parse_known_args(list(args))
+        ns.config_args = rest
+    else:
+        ns = parser.parse_args(list(args))
     ns.command_line = shlex.join([*prog.split(), *args])  # as typed, for the records the tool writes
     return int(mod.run(ns) or 0)
 
 
 def _bench(args: Sequence[str]) -> int:
-    if not args or args[0] in ("-h", "--help") or args[0] not in BENCH_COMMANDS:
-        lines = ["usage: python -m lmtrain bench {" + ",".join(BENCH_COMMANDS) + "} [options]", "", "studies:"]
-        for name, module in BENCH_COMMANDS.items():
-            doc = (importlib.import_module(module).__doc__ or "").strip().splitlines()
-            lines.append(f"  {name:<10} {doc[0] if doc else ''}")
-        print("\n".join(lines), file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
-        if args and args[0] not in ("-h", "--help"):
-            print(f"error: unknown study {args[0]!r}", file=sys.stderr)
-            return 2
+    if not args or args[0] in ("-h", "--help"):
+        print(bench_help())
         return 0 if args else 2
-    return _tool(args[0], BENCH_COMMANDS[args[0]], args[1:], f"python -m lmtrain bench {args[0]}")
+    if args[0] not in BENCH_COMMANDS:
+        raise LmtrainError("bench", f"there is no benchmark named {args[0]!r}.",
+                           f"use one of {', '.join(BENCH_COMMANDS)} (`{PROG} bench --help`).")
+    return _tool(BENCH_COMMANDS[args[0]], args[1:], f"{PROG} bench {args[0]}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m lmtrain`` and the ``lmtrain`` script. Returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args and args[0] == "bench":
+        if not args or args[0] in ("-h", "--help"):
+            print(top_level_help())
+            return 0 if args else 2
+        if args[0] == "--version":
+            print(f"lmtrain {__version__}")
+            return 0
+        if args[0] == "bench":
             return _bench(args[1:])
-        if args and args[0] in TOOL_COMMANDS:
-            return _tool(args[0], TOOL_COMMANDS[args[0]], args[1:], f"python -m lmtrain {args[0]}")
-        _lightning_cli(None if argv is None else args)
+        if args[0] in TOOL_COMMANDS:
+            if importlib.util.find_spec(TOOL_COMMANDS[args[0]].rsplit(".", 1)[0]) is None or \
+                    importlib.util.find_spec(TOOL_COMMANDS[args[0]]) is None:
+                raise LmtrainError(args[0], "this command is not available in this installation.",
+                                   f"see `{PROG} --help` for the commands there are.")
+            return _tool(TOOL_COMMANDS[args[0]], args[1:], f"{PROG} {args[0]}")
+        if args[0] not in SUBCOMMANDS:
+            raise LmtrainError("command", f"there is no command {args[0]!r}.",
+                               f"use one of {', '.join([*SUBCOMMANDS, 'bench', *TOOL_COMMANDS])} "
+                               f"(`{PROG} --help`).")
+        from lmtrain.configuration import run_lightning
+
+        run_lightning(args)
         return 0
     except LmtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted (Ctrl-C).", file=sys.stderr)
+        return 130
     except Exception as e:  # configuration errors that Lightning raises itself
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         if isinstance(e, MisconfigurationException):
-            print(f"error: {e}", file=sys.stderr)
+            first = (str(e).strip().splitlines() or ["invalid configuration"])[0]
+            print(f"error: trainer: {_sentence(first)} Fix: change the trainer options named there "
+                  f"(`{PROG} fit --help`).", file=sys.stderr)
             return 2
         raise

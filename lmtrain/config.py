@@ -1,13 +1,15 @@
-"""Model configuration: a typed, validated dataclass and the named sizes of the seeds' model table."""
+"""Model configuration: a typed, validated dataclass and the named sizes of the reference profiling study."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lmtrain.errors import LmtrainError
 
-#: Named sizes (the seeds' table). Vocabulary and context length are not part of a size.
+#: Named sizes (the model table of the reference profiling study, plus ``tiny``). Vocabulary and context
+#: length are not part of a size.
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=128, d_ff=512, num_layers=4, num_heads=4),
     "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
@@ -17,8 +19,12 @@ SIZES: dict[str, dict[str, int]] = {
     "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
 }
 
-#: The sizes of the seeds' model table, smallest first (``tiny`` is lmtrain's own CPU demo size).
-SEED_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
+#: The model sizes of the reference profiling study, smallest first (``tiny`` is lmtrain's own CPU demo size).
+STUDY_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
+#: Former name of ``STUDY_SIZES`` (still used by tests/test_model.py).
+SEED_SIZES = STUDY_SIZES
+#: The size ``LMModule`` builds when none is given (its widths are ``ModelConfig``'s defaults).
+DEFAULT_SIZE = "small"
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,15 @@ class ModelConfig:
         if unknown:
             raise LmtrainError(f"model.{unknown[0]}", "is not a ModelConfig field.", f"use one of {sorted(known)}.")
         return cls(**{**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
+    def from_module_kwargs(cls, kwargs: Mapping[str, Any]) -> ModelConfig:
+        """The config that ``LMModule(**kwargs)`` builds: ``size`` plus the keys that are fields (None: from size).
+
+        Keys that are not fields (``lr``, ``compile``, ...) are ignored.
+        """
+        known = {f.name for f in fields(cls)}
+        return cls.from_size(kwargs.get("size", DEFAULT_SIZE), **{k: v for k, v in kwargs.items() if k in known})
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""

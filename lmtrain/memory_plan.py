@@ -76,8 +76,6 @@ GIB = 1024**3
 #: Lightning precision strings the planner understands.
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-#: Attention backends whose saved tensors the planner models (others are planned like ``sdpa``).
-PLANNED_BACKENDS = ("naive", "sdpa", "flash_pytorch", "flash_triton")
 
 #: cuBLAS / cuBLASLt workspace that PyTorch allocates through its caching allocator at the first matrix
 #: product on a CUDA device: 28 MiB measured on an H100 with torch 2.11 + CUDA 13.0 (``memory_allocated``
@@ -100,6 +98,14 @@ def parameter_tensor_count(cfg: ModelConfig) -> int:
     """Number of parameter tensors of ``TransformerLM(cfg)`` (one AdamW ``step`` tensor each)."""
     per_layer = 2 + 2 + 3  # two RMSNorm gains, qkv + out, w1 + w2 + w3
     return 3 + cfg.num_layers * per_layer  # embedding, final norm gain, output head
+
+
+def materializes_scores(backend: str) -> bool:
+    """Whether a backend stores the (B, H, T, T) scores and probabilities (the registry's fact); the planner
+    counts them as ``naive`` stores them. Fused backends are planned alike: output O and logsumexp L."""
+    from lmtrain.attention import backend_info
+
+    return backend_info(backend).materializes_scores
 
 
 def _attention_output_shared(backend: str, device_type: str) -> bool:
@@ -133,7 +139,7 @@ def layer_activation_bytes(
         "swiglu": 4 * n * f * c,
         "weight_casts": (4 * d * d + 3 * d * f) * c if mixed else 0,
     }
-    if cfg.attention == "naive":
+    if materializes_scores(cfg.attention):
         terms["attention"] = n * d * c + t * t + b * h * t * t * 4 + (b * h * t * t * c if c != 4 else 0)
     else:
         lse_len = -(-t // 32) * 32 if device_type == "cuda" and cfg.attention == "sdpa" and c == 4 else t
@@ -248,7 +254,7 @@ def estimate_memory(
         "backward start": (0, saved, 2 * n * v * 4 + n * v * c + recompute),
         "end of backward": (grads, 0, n * cfg.d_model * 4),
     }
-    if cfg.attention == "naive" and not cfg.activation_checkpointing:
+    if materializes_scores(cfg.attention) and not cfg.activation_checkpointing:
         # Last layer, inside softmax: its post-attention activations and the head's do not exist yet.
         post_attention = (layer["swiglu"] + layer["linear_inputs"] * 3 // 4 + layer["norm_inputs"] // 2
                           + layer["norm_scaled"] // 2 + layer["norm_rsqrt"] // 2)

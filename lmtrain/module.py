@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchmetrics
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import ModelConfig
+from lmtrain.config import DEFAULT_SIZE, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.kernels import triton_interpreted
@@ -34,11 +34,13 @@ class LMModule(pl.LightningModule):
         context_length: longest sequence (tokens per training window).
         d_model: residual width (None: from ``size``).
         num_layers: transformer blocks (None: from ``size``).
-        num_heads: attention heads (None: from ``size``).
+        num_heads: attention heads; must divide d_model into an even head dimension (None: from ``size``).
         d_ff: SwiGLU inner width (None: from ``size``).
-        rope_theta: RoPE base.
-        attention: attention backend: ``naive``, ``sdpa``, ``flash_pytorch`` or ``flash_triton``.
+        rope_theta: RoPE base frequency.
+        attention: attention backend, a name registered in ``lmtrain.attention``: naive (materialised scores),
+            sdpa (PyTorch's fused kernels), flash_pytorch (tiled reference), flash_triton (Triton kernels, GPU).
         activation_checkpointing: recompute each block in the backward pass to save memory.
+        norm_eps: epsilon added inside RMSNorm's square root.
         lr: peak learning rate, reached after ``warmup_steps``.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
         warmup_steps: linear warmup from 0 to ``lr``.
@@ -56,16 +58,17 @@ class LMModule(pl.LightningModule):
 
     def __init__(
         self,
-        size: str = "small",
-        vocab_size: int = 10_000,
-        context_length: int = 512,
+        size: str = DEFAULT_SIZE,
+        vocab_size: int = ModelConfig.vocab_size,
+        context_length: int = ModelConfig.context_length,
         d_model: int | None = None,
         num_layers: int | None = None,
         num_heads: int | None = None,
         d_ff: int | None = None,
-        rope_theta: float = 10_000.0,
-        attention: str = "sdpa",
-        activation_checkpointing: bool = False,
+        rope_theta: float = ModelConfig.rope_theta,
+        attention: str = ModelConfig.attention,
+        activation_checkpointing: bool = ModelConfig.activation_checkpointing,
+        norm_eps: float = ModelConfig.norm_eps,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
@@ -79,11 +82,8 @@ class LMModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = ModelConfig.from_size(
-            size, vocab_size=vocab_size, context_length=context_length, d_model=d_model, num_layers=num_layers,
-            num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention,
-            activation_checkpointing=activation_checkpointing,
-        )
+        # The model's fields (and their defaults) are ModelConfig's: one source for both.
+        self.config = ModelConfig.from_module_kwargs(self.hparams)
         if step_mode not in STEP_MODES:
             raise LmtrainError("model.step_mode", f"unknown step mode {step_mode!r}.", f"use one of {STEP_MODES}.")
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmtrain.bench import attention as bench
+from lmtrain.bench import clock as bench_clock
 
 BACKENDS = ["naive", "flash_pytorch", "sdpa_math", "flash_triton"]
 
@@ -109,7 +110,7 @@ def test_host_time_is_per_call_over_bursts(monkeypatch):
     """A fake clock that advances 5 us per call: the median per call is exactly 5 us; setup and lead calls are not
     timed (setup advances the clock by 1 s)."""
     clock = [100.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_clock.time, "perf_counter", lambda: clock[0])
     calls = []
 
     def setup():

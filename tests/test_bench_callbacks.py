@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import bench_faults
 import pytest
+from bench_faults import FAIL_ENV
 from tb import scalars
 
-from lmtrain.bench._common import FAIL_ENV
+from lmtrain.bench import callbacks
 from lmtrain.bench.callbacks import CALLBACKS, last_window_step, window_plan
 from lmtrain.cli import main
 
@@ -41,7 +43,7 @@ def test_bench_callbacks_smoke_in_process(tmp_path):
 
 def test_bench_callbacks_one_process_per_setting(tmp_path, monkeypatch, capsys):
     """Each setting runs in its own child process; a child that fails is recorded and the others go on."""
-    monkeypatch.setenv(FAIL_ENV, "NVTXRanges")  # read only by the child running that setting
+    bench_faults.use(monkeypatch, callbacks, "SETTING_TARGET", "callbacks_setting", "NVTXRanges")
     out = tmp_path / "bench.json"
     rc = main(["bench", "callbacks", *TINY, "--settings", "none", "NVTXRanges", "--out", str(out),
                "--logdir", str(tmp_path / "logs")])

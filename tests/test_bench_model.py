@@ -8,10 +8,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import bench_faults
 import lightning.pytorch as pl
 import pytest
 
-from lmtrain.bench import model as bench
+from lmtrain.bench import sweep as bench
+from lmtrain.bench import tables
 from lmtrain.cli import main
 
 TINY = "configs/tiny.yaml"
@@ -96,7 +98,7 @@ def test_sweep_table_shape_and_values(tmp_path: Path, stub_timer: None, capsys: 
     out = tmp_path / "r.csv"
     assert sweep(out, "--contexts", "16,32", "--mode", "forward,forward_backward") == 0
     header, rows = table_rows(capsys.readouterr().out)
-    assert header == bench.MARKDOWN_COLUMNS
+    assert header == tables.MARKDOWN_COLUMNS
     assert len(rows) == 4 and all(len(r) == len(header) for r in rows)
     by = {(r[2], r[7]): dict(zip(header, r, strict=True)) for r in rows}
     assert by[("32", "forward")]["step ms"] == "10.00 ± 0.00"
@@ -113,7 +115,8 @@ def test_sweep_table_shape_and_values(tmp_path: Path, stub_timer: None, capsys: 
 
 def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path: Path, stub_timer: None, launches: list[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bench.FAIL_ENV, "context=16,mode=forward:oom;context=24:crash;context=32,mode=train:exit")
+    bench_faults.use(monkeypatch, bench, "CELL_TARGET", "sweep_cell",
+                     "context=16,mode=forward:oom;context=24:crash;context=32,mode=train:exit")
     out = tmp_path / "r.csv"
     assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train") == 0
     status = {(int(r["context"]), r["mode"]): (r["status"], r["error"]) for r in read_csv(out)}
@@ -127,7 +130,7 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path: Path, stub_timer:
     launches.clear()
     assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train") == 0
     assert launches == []
-    monkeypatch.delenv(bench.FAIL_ENV)
+    monkeypatch.delenv(bench_faults.FAIL_ENV)
     assert sweep(out, "--contexts", "16,24,32", "--mode", "forward,train", "--retry-failed") == 0
     assert sorted(launches) == sorted(bench.Cell(TINY, t, 2, "32-true", "sdpa", False, m, 1, 2).slug
                                       for t, m in [(24, "forward"), (24, "train"), (32, "train")])
@@ -140,7 +143,7 @@ def test_resume_runs_only_new_cells_and_stop_after_oom(tmp_path: Path, stub_time
     out = tmp_path / "r.csv"
     assert sweep(out, "--contexts", "16", "--mode", "forward") == 0
     assert len(launches) == 1
-    monkeypatch.setenv(bench.FAIL_ENV, "context=24:oom")
+    bench_faults.use(monkeypatch, bench, "CELL_TARGET", "sweep_cell", "context=24:oom")
     assert sweep(out, "--contexts", "16,24,32", "--mode", "forward", "--stop-after-oom") == 0
     assert len(launches) == 2  # 24 ran out of memory, 32 was skipped without a process
     rows = {int(r["context"]): r for r in read_csv(out)}
@@ -154,7 +157,7 @@ def test_resume_runs_only_new_cells_and_stop_after_oom(tmp_path: Path, stub_time
 
 
 def test_timeout_is_recorded(tmp_path: Path, stub_timer: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bench.FAIL_ENV, "context=16:hang")
+    bench_faults.use(monkeypatch, bench, "CELL_TARGET", "sweep_cell", "context=16:hang")
     out = tmp_path / "r.csv"
     assert sweep(out, "--contexts", "16", "--mode", "forward", "--timeout", "2") == 0
     assert read_csv(out)[0]["status"] == "timeout"
@@ -188,3 +191,20 @@ def test_study_presets_and_overrides() -> None:
     _, per_study, stop = bench.plan_cells(parser.parse_args(["--study", "attention-backends"]))
     assert stop and {c.attention for c in per_study["attention-backends"]} == {"naive", "sdpa", "flash_triton"}
     assert main(["bench", "model", "--sizes", "huge"]) == 2
+
+
+def test_ctrl_c_keeps_finished_cells(tmp_path: Path, stub_timer: None, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    original = bench.launch_cell
+
+    def interrupted_on_second(cell: bench.Cell, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if cell.context == 24:
+            raise KeyboardInterrupt
+        return original(cell, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "launch_cell", interrupted_on_second)
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16,24", "--mode", "forward") == 130
+    assert [(r["context"], r["status"]) for r in read_csv(out)] == [("16", "ok")]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("interrupted: stopped by Ctrl-C") and str(out) in err[-1]

@@ -7,11 +7,14 @@ import json
 import os
 from pathlib import Path
 
+import bench_faults
 import pytest
 import torch
+from bench_faults import FAIL_ENV
 
 from lmtrain.bench import overhead
-from lmtrain.bench._common import FAIL_ENV, baseline, child_argv
+from lmtrain.bench.comparison import baseline
+from lmtrain.bench.runner import args_payload
 from lmtrain.cli import main
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
@@ -58,7 +61,7 @@ def test_runs_on_cpu_in_process(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 def test_one_process_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Each run is its own child process; a failing child is recorded as an error and the other runs go on."""
-    monkeypatch.setenv(FAIL_ENV, "lightning")  # read only by the child running that setting
+    bench_faults.use(monkeypatch, overhead, "SETTING_TARGET", "overhead_setting", "lightning")
     out = tmp_path / "overhead.json"
     status = main(["bench", "overhead", *SMALL_RUN, "--no-diagnostic", "--out", str(out)])
     assert status == 1  # not every run succeeded
@@ -73,7 +76,7 @@ def test_one_process_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
         assert run["status"] == "ok" and len(run["step_ms"]) == 3 and run["memory_released"] is True
     assert result["baseline_drift_pct"] == pytest.approx(100 * (runs[2]["median_step_ms"] / runs[0]["median_step_ms"]
                                                                  - 1))
-    assert "lightning (error): exit status 1:" in capsys.readouterr().out
+    assert "lightning (error): process exited with status 1:" in capsys.readouterr().out
 
 
 def test_child_over_timeout_is_recorded(tmp_path: Path) -> None:
@@ -85,15 +88,14 @@ def test_child_over_timeout_is_recorded(tmp_path: Path) -> None:
     assert all("--timeout 0.2" in r["error"] for r in runs)
 
 
-def test_child_argv_reproduces_the_flags() -> None:
+def test_children_get_the_parents_arguments() -> None:
+    """A run's process rebuilds this process's arguments from the payload it is given."""
     parser = argparse.ArgumentParser()
     overhead.add_arguments(parser)
     args = parser.parse_args(["--config", "x.yaml", "--steps", "7", "--no-diagnostic", "--allow-cpu",
                               "--out", "o.json", "--no-isolate", "--timeout", "5"])
-    argv = child_argv(overhead.add_arguments, args)
-    # --out, --isolate and --timeout belong to the parent; defaults are left out.
-    assert argv == ["--config", "x.yaml", "--steps", "7", "--no-diagnostic", "--allow-cpu"]
-    assert vars(parser.parse_args(argv)) == {**vars(args), "out": None, "isolate": True, "timeout": 1200.0}
+    payload = json.loads(json.dumps(args_payload(args)))  # what travels to the child
+    assert argparse.Namespace(**payload) == args
 
 
 def test_baseline() -> None:

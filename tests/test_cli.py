@@ -18,13 +18,13 @@ from lmtrain.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
-SEED_CONFIGS = [f"{size}_{precision}" for size in ("small", "medium", "large", "xl", "2.7B")
+STUDY_CONFIGS = [f"{size}_{precision}" for size in ("small", "medium", "large", "xl", "2.7B")
                 for precision in ("fp32", "bf16")]
 
 
 def test_every_size_and_precision_is_shipped() -> None:
     names = {p.stem for p in CONFIGS}
-    assert set(SEED_CONFIGS) | {"tiny"} <= names
+    assert set(STUDY_CONFIGS) | {"tiny"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -51,8 +51,8 @@ def test_every_config_field_is_commented(path: Path) -> None:
         assert "#" in line, f"{path.name}:{number} has no comment: {line!r}"
 
 
-@pytest.mark.parametrize("name", SEED_CONFIGS)
-def test_seed_config_is_the_seeds_benchmark_setup(name: str) -> None:
+@pytest.mark.parametrize("name", STUDY_CONFIGS)
+def test_size_config_is_the_course_benchmark_setup(name: str) -> None:
     config = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     size, precision = name.split("_")
     assert config["model"]["size"] == size
@@ -147,3 +147,92 @@ def test_bad_input_stops_cleanly(case: str, bad_runs: dict) -> None:
     assert len(errors) == 1, result.stderr
     assert re.fullmatch(rf"error: {re.escape(field)}: .+ Fix: .+", errors[0]), errors[0]
     assert list(cwd.iterdir()) == []  # no logs/, no lightning_logs/, nothing half-written
+
+
+# -- bad arguments: the parser's errors, one line first, exit 2, nothing written -------------------------------
+
+PARSER_CASES = ("missing_config", "malformed_yaml", "unknown_option", "unknown_yaml_key", "unknown_callback",
+                "bad_precision", "misspelt_option", "fp16_on_cpu", "zero_steps", "predict", "unknown_command",
+                "bench_abbreviation", "unknown_benchmark")
+
+
+@pytest.fixture(scope="module")
+def parser_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    files = tmp_path_factory.mktemp("files")
+    malformed = files / "malformed.yaml"
+    malformed.write_text("model:\n  size: tiny\n  vocab_size: [1, 2\ndata:\n  batch_size: 2\n")
+    unknown_key = files / "unknown_key.yaml"
+    unknown_key.write_text(TINY.read_text().replace("  lr: 3.0e-3", "  lrr: 3.0e-3"))
+    fit = ["fit", "--config", str(TINY)]
+    cases = {
+        "missing_config": ["fit", "--config", str(files / "nope.yaml")],
+        "malformed_yaml": ["fit", "--config", str(malformed)],
+        "unknown_option": [*fit, "--model.foo", "1"],
+        "unknown_yaml_key": ["fit", "--config", str(unknown_key)],
+        "unknown_callback": [*fit, "--trainer.callbacks+=lmtrain.callbacks.Nope"],
+        "bad_precision": [*fit, "--trainer.precision", "17"],
+        "misspelt_option": [*fit, "--trainer.max_step", "5"],
+        "fp16_on_cpu": [*fit, "--trainer.precision", "16-mixed"],
+        "zero_steps": [*fit, "--trainer.max_steps", "0"],
+        "predict": ["predict", "--config", str(TINY)],
+        "unknown_command": ["train"],
+        "bench_abbreviation": ["bench", "model", "--size", "tiny"],  # --sizes, abbreviated
+        "unknown_benchmark": ["bench", "speed"],
+    }
+    assert tuple(cases) == PARSER_CASES
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    work = tmp_path_factory.mktemp("cwd")
+    started = {}
+    for name, args in cases.items():
+        cwd = work / name
+        cwd.mkdir()
+        process = subprocess.Popen([sys.executable, "-m", "lmtrain", *args], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started[name] = (process, args, cwd)
+    results = {}
+    for name, (process, args, cwd) in started.items():
+        out, err = process.communicate(timeout=300)
+        results[name] = (subprocess.CompletedProcess(args, process.returncode, out, err), cwd)
+    return results
+
+
+@pytest.mark.parametrize("case", PARSER_CASES)
+def test_parser_errors_are_one_line_first(case: str, parser_runs: dict) -> None:
+    result, cwd = parser_runs[case]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: ") and " Fix: " in first, result.stderr
+    assert list(cwd.iterdir()) == []  # no logs/, no lightning_logs/
+
+
+def test_parser_errors_name_what_is_wrong(parser_runs: dict) -> None:
+    first = {name: result.stderr.splitlines()[0] for name, (result, _) in parser_runs.items()}
+    assert first["missing_config"].startswith("error: --config: ") and "nope.yaml" in first["missing_config"]
+    assert re.match(r"error: --config: \S*malformed\.yaml, line \d+, column \d+: ", first["malformed_yaml"])
+    assert first["unknown_option"].startswith("error: model.foo: ")
+    assert first["unknown_yaml_key"].startswith("error: model.lrr: ") and "model.lr?" in first["unknown_yaml_key"]
+    assert first["unknown_callback"].startswith("error: trainer.callbacks: ") and "Nope" in first["unknown_callback"]
+    assert first["bad_precision"].startswith("error: trainer.precision: '17' ")
+    # not prefix-matched to --trainer.max_steps
+    assert first["misspelt_option"].startswith("error: trainer.max_step: ") and "max_steps?" in first["misspelt_option"]
+    assert first["fp16_on_cpu"].startswith("error: trainer.precision: 16-mixed needs a CUDA GPU")
+    assert first["zero_steps"].startswith("error: trainer.max_steps: ")
+    assert first["predict"].startswith("error: command: there is no command 'predict'")
+    assert first["bench_abbreviation"].startswith("error: --size: ")
+    assert first["unknown_benchmark"].startswith("error: bench: ")
+
+
+def test_help_lists_every_command_and_version(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m lmtrain ") and "__main__" not in out
+    commands = [line.split()[0] for line in out.split("commands:")[1].split("options:")[0].splitlines() if line.strip()]
+    assert commands == ["fit", "validate", "test", "bench", "estimate", "analyze"]
+    assert "predict" not in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "lmtrain 0.1.0"
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    names = ("model", "attention", "precision", "report", "overhead", "callbacks")
+    assert all(f"  {name} " in listed for name in names)

@@ -1,7 +1,8 @@
 """Attention sweep: forward/backward time, TFLOP/s and memory of each attention backend over (d, N) grids.
 
 Grids (``--grid``):
-    seeds   the seeds' study: batch 8, one head, d in {16, 32, 64, 128} x N in {256, 1024, 4096, 8192, 16384}.
+    study   the attention grid of the reference profiling study (``seeds``, its former name, still works):
+            batch 8, one head, d in {16, 32, 64, 128} x N in {256, 1024, 4096, 8192, 16384}.
     lm      multi-head LM shapes: bf16, causal, d in {64, 80, 128}, N in {1024, ..., 16384}, 16 heads and a
             batch chosen so that batch x heads x N = ``--tokens-heads`` (default 2^21): the GPU stays full
             at every N and the inputs stay at 2^21 x d elements each.
@@ -11,7 +12,8 @@ Grids (``--grid``):
             that the host time to issue them (the ``host us`` columns) decides the step time.
 ``--head-dims``, ``--seq-lens``, ``--batch-size``, ``--heads`` override a grid's values.
 
-Backends (``--backends``): ``naive`` (materialised scores, ``lmtrain.attention``), ``naive_compiled`` (the
+Backends (``--backends``): every backend registered in ``lmtrain.attention`` (its facts say which need a
+GPU), and bench-only variants: ``naive`` (materialised scores), ``naive_compiled`` (the
 same under ``torch.compile``), ``flash_pytorch`` (tiled reference, Python loop: skipped above
 ``--flash-pytorch-max-n``), ``flash_triton`` (our kernels), ``sdpa_flash`` / ``sdpa_cudnn`` /
 ``sdpa_efficient`` / ``sdpa_math`` (``scaled_dot_product_attention`` restricted to one kernel with
@@ -41,28 +43,57 @@ import argparse
 import csv
 import gc
 import json
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from lmtrain.bench.model import command_line
+from lmtrain.bench.clock import Clock
+from lmtrain.bench.environment import device_name, environment
+from lmtrain.bench.sweep import command_line
 
-DEFAULT_BACKENDS = (
-    "naive", "naive_compiled", "flash_pytorch", "flash_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-)
-ALL_BACKENDS = (*DEFAULT_BACKENDS, "sdpa_math")
+#: Bench-only variants of the registered backends: (what it is, whether it needs CUDA). The registered backends
+#: themselves (``lmtrain.attention``) are always offered; ``sdpa`` itself is left out of the default list because
+#: the ``sdpa_*`` variants time each of its kernels.
+VARIANTS: dict[str, tuple[str, bool]] = {
+    "naive_compiled": ("naive under torch.compile", False),
+    "sdpa_flash": ("scaled_dot_product_attention, flash kernel only", True),
+    "sdpa_cudnn": ("scaled_dot_product_attention, cuDNN kernel only", True),
+    "sdpa_efficient": ("scaled_dot_product_attention, memory-efficient kernel only", True),
+    "sdpa_math": ("scaled_dot_product_attention, math fallback only", False),
+}
+_SDPA_KERNELS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
+#: Backends whose Python tile loop takes seconds per call: skipped above ``--flash-pytorch-max-n``.
+SLOW_BACKENDS = ("flash_pytorch",)
+
+
+def all_backends() -> tuple[str, ...]:
+    """Every backend this sweep can time: the registered ones, then the bench-only variants."""
+    from lmtrain.attention import available_backends
+
+    return (*available_backends(), *VARIANTS)
+
+
+def default_backends() -> tuple[str, ...]:
+    """The default ``--backends``: every registered backend but ``sdpa`` (timed per kernel), every variant but
+    ``sdpa_math`` (the slow fallback)."""
+    from lmtrain.attention import available_backends
+
+    return (*(b for b in available_backends() if b != "sdpa"), *(v for v in VARIANTS if v != "sdpa_math"))
+
+
 GRIDS: dict[str, dict] = {
-    "seeds": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
+    "study": {"head_dims": [16, 32, 64, 128], "seq_lens": [256, 1024, 4096, 8192, 16384], "batch_size": 8, "heads": 1},
     "lm": {"head_dims": [64, 80, 128], "seq_lens": [1024, 2048, 4096, 8192, 16384], "batch_size": None, "heads": 16},
     "memory": {"head_dims": [64], "seq_lens": [16384, 32768, 65536, 131072], "batch_size": 1, "heads": 1},
     "launch": {"head_dims": [64], "seq_lens": [128, 512, 2048], "batch_size": 1, "heads": 12},
 }
+#: Former grid names.
+GRID_ALIASES = {"seeds": "study"}
 HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
 # backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -107,7 +138,8 @@ class Cell:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain bench attention``."""
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="seeds", help="base grid (default: seeds)")
+    parser.add_argument("--grid", choices=sorted([*GRIDS, *GRID_ALIASES]), default="study",
+                        help="base grid (default: study)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="head dims d (default: the grid's)")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths N (default: the grid's)")
     parser.add_argument("--batch-size", type=int, help="batch size B (default: the grid's; lm: tokens-heads / (H N))")
@@ -116,8 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                         help="causal mask (default on)")
-    parser.add_argument("--backends", nargs="+", choices=ALL_BACKENDS, default=list(DEFAULT_BACKENDS),
-                        help="backends to time")
+    parser.add_argument("--backends", nargs="+", choices=all_backends(), default=list(default_backends()),
+                        help="backends to time: registered backends (lmtrain.attention) and the variants "
+                             f"{', '.join(VARIANTS)} (default: {' '.join(default_backends())})")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing (default 5)")
     parser.add_argument("--rep", type=int, default=30,
                         help="timed runs per measurement; the median is kept (default 30)")
@@ -146,28 +179,24 @@ def _sdpa(kernel_name: str) -> AttentionFn:
 
 def _backend(name: str, device: torch.device, seq_len: int, max_pytorch_n: int) -> AttentionFn:
     """The attention function of a backend for one cell; raises Unsupported when it cannot run there."""
-    from lmtrain.attention import get_attention
+    from lmtrain.attention import available_backends, backend_info
+    from lmtrain.kernels import triton_interpreted
 
-    if name == "naive":
-        return get_attention("naive")
+    if name in available_backends():
+        info = backend_info(name)
+        if info.needs_gpu and device.type != "cuda" and not triton_interpreted():
+            raise Unsupported("needs CUDA")
+        if name in SLOW_BACKENDS and seq_len > max_pytorch_n:
+            raise Unsupported(f"N > --flash-pytorch-max-n {max_pytorch_n} (Python tile loop)")
+        return info.fn
+    if name not in VARIANTS:
+        raise ValueError(f"unknown backend {name!r}")
+    if VARIANTS[name][1] and device.type != "cuda":
+        raise Unsupported("needs CUDA")
     if name == "naive_compiled":
         torch._dynamo.reset()  # a fresh graph per cell: no recompile limit, no dynamic-shape fallback
-        return torch.compile(get_attention("naive"), dynamic=False)
-    if name == "flash_pytorch":
-        if seq_len > max_pytorch_n:
-            raise Unsupported(f"N > --flash-pytorch-max-n {max_pytorch_n} (Python tile loop)")
-        return get_attention("flash_pytorch")
-    if name == "flash_triton":
-        if device.type != "cuda":
-            raise Unsupported("needs CUDA")
-        return get_attention("flash_triton")
-    if name.startswith("sdpa_"):
-        kernel = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
-                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}[name]
-        if device.type != "cuda" and name != "sdpa_math":
-            raise Unsupported("needs CUDA")
-        return _sdpa(kernel)
-    raise ValueError(f"unknown backend {name!r}")
+        return torch.compile(backend_info("naive").fn, dynamic=False)
+    return _sdpa(_SDPA_KERNELS[name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,28 +206,21 @@ def _backend(name: str, device: torch.device, seq_len: int, max_pytorch_n: int) 
 
 def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], warmup: int, rep: int,
                device: torch.device) -> float:
-    """Median milliseconds of ``timed(setup())`` over ``rep`` runs; ``setup`` runs outside the timed region."""
+    """Median milliseconds of ``timed(setup())`` over ``rep`` runs; ``setup`` runs outside the timed region.
+
+    On a GPU the marks are stream-ordered events: the start fires after the setup's kernels.
+    """
     for _ in range(warmup):
         timed(setup())
-    if device.type != "cuda":
-        times = []
-        for _ in range(rep):
-            state = setup()
-            t0 = time.perf_counter()
-            timed(state)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    events = []
+    clock = Clock(device.type == "cuda")
+    starts, ends = [], []
     for _ in range(rep):
         state = setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()  # stream-ordered: fires after the setup's kernels
+        starts.append(clock.mark())
         timed(state)
-        end.record()
-        events.append((start, end))
+        ends.append(clock.mark())
         del state
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(clock.intervals_ms(starts, ends))
 
 
 def _median_host_us(setup: Callable[[], object], timed: Callable[[object], None], rep: int,
@@ -207,16 +229,17 @@ def _median_host_us(setup: Callable[[], object], timed: Callable[[object], None]
     issues ``HOST_LEAD`` untimed calls (so that the CPU is not timed waking up from the wait), then
     ``HOST_BURST`` calls back to back on the CPU clock, without waiting for the device."""
     per_call = []
+    host = Clock(cuda=False)  # host time: what the CPU spends issuing the calls
     for _ in range(max(rep, 1)):
         states = [setup() for _ in range(HOST_LEAD + HOST_BURST)]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         for state in states[:HOST_LEAD]:
             timed(state)
-        t0 = time.perf_counter()
+        t0 = host.mark()
         for state in states[HOST_LEAD:]:
             timed(state)
-        per_call.append((time.perf_counter() - t0) / HOST_BURST * 1e6)
+        per_call.append(host.ms(t0, host.mark()) / HOST_BURST * 1e3)
         del states
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -299,7 +322,7 @@ def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int,
 
 def plan_cells(args: argparse.Namespace) -> list[Cell]:
     """The grid's cells, in sweep order (N outermost within each d, backends innermost)."""
-    grid = GRIDS[args.grid]
+    grid = GRIDS[GRID_ALIASES.get(args.grid, args.grid)]
     head_dims = args.head_dims or grid["head_dims"]
     seq_lens = args.seq_lens or grid["seq_lens"]
     heads = args.heads or grid["heads"]
@@ -380,21 +403,6 @@ def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [_row(c) for c in cells]}, indent=1))
 
 
-def environment(device: torch.device) -> dict:
-    """Device name and library versions for the record."""
-    meta = {"device": platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version()}
-    if device.type == "cuda":
-        meta["device"] = torch.cuda.get_device_name(device)
-        meta["cuda"] = torch.version.cuda
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
-    return meta
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; 0 on success, 2 when no GPU is there and ``--allow-cpu`` is not given."""
     if torch.cuda.is_available():
@@ -406,12 +414,15 @@ def run(args: argparse.Namespace) -> int:
               "Run it on a GPU machine, or pass --allow-cpu for a tiny smoke run.", file=sys.stderr)
         return 2
     cells = plan_cells(args)
-    meta = environment(device)
-    meta["command"] = command_line(args)
+    meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args)}
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     for i, cell in enumerate(cells, 1):
-        run_cell(cell, device, args)
+        try:
+            run_cell(cell, device, args)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt("stopped by Ctrl-C; " + (f"the cells finished so far are in {args.out}."
+                                                              if args.out else "no --out was given.")) from None
         if cell.status == "ok":
             summary = (f"fwd {cell.fwd_ms:.3f} ms ({cell.fwd_tflops:.1f} TFLOP/s), fwd+bwd {cell.fwd_bwd_ms:.3f} ms "
                        f"({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB, "

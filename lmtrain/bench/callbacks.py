@@ -16,9 +16,9 @@ the profiled steps, next to the probe's median step time: how much of a step the
 
 Each setting runs in a fresh Python process (``--isolate``, the default): run one after another in one
 process, later settings ran slower (on a GPU the second no-callback run, after the profiler-based
-settings, was slower than the first by more than the overheads being measured). The command starts
-``python -m lmtrain bench callbacks <the same flags> --_one-setting NAME`` per setting (a fresh model with
-the same seed each time) and collects the children's results; a child that crashes or exceeds
+settings, was slower than the first by more than the overheads being measured). ``lmtrain.bench.runner``
+starts one process per setting (a fresh model with the same seed each time) and collects the children's
+results; a child that crashes or exceeds
 ``--timeout`` is recorded in its row and the other settings go on. ``--no-isolate`` runs every setting in
 this process on one model (quicker to start; for smoke runs).
 
@@ -48,14 +48,11 @@ from typing import Any
 
 import torch
 
-from lmtrain.bench._common import (
-    add_isolation_arguments,
-    baseline,
-    child_setting_start,
-    keep_on_device_strategy,
-    run_isolated,
-    write_child_result,
-)
+from lmtrain.bench.clock import Clock
+from lmtrain.bench.comparison import baseline, keep_on_device_strategy
+from lmtrain.bench.environment import device_name
+from lmtrain.bench.runner import add_isolation_arguments, args_payload, run_settings
+from lmtrain.configuration import resolve_config
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
 CALLBACKS = ("CudaSyncTimer", "NVTXRanges", "MemorySnapshot", "KernelShare", "PrecisionInspector")
@@ -63,9 +60,10 @@ CALLBACKS = ("CudaSyncTimer", "NVTXRanges", "MemorySnapshot", "KernelShare", "Pr
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain bench callbacks``."""
-    parser.add_argument("--config", default=DEFAULT_CONFIG,
-                        help=f"fit YAML giving model, data and trainer.precision (default {DEFAULT_CONFIG}; if the "
-                             "file is missing: 2.7B, bf16-mixed, batch 4, context 512, synthetic data)")
+    parser.add_argument("--config", default=None,
+                        help=f"fit YAML giving model, data and trainer.precision, resolved like fit resolves it "
+                             f"(default {DEFAULT_CONFIG}, or where that file is missing and for --config '': "
+                             "2.7B, bf16-mixed, batch 4, context 512, synthetic data)")
     parser.add_argument("--size", help="model size instead of the config's (e.g. tiny for a smoke run)")
     parser.add_argument("--batch-size", type=int, help="batch size instead of the config's")
     parser.add_argument("--context-length", type=int, help="context length instead of the config's")
@@ -87,36 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- model, data, callbacks -----------------------------------------------------------------------------------
 
 
-def load_setup(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], str, str]:
-    """(LMModule kwargs, LMDataModule kwargs, precision, where they came from)."""
-    path = Path(args.config) if args.config else None
-    if path is not None and path.is_file():
-        import yaml
+#: The setting without a config file: the 2.7B model of the course's benchmark setup.
+BUILT_IN = {"model.size": "2.7B", "model.vocab_size": 10_000, "model.context_length": 512,
+            "data.source": "synthetic", "data.batch_size": 4, "trainer.precision": "bf16-mixed"}
 
-        cfg = yaml.safe_load(path.read_text()) or {}
-        model = dict(cfg.get("model") or {})
-        model = dict(model.get("init_args", model)) if "class_path" in model else model
-        data = dict(cfg.get("data") or {})
-        data = dict(data.get("init_args", data)) if "class_path" in data else data
-        precision = str((cfg.get("trainer") or {}).get("precision", "32-true"))
-        source = str(path)
-    else:
-        model = {"size": "2.7B", "vocab_size": 10_000, "context_length": 512}
-        data = {"source": "synthetic", "batch_size": 4}
-        precision, source = "bf16-mixed", f"built-in defaults (no {path})" if path else "built-in defaults"
-    if args.size:
-        model["size"] = args.size
-    if args.context_length:
-        model["context_length"] = args.context_length
-    if args.batch_size:
-        data["batch_size"] = args.batch_size
-    if args.precision:
-        precision = args.precision
-    # The command line links these two; do the same here.
-    data["context_length"] = model.get("context_length", 512)
-    data["vocab_size"] = model.get("vocab_size", 10_000)
-    data["train_batches"] = max(int(data.get("train_batches", 0)), args.steps)
-    return model, data, precision, source
+
+def load_setup(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], str, str]:
+    """(LMModule kwargs, LMDataModule kwargs, precision, where they came from): resolved like ``fit`` does."""
+    path = args.config
+    if path is None:
+        path = DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else ""
+    base: dict[str, Any] = {} if path else dict(BUILT_IN)
+    source = str(path) if path else (f"built-in defaults (no {DEFAULT_CONFIG})" if args.config is None
+                                     else "built-in defaults")
+    overrides = {**base, "model.size": args.size or base.get("model.size"),
+                 "model.context_length": args.context_length or base.get("model.context_length"),
+                 "data.batch_size": args.batch_size or base.get("data.batch_size"),
+                 "trainer.precision": args.precision or base.get("trainer.precision")}
+    resolved = resolve_config(path or None, overrides)
+    data = dict(resolved.data)
+    data["train_batches"] = max(int(data["train_batches"]), args.steps)
+    return dict(resolved.model), data, resolved.precision, source
 
 
 #: Where each callback's window starts in the all-five setting, relative to ``--window-start``
@@ -165,23 +154,15 @@ class _StepProbe:
     """Independent per-step timing: one instance first and one last in the callback list."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+        self.clock = Clock(cuda)
         self.starts: list[Any] = []
         self.ends: list[Any] = []
 
     def mark(self, into: list[Any]) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            into.append(event)
-        else:
-            into.append(time.perf_counter())
+        into.append(self.clock.mark())
 
     def step_ms(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [float(a.elapsed_time(b)) for a, b in zip(self.starts, self.ends, strict=False)]
-        return [(b - a) * 1000.0 for a, b in zip(self.starts, self.ends, strict=False)]
+        return self.clock.intervals_ms(self.starts, self.ends)
 
 
 def _probe_callbacks(probe: _StepProbe) -> tuple[Any, Any]:
@@ -313,10 +294,24 @@ def _module_and_data(model_kwargs: dict[str, Any], data_kwargs: dict[str, Any]) 
     return LMModule(**model_kwargs), LMDataModule(**data_kwargs)
 
 
+#: The function a setting's process executes (``module:function``); tests point it at a failure-injecting wrapper.
+SETTING_TARGET = "lmtrain.bench.callbacks:run_setting_in_child"
+
+
+def run_setting_in_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Child target (``lmtrain.bench.runner``): one setting, from the parent's arguments and resolved config."""
+    args = argparse.Namespace(**payload["args"])
+    setting = payload["setting"]
+    cuda = torch.cuda.is_available()
+    names = dict(settings_plan())[setting]
+    module, data = _module_and_data(payload["model"], payload["data"])
+    with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
+        row = measure_setting(setting, names, module, data, payload["precision"], args, cuda, scratch)
+    return {"row": row, "device": device_name(cuda)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every setting; 0 on success, 2 without a GPU unless ``--allow-cpu``."""
-    if args._one_setting is not None:
-        child_setting_start(args._one_setting)  # a test hook: fails here when asked to
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         print("bench callbacks: no CUDA GPU found; overheads are GPU step times. Run it on a GPU machine, or "
@@ -333,32 +328,29 @@ def run(args: argparse.Namespace) -> int:
     model_kwargs, data_kwargs, precision, source = load_setup(args)
     plan = settings_plan(args.settings)
 
-    if args._one_setting is not None:  # a child process of an isolated run: one setting, result to a file
-        names = dict(settings_plan())[args._one_setting]
-        module, data = _module_and_data(model_kwargs, data_kwargs)
-        with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
-            row = measure_setting(args._one_setting, names, module, data, precision, args, cuda, scratch)
-        write_child_result(args._child_out, args._one_setting,
-                           {"row": row, "device": torch.cuda.get_device_name() if cuda else "cpu"})
-        return 0
-
     device = "cuda" if cuda else "cpu"  # an isolated run never touches the GPU here; the children name it
     rows: list[dict[str, Any]] = []
-    if args.isolate:
-        for child in run_isolated("callbacks", add_arguments, args, [name for name, _ in plan], drop={"settings"}):
-            if child.status == "ok" and child.result is not None:
-                row = dict(child.result["row"])
-                device = child.result.get("device", device)
-            else:
-                row = {"setting": child.setting, "status": child.status, "note": f"{child.status}: {child.error}"}
-            print(f"[bench callbacks] {child.setting} (pid {child.pid}, {child.seconds:.0f} s): {row}", file=sys.stderr,
-                  flush=True)
-            rows.append(row)
-    else:
-        module, data = _module_and_data(model_kwargs, data_kwargs)
-        with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
-            rows = [measure_setting(name, names, module, data, precision, args, cuda, scratch) for name, names in plan]
-        device = torch.cuda.get_device_name() if cuda else "cpu"
+    interrupted = False
+    try:
+        if args.isolate:
+            payload = {"args": args_payload(args), "model": model_kwargs, "data": data_kwargs, "precision": precision}
+            for child in run_settings("callbacks", SETTING_TARGET, [name for name, _ in plan], payload, args.timeout):
+                if child.status == "ok" and child.result is not None:
+                    row = dict(child.result["row"])
+                    device = child.result.get("device", device)
+                else:
+                    row = {"setting": child.name, "status": child.status, "note": f"{child.status}: {child.error}"}
+                print(f"[bench callbacks] {child.name} (pid {child.pid}, {child.seconds:.0f} s): {row}",
+                      file=sys.stderr, flush=True)
+                rows.append(row)
+        else:
+            device = device_name(cuda)
+            module, data = _module_and_data(model_kwargs, data_kwargs)
+            with tempfile.TemporaryDirectory(prefix="bench_callbacks_") as scratch:
+                for name, names in plan:
+                    rows.append(measure_setting(name, names, module, data, precision, args, cuda, scratch))
+    except KeyboardInterrupt:
+        interrupted = True  # report and write the settings finished so far, then stop
 
     first = next((r.get("median_step_ms") for r in rows if r["setting"] == "none"), None)
     last = next((r.get("median_step_ms") for r in rows if r["setting"] == "none (again)"), None)
@@ -378,7 +370,10 @@ def run(args: argparse.Namespace) -> int:
     print(baseline_line(base, drift))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+    if interrupted:
+        raise KeyboardInterrupt("stopped by Ctrl-C; " + (f"the settings finished so far are in {args.out}."
+                                                          if args.out else "the settings finished so far are above."))
     return 0
 
 
@@ -397,7 +392,7 @@ def baseline_line(base: float | None, drift: float | None) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results (target: overhead <= 1% each, CudaSyncTimer within 2% of the probe)."""
-    from lmtrain.callbacks._common import markdown_table  # imports Lightning: not before a child needs it
+    from lmtrain.analysis.tables import markdown_table
 
     def num(value: Any, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"

@@ -8,15 +8,17 @@ run, shows as a gap between the two plain runs)::
     lightning_no_progress_bar   the same without the progress bar (a diagnostic; ``--no-diagnostic`` skips it)
     plain        the plain loop again
 
-Each run is a fresh Python process (``--isolate``, the default): the command starts ``python -m lmtrain
-bench overhead <the same flags> --_one-setting NAME`` per run and collects the results, because runs one
+Each run is a fresh Python process (``--isolate``, the default; ``lmtrain.bench.runner``) that gets the
+resolved configuration and returns its result, because runs one
 after another in one process can slow down for reasons that have nothing to do with what is compared (on
 a GPU the Lightning run without progress bar came out slower than the one with it, inside the step too,
 which the progress bar cannot explain). A run that
 crashes or exceeds ``--timeout`` is recorded as ``error`` or ``timeout`` and the others go on.
 ``--no-isolate`` runs all of them in this process (quicker to start).
 
-Both sides build the model and optimizer the same way, from the config's ``model`` section: the same
+The config is resolved like ``python -m lmtrain fit`` resolves it (``lmtrain.configuration``), with
+``--batch-size``, ``--context-length`` and ``--attention`` as overrides. Both sides build the model and
+optimizer the same way, from the config's ``model`` section: the same
 ``TransformerLM``, attention backend, AdamW (fused on CUDA) and warmup/cosine schedule, the same
 precision (``32-true``: no autocast; ``bf16-mixed``: bf16 autocast around forward and loss), batches of
 the same shape. The plain loop draws its random token ids on the GPU once; the Lightning run reads its
@@ -49,28 +51,24 @@ import json
 import os
 import statistics
 import tempfile
-import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from lmtrain.bench._common import (
-    add_isolation_arguments,
-    baseline,
-    child_setting_start,
-    keep_on_device_strategy,
-    run_isolated,
-    write_child_result,
-)
+from lmtrain.analysis.tables import markdown_table
+from lmtrain.bench.clock import Clock
+from lmtrain.bench.comparison import baseline, keep_on_device_strategy
+from lmtrain.bench.environment import device_name
+from lmtrain.bench.runner import add_isolation_arguments, args_payload, run_settings
+from lmtrain.configuration import resolve_config
 from lmtrain.errors import LmtrainError
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
 #: Lightning precision -> autocast dtype of the plain loop (None: no autocast).
-AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
+AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16}
 _PLAIN_BATCHES = 4  # distinct batches the plain loop cycles through
 
 
@@ -115,51 +113,35 @@ class Run:
         }
 
 
-class _Clock:
-    """Time marks on the GPU stream (CUDA events) or, on the CPU, the wall clock."""
+def step_times(clock: Clock, starts: list[Any], ends: list[Any], warmup: int) -> tuple[list[float], list[float]]:
+    """(step times, in-step times) of steps ``warmup..`` (``warmup`` >= 1: a step time needs the step before).
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-    def times(self, starts: list[Any], ends: list[Any], warmup: int) -> tuple[list[float], list[float]]:
-        """(step times, in-step times) of steps ``warmup..`` (``warmup`` >= 1: a step time needs the step before)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        steps = [self.ms(ends[i - 1], ends[i]) for i in range(warmup, len(ends))]
-        in_step = [self.ms(starts[i], ends[i]) for i in range(warmup, len(ends))]
-        return steps, in_step
+    A step time runs from the end of the step before to the end of the step, so that everything done between
+    two steps counts; an in-step time from the start of the step to its end.
+    """
+    clock.sync()
+    steps = [clock.ms(ends[i - 1], ends[i]) for i in range(warmup, len(ends))]
+    in_step = [clock.ms(starts[i], ends[i]) for i in range(warmup, len(ends))]
+    return steps, in_step
 
 
-def _load_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    path = Path(args.config)
-    if not path.is_file():
-        raise LmtrainError("--config", f"{path} does not exist.", "pass a YAML config such as configs/2.7B_bf16.yaml.")
-    config = yaml.safe_load(path.read_text()) or {}
-    model, data, trainer = (dict(config.get(key) or {}) for key in ("model", "data", "trainer"))
-    if args.context_length is not None:
-        model["context_length"] = args.context_length
-    if args.attention is not None:
-        model["attention"] = args.attention
-    if args.batch_size is not None:
-        data["batch_size"] = args.batch_size
+def load_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(LMModule, LMDataModule, Trainer) keyword arguments: ``--config`` resolved like ``fit``, with the overrides.
+
+    The trainer's callbacks are left out (the study times the bare Trainer) and its precision is in long form.
+    """
+    resolved = resolve_config(args.config, {"model.context_length": args.context_length,
+                                            "model.attention": args.attention, "data.batch_size": args.batch_size})
+    model, data, trainer = resolved.model, resolved.data, resolved.trainer
     if model.get("step_mode", "train") != "train":
         raise LmtrainError("model.step_mode", f"this study times whole training steps, not {model['step_mode']!r}.",
                            "use a config with model.step_mode: train.")
-    precision = str(trainer.get("precision", "32-true"))
+    precision = resolved.precision
     if precision not in AUTOCAST:
         raise LmtrainError("trainer.precision", f"the plain loop has no counterpart for {precision!r}.",
                            f"use one of {', '.join(AUTOCAST)}.")
-    trainer.pop("callbacks", None)  # the study times the bare Trainer
+    trainer["precision"] = precision
+    trainer.pop("callbacks", None)
     return model, data, trainer
 
 
@@ -168,7 +150,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
 
 
 def plain_run(name: str, model_kwargs: dict[str, Any], batch_size: int, autocast: torch.dtype | None,
-              device: torch.device, steps: int, warmup: int, clock: _Clock) -> tuple[Run, weakref.ref]:
+              device: torch.device, steps: int, warmup: int, clock: Clock) -> tuple[Run, weakref.ref]:
     """The plain loop: LMModule's model, loss and optimizer driven by hand, no Trainer."""
     from lmtrain.module import LMModule
 
@@ -193,12 +175,12 @@ def plain_run(name: str, model_kwargs: dict[str, Any], batch_size: int, autocast
         optimizer.zero_grad(set_to_none=True)
         ends.append(clock.mark())
     run = Run(name)
-    run.step_ms, run.in_step_ms = clock.times(starts, ends, warmup)
+    run.step_ms, run.in_step_ms = step_times(clock, starts, ends, warmup)
     return run, weakref.ref(module)
 
 
 def lightning_run(name: str, model_kwargs: dict[str, Any], data_kwargs: dict[str, Any],
-                  trainer_kwargs: dict[str, Any], steps: int, warmup: int, clock: _Clock, log_dir: str
+                  trainer_kwargs: dict[str, Any], steps: int, warmup: int, clock: Clock, log_dir: str
                   ) -> tuple[Run, weakref.ref]:
     """``Trainer.fit`` of LMModule on LMDataModule, with a callback that only records time marks."""
     import lightning.pytorch as pl
@@ -237,7 +219,7 @@ def lightning_run(name: str, model_kwargs: dict[str, Any], data_kwargs: dict[str
     })
     trainer.fit(module, data)
     run = Run(name)
-    run.step_ms, run.in_step_ms = clock.times(marks.starts, marks.ends, warmup)
+    run.step_ms, run.in_step_ms = step_times(clock, marks.starts, marks.ends, warmup)
     return run, weakref.ref(module)
 
 
@@ -262,7 +244,7 @@ def run_plan(diagnostic: bool = True) -> list[str]:
 
 
 def measure_one(name: str, model_kwargs: dict[str, Any], data_kwargs: dict[str, Any], trainer_kwargs: dict[str, Any],
-                args: argparse.Namespace, clock: _Clock, log_dir: str) -> Run:
+                args: argparse.Namespace, clock: Clock, log_dir: str) -> Run:
     """One run in this process (plain loop or Lightning, by ``name``), with its peak memory; OOM is recorded."""
     cuda = clock.cuda
     device = torch.device("cuda" if cuda else "cpu")
@@ -294,10 +276,22 @@ def _run_from_child(payload: dict[str, Any]) -> Run:
     return Run(**{k: v for k, v in payload.items() if k in fields})
 
 
+#: The function a run's process executes (``module:function``); tests point it at a wrapper that injects failures.
+SETTING_TARGET = "lmtrain.bench.overhead:run_setting_in_child"
+
+
+def run_setting_in_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Child target (``lmtrain.bench.runner``): one run, from the parent's arguments and resolved config."""
+    args = argparse.Namespace(**payload["args"])
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
+        result = measure_one(payload["setting"], payload["model"], payload["data"], payload["trainer"], args,
+                             Clock(cuda), log_dir)
+    return {"run": asdict(result), "device": device_name(cuda)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Time the runs, print the table, write the JSON; 0 on success."""
-    if args._one_setting is not None:
-        child_setting_start(args._one_setting)  # a test hook: fails here when asked to
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         raise LmtrainError("device", "no CUDA GPU is visible, and this study times GPU steps.",
@@ -305,43 +299,39 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 1 or args.steps < args.warmup + 2:
         raise LmtrainError("--steps", f"needs at least two steps after {args.warmup} warm-up steps "
                            f"(and --warmup >= 1), got --steps {args.steps}.", "raise --steps (e.g. 30).")
-    model_kwargs, data_kwargs, trainer_kwargs = _load_config(args)
+    model_kwargs, data_kwargs, trainer_kwargs = load_config(args)
     import lightning
 
-    from lmtrain.callbacks._common import markdown_table
     from lmtrain.module import LMModule
 
     # Validates the model section (size, heads, backend, GPU-only options) before anything runs.
     config = LMModule(**model_kwargs).config
-    clock = _Clock(cuda)
-    precision = str(trainer_kwargs.get("precision", "32-true"))
-    batch_size = int(data_kwargs.get("batch_size", 4))
+    precision = str(trainer_kwargs["precision"])
+    batch_size = int(data_kwargs["batch_size"])
     tokens_per_step = batch_size * config.context_length
     plan = run_plan(not args.no_diagnostic)
 
-    if args._one_setting is not None:  # a child process of an isolated run: one run, result to a file
-        if args._one_setting not in TRAINER_CHANGES:
-            raise LmtrainError("--_one-setting", f"no run named {args._one_setting!r}.", f"use one of {plan}.")
-        with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
-            result = measure_one(args._one_setting, model_kwargs, data_kwargs, trainer_kwargs, args, clock, log_dir)
-        write_child_result(args._child_out, args._one_setting,
-                           {"run": asdict(result), "device": torch.cuda.get_device_name() if cuda else "cpu"})
-        return 0
-
     runs: list[Run] = []
-    if args.isolate:
-        device_name = "cuda" if cuda else "cpu"  # this process never touches the GPU; the children name it
-        for child in run_isolated("overhead", add_arguments, args, plan):
-            if child.status == "ok" and child.result is not None:
-                runs.append(_run_from_child(child.result["run"]))
-                device_name = child.result.get("device", device_name)
-            else:
-                runs.append(Run(child.setting, status=child.status, error=child.error))
-    else:
-        with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
-            runs = [measure_one(name, model_kwargs, data_kwargs, trainer_kwargs, args, clock, log_dir)
-                    for name in plan]
-        device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    interrupted = False
+    try:
+        if args.isolate:
+            device = "cuda" if cuda else "cpu"  # this process never touches the GPU; the children name it
+            payload = {"args": args_payload(args), "model": model_kwargs, "data": data_kwargs,
+                       "trainer": trainer_kwargs}
+            for child in run_settings("overhead", SETTING_TARGET, plan, payload, args.timeout):
+                if child.status == "ok" and child.result is not None:
+                    runs.append(_run_from_child(child.result["run"]))
+                    device = child.result.get("device", device)
+                else:
+                    runs.append(Run(child.name, status=child.status, error=child.error))
+        else:
+            device = device_name(cuda)
+            with tempfile.TemporaryDirectory(prefix="lmtrain-overhead-") as log_dir:
+                for name in plan:
+                    runs.append(measure_one(name, model_kwargs, data_kwargs, trainer_kwargs, args, Clock(cuda),
+                                            log_dir))
+    except KeyboardInterrupt:
+        interrupted = True  # report and write the runs finished so far, then stop
 
     plain_runs = [r for r in runs if r.name == "plain"]
     first_plain = plain_runs[0].median_ms if plain_runs else None
@@ -366,13 +356,13 @@ def run(args: argparse.Namespace) -> int:
     how = "each run in a fresh process" if args.isolate else "all runs in one process"
     print(f"Lightning overhead, {args.config}: size {model_kwargs.get('size')}, batch {batch_size}, context "
           f"{config.context_length}, {precision}, {config.attention}, {args.steps} steps per run "
-          f"({args.warmup} warm-up), {device_name}, {how}")
+          f"({args.warmup} warm-up), {device}, {how}")
     print(markdown_table(header, rows))
     for r in runs:
         if r.error:
             print(f"{r.name} ({r.status}): {r.error}")
-    lightning_result = next(r for r in runs if r.name == "lightning")
-    if overhead.get("lightning") is not None:
+    lightning_result = next((r for r in runs if r.name == "lightning"), None)
+    if lightning_result is not None and overhead.get("lightning") is not None:
         print(f"Lightning overhead: {overhead['lightning']:+.2f}% (median step {lightning_result.median_ms:.2f} ms "
               f"vs {base:.2f} ms, the mean of the plain runs' medians)")
     if drift is not None:
@@ -383,10 +373,10 @@ def run(args: argparse.Namespace) -> int:
         result = {
             "study": "overhead",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name,
+            "device": device,
             "torch": torch.__version__,
             "lightning": lightning.__version__,
-            "arguments": vars(args),
+            "arguments": args_payload(args),
             "isolated": bool(args.isolate),
             "model": model_kwargs, "data": data_kwargs, "trainer": trainer_kwargs,
             "batch_size": batch_size, "context_length": config.context_length, "precision": precision,
@@ -398,5 +388,8 @@ def run(args: argparse.Namespace) -> int:
             "runs": [{**asdict(r), **r.summary(tokens_per_step)} for r in runs],
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if interrupted:
+        raise KeyboardInterrupt("stopped by Ctrl-C; " + (f"the runs finished so far are in {args.out}." if args.out
+                                                          else "the runs finished so far are printed above."))
     return 0 if all(r.status == "ok" for r in runs) else 1

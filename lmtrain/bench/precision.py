@@ -13,10 +13,10 @@ separates the addend's rounding from the accumulator's. What it shows:
   is n times the stored addend (100.021 and 100.098: the addend's rounding, not the accumulator's),
   and converting the addend explicitly changes nothing because the conversion is exact.
 
-ToyModel (``--toy``, on by default): the seeds' ``fc1 -> relu -> layernorm -> fc2`` model run once under
-fp16 and bf16 autocast on the device, with ``lmtrain.callbacks.precision``'s recorder: the dtypes of the
-parameters, each layer's output, the logits, the loss, the gradients and AdamW's state. On CUDA,
-``layer_norm`` is on autocast's fp32 list; on CPU it is not, and the table shows it.
+ToyModel (``--toy``, on by default): the ``fc1 -> relu -> layernorm -> fc2`` model of the course's mixed-
+precision exercise run once under fp16 and bf16 autocast on the device, with ``lmtrain.callbacks.precision``'s
+recorder: the dtypes of the parameters, each layer's output, the logits, the loss, the gradients and AdamW's
+state. On CUDA, ``layer_norm`` is on autocast's fp32 list; on CPU it is not, and the table shows it.
 
 Prints Markdown tables; ``--out`` writes everything as JSON.
 """
@@ -114,7 +114,7 @@ def accumulation_markdown(rows: list[dict[str, Any]], n: int, value: float) -> s
 
 
 class ToyModel(nn.Module):
-    """The seeds' model: fc1 -> relu -> layer norm -> fc2 (no biases)."""
+    """The course's mixed-precision toy model: fc1 -> relu -> layer norm -> fc2 (no biases)."""
 
     def __init__(self, in_features: int = 20, out_features: int = 5) -> None:
         super().__init__()
@@ -154,7 +154,8 @@ def inspect_toy(dtype: torch.dtype, device: str | torch.device = "cpu", seed: in
 
 
 def toy_markdown(reports: dict[str, PrecisionReport]) -> str:
-    """One table: rows = the seeds' questions, one column per autocast dtype; flags with reasons below."""
+    """One table: rows = the questions of the course's mixed-precision exercise, one column per autocast dtype;
+    flags with reasons below."""
     names = list(reports)
 
     def module(rep: PrecisionReport, path: str) -> str:

@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmtrain.bench.model import (
+from lmtrain.bench.environment import environment
+from lmtrain.bench.studies import STUDIES
+from lmtrain.bench.sweep import (
     Cell,
     base_row,
     cell_config,
@@ -32,12 +34,10 @@ from lmtrain.bench.model import (
     finish_row,
     load_meta,
     load_results,
-    markdown_rows,
     run_sweep,
     sweep_values,
-    versions,
 )
-from lmtrain.bench.studies import STUDIES
+from lmtrain.bench.tables import markdown_rows
 from lmtrain.flops import flops_per_step
 from lmtrain.memory_plan import GIB
 
@@ -314,10 +314,10 @@ def run(args: argparse.Namespace) -> int:
         # The environment and the commands of the machine that ran the cells, as the results file recorded them.
         meta = load_meta(results)
         commands = list(meta.get("commands", [])) + commands
-        environment = meta.get("environment") or versions()
+        env = meta.get("environment") or environment()
     else:
-        environment = versions()
-    info = {"date": dt.date.today().isoformat(), **environment}
+        env = environment()
+    info = {"date": dt.date.today().isoformat(), **env}
     written = write_report(args.out, per_study, commands, info, skipped)
     print("\n".join(str(p) for p in written))
     return 0

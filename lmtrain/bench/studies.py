@@ -1,8 +1,9 @@
 """Ready-made studies of ``python -m lmtrain bench model --study NAME``: sweep presets and their tables.
 
-Each study is a preset of the sweep flags (flags given explicitly override it) and a function that turns
-the study's rows into the seeds' tables. Steps are kept modest (warm-up 3, 10 measured steps unless a study
-says otherwise) so that a study fits a short GPU session; raise ``--steps`` for tighter error bars.
+Each study is a preset of the sweep flags of ``lmtrain.bench.sweep`` (flags given explicitly override it) and
+a function that turns the study's rows into the tables of the reference profiling study. Steps are kept
+modest (warm-up 3, 10 measured steps unless a study says otherwise) so that a study fits a short GPU
+session; raise ``--steps`` for tighter error bars.
 
     timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
     warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmtrain.analysis.tables import markdown_table
-from lmtrain.bench.model import fmt, fmt_ms, markdown_rows, status_text
-from lmtrain.config import SEED_SIZES
+from lmtrain.bench.tables import fmt, fmt_ms, markdown_rows, status_text
+from lmtrain.config import STUDY_SIZES
 
 Rows = list[dict[str, Any]]
 
@@ -49,14 +50,14 @@ def _index(rows: Rows, *keys: str) -> dict[tuple, dict[str, Any]]:
 
 
 def _ordered(values: list[Any]) -> list[Any]:
-    """Unique values, seed sizes in table order, others as first seen."""
+    """Unique values, the study's model sizes in table order, others as first seen."""
     unique = list(dict.fromkeys(values))
-    rank = {s: i for i, s in enumerate(SEED_SIZES)}
+    rank = {s: i for i, s in enumerate(STUDY_SIZES)}
     return sorted(unique, key=lambda v: (rank.get(v, len(rank)), unique.index(v)))
 
 
 def render_timing(rows: Rows) -> str:
-    """Seed table: per size and context, forward and forward+backward (and backward alone) in ms."""
+    """The reference study's table: per size and context, forward and forward+backward (and backward alone) in ms."""
     idx = _index(rows, "size", "context", "precision", "mode")
     lines = ["### Timing (ms per step, mean ± std over the measured steps)", ""]
     for precision in _ordered([r["precision"] for r in rows]):
@@ -155,15 +156,15 @@ def render_attention(rows: Rows) -> str:
 
 STUDIES: dict[str, Study] = {
     "timing": Study("timing", "Timing per size and context", {
-        "sizes": list(SEED_SIZES), "contexts": [128, 256, 512, 1024], "mode": ["forward", "forward_backward"],
+        "sizes": list(STUDY_SIZES), "contexts": [128, 256, 512, 1024], "mode": ["forward", "forward_backward"],
         "precision": ["32-true"]}, render_timing),
     "warmup": Study("warmup", "Warm-up study", {
         "sizes": ["small"], "contexts": [512], "warmup": [0, 1, 2, 5], "mode": ["forward_backward"]}, render_warmup),
     "precision": Study("precision", "FP32 vs BF16", {
-        "sizes": list(SEED_SIZES), "contexts": [128, 512, 1024], "precision": ["32-true", "bf16-mixed"],
+        "sizes": list(STUDY_SIZES), "contexts": [128, 512, 1024], "precision": ["32-true", "bf16-mixed"],
         "mode": ["forward_backward", "train"]}, render_precision),
     "compile": Study("compile", "Eager vs torch.compile", {
-        "sizes": list(SEED_SIZES), "contexts": [128, 512, 1024], "compile": ["off", "on"],
+        "sizes": list(STUDY_SIZES), "contexts": [128, 512, 1024], "compile": ["off", "on"],
         "mode": ["forward", "forward_backward", "train"]}, render_compile),
     "memory": Study("memory", "Memory peaks", {
         "sizes": ["2.7B"], "contexts": [128, 256, 512, 1024, 2048], "mode": ["forward", "train"],

@@ -9,44 +9,42 @@ fragmentation of one cell never reaches the next.
 
 Processes: by default (``--launcher fork``) cells are forked from this process, which has imported torch
 and Lightning but never touched CUDA, so a cell starts in about a second instead of re-importing
-everything; ``--launcher spawn`` starts ``python -m lmtrain.bench._cell`` instead (used automatically when
-CUDA is already initialised here, since a forked child must never inherit a CUDA context). Results come
-back as a JSON file per cell; a cell's stdout and stderr go to ``<out>_cells/<cell>.log``.
+everything; ``--launcher spawn`` starts a fresh interpreter instead (used automatically when CUDA is
+already initialised here, since a forked child must never inherit a CUDA context). Both are
+``lmtrain.bench.runner``'s. Results come back as a JSON file per cell; a cell's stdout and stderr go to
+``<out>_cells/<cell>.log``. A cell given as a config YAML is resolved by the ``fit`` parser
+(``lmtrain.configuration``), with the cell's context, attention, compile flag and step mode as overrides.
 
 Output: a Markdown table on stdout (one row per cell; columns ``MARKDOWN_COLUMNS``), ``--out`` as CSV (all
 ``CSV_COLUMNS``) with the same rows as JSON beside it (``.json``), TensorBoard logs under ``--logdir``.
 Rerunning with the same ``--out`` skips finished cells (matched on every cell parameter); ``--retry-failed``
 runs error and timeout cells again. Studies (``--study NAME``, see ``lmtrain.bench.studies``) preset the
 sweep flags and add their own tables; flags given explicitly override the preset. Defaults: warm-up 3 steps,
-10 measured steps, batch size 4, vocabulary 10000 (the seeds' setup), fp32, sdpa attention.
+10 measured steps, batch size 4, vocabulary 10000 (the course's benchmark setup), fp32, sdpa attention.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
-import math
 import os
 import shlex
-import subprocess
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lmtrain.analysis.tables import markdown_table
-from lmtrain.config import SEED_SIZES, SIZES, ModelConfig
+from lmtrain.bench.environment import environment
+from lmtrain.bench.runner import cuda_initialised
+from lmtrain.bench.studies import STUDIES
+from lmtrain.bench.tables import markdown_rows, status_text
+from lmtrain.config import SIZES, STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory
-
-#: Environment variable for tests: ``"key=value,key=value:kind;..."`` makes matching cells fail on purpose
-#: (kind ``oom`` raises ``torch.OutOfMemoryError``, ``crash`` raises ``RuntimeError``, ``exit`` ends the
-#: process with status 3, ``hang`` sleeps past the timeout).
-FAIL_ENV = "LMTRAIN_BENCH_FAIL"
 
 #: Defaults of the sweep flags (a study's preset and then explicit flags override them).
 DEFAULTS: dict[str, Any] = {
@@ -62,12 +60,6 @@ CSV_COLUMNS = [
     "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median", "step_ms_min", "step_ms_max",
     "first_step_ms", "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct",
     "wall_s", "device", "device_memory_gib",
-]
-
-#: Columns of the Markdown table printed on stdout (one row per cell).
-MARKDOWN_COLUMNS = [
-    "size", "params", "context", "batch", "precision", "attention", "compile", "mode", "forward ms", "backward ms",
-    "optimizer ms", "step ms", "tokens/s", "MFU", "peak GiB", "estimate GiB", "status",
 ]
 
 _DONE_STATUSES = ("ok", "OOM", "error", "timeout", "skipped")
@@ -114,28 +106,30 @@ def _is_yaml(size: str) -> bool:
 
 
 def module_kwargs(cell: Cell) -> dict[str, Any]:
-    """``LMModule`` arguments of a cell: the size (or the YAML's ``model`` section) plus the sweep's values."""
-    kwargs: dict[str, Any] = {"size": cell.size, "vocab_size": cell.vocab_size}
-    if _is_yaml(cell.size):
-        import yaml
+    """``LMModule`` arguments of a cell: the named size, or the YAML resolved like ``fit`` does, plus the cell's values.
 
-        path = Path(cell.size)
-        if not path.is_file():
-            raise LmtrainError("--sizes", f"config {cell.size} does not exist.", "give a named size or a YAML path.")
-        model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
-        kwargs = {k: v for k, v in model.items() if k not in ("context_length", "attention", "compile", "step_mode")}
-    kwargs.update(context_length=cell.context, attention=cell.attention, compile=cell.compile, step_mode=cell.mode)
-    return kwargs
+    Raises:
+        LmtrainError: the YAML is missing or invalid.
+    """
+    overrides = {"context_length": cell.context, "attention": cell.attention, "compile": cell.compile,
+                 "step_mode": cell.mode}
+    if not _is_yaml(cell.size):
+        return {"size": cell.size, "vocab_size": cell.vocab_size, **overrides}
+    return dict(_resolved_model(cell.size, tuple(overrides.items())))
 
 
-_CONFIG_KEYS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta",
-                "attention", "activation_checkpointing")
+@functools.lru_cache(maxsize=64)
+def _resolved_model(path: str, overrides: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    # Cached: a sweep asks for the same cell's arguments several times (plan, row, time estimate).
+    from lmtrain.configuration import resolve_config
+
+    resolved = resolve_config(path, {f"model.{k}": v for k, v in overrides})
+    return tuple(resolved.model.items())
 
 
 def cell_config(cell: Cell) -> ModelConfig:
     """The ``ModelConfig`` a cell's ``LMModule`` builds (no torch model is created)."""
-    kw = module_kwargs(cell)
-    return ModelConfig.from_size(kw.get("size", "small"), **{k: kw[k] for k in _CONFIG_KEYS if k in kw})
+    return ModelConfig.from_module_kwargs(module_kwargs(cell))
 
 
 # -- the child: one cell --------------------------------------------------------------------------------------
@@ -147,25 +141,6 @@ def _make_timer(warmup: int) -> Any:
 
     return CudaSyncTimer(warmup_steps=warmup, sync="events", peak_flops=None, log_every_n_steps=1,
                          print_summary=False)
-
-
-def _inject_failure(cell: Cell) -> None:
-    spec = os.environ.get(FAIL_ENV, "")
-    values = {k: str(v) for k, v in asdict(cell).items()}
-    for item in filter(None, spec.split(";")):
-        match, _, kind = item.rpartition(":")
-        pairs = [p.split("=", 1) for p in match.split(",") if p]
-        if all(values.get(k) == v for k, v in pairs):
-            import torch
-
-            if kind == "oom":
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-            if kind == "crash":
-                raise RuntimeError("injected crash\nsecond line")
-            if kind == "exit":
-                os._exit(3)
-            if kind == "hang":
-                time.sleep(3600)
 
 
 def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[str, Any]:
@@ -184,7 +159,6 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
     from lmtrain.module import LMModule
 
     warnings.filterwarnings("ignore", module="lightning")  # worker-count and logging hints; the table says it all
-    _inject_failure(cell)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -252,104 +226,37 @@ def _result_row(cell: Cell, timer: Any, module: Any) -> dict[str, Any]:
     return row
 
 
-def _is_oom(exc: BaseException) -> bool:
-    import torch
+def run_cell_in_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Child target of :func:`launch_cell` (``lmtrain.bench.runner``): measure one cell.
 
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    The row is written at the end of the last step and the process ends there (``exit_with_result``).
+    """
+    from lmtrain.bench.runner import exit_with_result
 
-
-def run_cell_to_file(cell: Cell, logdir: str | None, result_path: str) -> None:
-    """Child entry point: measure ``cell`` and write the result (or the failure) as JSON to ``result_path``."""
-    def write(row: dict[str, Any]) -> None:
-        tmp = result_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(row, f)
-        os.replace(tmp, result_path)
-
-    def write_and_exit(row: dict[str, Any]) -> None:
-        write({**row, "status": "ok"})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # a cell process: no teardown needed, the GPU memory goes with the process
-
-    try:
-        row = measure_cell(cell, logdir, on_result=write_and_exit)
-    except BaseException as exc:  # noqa: BLE001 (every failure becomes a table row; the parent goes on)
-        first = (str(exc).strip().splitlines() or [""])[0]
-        if _is_oom(exc):
-            row = {"status": "OOM", "error": first[:300]}
-        else:
-            traceback.print_exc()
-            row = {"status": "error", "error": f"{type(exc).__name__}: {first}"[:300]}
-    write(row)
+    return measure_cell(Cell(**payload["cell"]), payload.get("logdir"), on_result=exit_with_result)
 
 
-def _child_main(cell_dict: dict[str, Any], logdir: str | None, result_path: str, log_path: str) -> None:
-    """Forked child: send stdout/stderr to the cell's log file, then run the cell."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    run_cell_to_file(Cell(**cell_dict), logdir, result_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
+#: The function a cell's process runs (``module:function``); tests point it at a wrapper that injects failures.
+CELL_TARGET = "lmtrain.bench.sweep:run_cell_in_child"
 
 
-# -- the parent: launching cells ------------------------------------------------------------------------------
+def launch_cell(cell: Cell, launcher: str, timeout: float, logdir: str | None, work_dir: Path) -> dict[str, Any]:
+    """Run one cell in a fresh process and return its row fields (status, times, memory, error, wall time)."""
+    from lmtrain.bench.runner import run_child
 
-
-def _cuda_initialised() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    child = run_child(cell.slug, CELL_TARGET, {"cell": asdict(cell), "logdir": logdir}, work_dir, timeout=timeout,
+                      launcher=launcher)
+    row: dict[str, Any] = dict(child.result or {})
+    row["status"] = child.status
+    if child.status != "ok":
+        row["error"] = child.error
+    row["wall_s"] = child.seconds
+    return row
 
 
 def _bad_fork(row: dict[str, Any]) -> bool:
     text = str(row.get("error") or "").lower()
     return row.get("status") == "error" and "cuda" in text and ("forked subprocess" in text or "initializ" in text)
-
-
-def launch_cell(cell: Cell, launcher: str, timeout: float, logdir: str | None, work_dir: Path) -> dict[str, Any]:
-    """Run one cell in a fresh process and return its row fields (status, times, memory, error)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    result_path = work_dir / f"{cell.slug}.json"
-    log_path = work_dir / f"{cell.slug}.log"
-    result_path.unlink(missing_ok=True)
-    start = time.perf_counter()
-    exitcode: int | None
-    if launcher == "fork":
-        import multiprocessing
-
-        proc = multiprocessing.get_context("fork").Process(
-            target=_child_main, args=(asdict(cell), logdir, str(result_path), str(log_path)), daemon=False)
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            exitcode = None
-        else:
-            exitcode = proc.exitcode
-    else:
-        import subprocess
-
-        cmd = [sys.executable, "-m", "lmtrain.bench._cell", json.dumps(asdict(cell)), logdir or "", str(result_path)]
-        with open(log_path, "w") as log:
-            try:
-                exitcode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                exitcode = None
-    wall = time.perf_counter() - start
-    if exitcode is None:
-        row: dict[str, Any] = {"status": "timeout", "error": f"no result within --timeout {timeout:g} s"}
-    elif result_path.is_file():
-        row = json.loads(result_path.read_text())
-    else:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.is_file() else []
-        row = {"status": "error", "error": f"process exited with status {exitcode}"
-               + (f" ({tail[0][:200]})" if tail else "")}
-    row["wall_s"] = wall
-    return row
 
 
 # -- rows, files, tables --------------------------------------------------------------------------------------
@@ -398,30 +305,6 @@ def load_meta(out: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()).get("meta", {}))
 
 
-def versions() -> dict[str, str]:
-    """torch, triton, lightning, CUDA, driver and Python versions (of this process; cells run with the same)."""
-    import platform
-
-    import lightning
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-            "CUDA (torch build)": str(torch.version.cuda)}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "not installed"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "n/a"
-    except (OSError, subprocess.SubprocessError):
-        info["driver"] = "n/a"
-    return info
-
-
 def _merged_meta(out: Path, meta: dict[str, Any] | None, launcher: str) -> dict[str, Any]:
     """The results file's meta updated for this run: every command that added cells, in order, and the
     environment (versions, driver) of the latest run."""
@@ -432,7 +315,7 @@ def _merged_meta(out: Path, meta: dict[str, Any] | None, launcher: str) -> dict[
     if command and (not commands or commands[-1] != command):
         commands.append(command)
     return {**{k: v for k, v in old.items() if k != "command"}, **new, "commands": commands, "launcher": launcher,
-            "environment": versions()}
+            "environment": environment()}
 
 
 def save_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -448,41 +331,6 @@ def save_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
         for row in rows:
             writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_COLUMNS})
     os.replace(tmp, out if out.suffix == ".csv" else out.with_suffix(".csv"))
-
-
-def fmt_ms(row: dict[str, Any], phase: str) -> str:
-    """``mean ± std`` in ms, or ``-``."""
-    mean = row.get(f"{phase}_ms_mean")
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-        return "-"
-    return f"{mean:.2f} ± {row.get(f'{phase}_ms_std') or 0.0:.2f}"
-
-
-def fmt(value: Any, spec: str) -> str:
-    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def status_text(row: dict[str, Any]) -> str:
-    """``ok``, ``OOM``, ``timeout`` or ``error: <first line>``."""
-    status = row.get("status") or "?"
-    if status in ("error", "skipped") and row.get("error"):
-        return f"{status}: {row['error']}".replace("|", "/")
-    return status
-
-
-def markdown_rows(rows: list[dict[str, Any]]) -> str:
-    """The per-cell Markdown table (columns ``MARKDOWN_COLUMNS``)."""
-    body = []
-    for r in rows:
-        body.append([
-            r.get("size"), fmt(r.get("params"), ","), r.get("context"), r.get("batch_size"), r.get("precision"),
-            r.get("attention"), r.get("compile"), r.get("mode"), fmt_ms(r, "forward"), fmt_ms(r, "backward"),
-            fmt_ms(r, "optimizer"), fmt_ms(r, "step"), fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
-            fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"), status_text(r),
-        ])
-    return markdown_table(MARKDOWN_COLUMNS, body)
 
 
 # -- the sweep ------------------------------------------------------------------------------------------------
@@ -534,7 +382,7 @@ def run_sweep(
     Returns:
         The rows of ``cells`` (finished ones; cells not run because of ``max_minutes`` are absent).
     """
-    if launcher == "fork" and _cuda_initialised():
+    if launcher == "fork" and cuda_initialised():
         print("note: CUDA is initialised in this process; cells are spawned, not forked", file=sys.stderr)
         launcher = "spawn"
     unique = list(dict.fromkeys(cells))
@@ -589,12 +437,11 @@ def _list(kind: type) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lmtrain.bench.studies import STUDIES
-
     parser.add_argument("--study", action="append", choices=sorted(STUDIES), default=[],
                         help="a ready-made study (repeatable): presets the flags below and adds its tables")
-    parser.add_argument("--sizes", type=_list(str), help=f"named sizes ({', '.join(SIZES)}), 'seed' for "
-                        f"{','.join(SEED_SIZES)}, or config YAML paths (default small)")
+    parser.add_argument("--sizes", type=_list(str), help=f"named sizes ({', '.join(SIZES)}), 'study' for the model "
+                        f"sizes of the reference profiling study ({','.join(STUDY_SIZES)}), or config YAML paths "
+                        "(default small)")
     parser.add_argument("--contexts", type=_list(int), help="tokens per sequence (default 512)")
     parser.add_argument("--batch-size", type=_list(int), help="sequences per batch (default 4)")
     parser.add_argument("--precision", type=_list(str), help=f"Lightning precisions: {', '.join(PRECISIONS)} "
@@ -619,8 +466,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sweep_values(args: argparse.Namespace, study: str | None = None) -> dict[str, Any]:
     """Flag values: defaults, then the study's preset, then the flags given explicitly."""
-    from lmtrain.bench.studies import STUDIES
-
     values = {**DEFAULTS, "stop_after_oom": False}
     if study is not None:
         values.update(STUDIES[study].preset)
@@ -650,7 +495,7 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
     """The product of the flag lists, validated, in a stable order (sizes outermost)."""
     sizes: list[str] = []
     for s in values["sizes"]:
-        sizes.extend(SEED_SIZES if s == "seed" else [s])
+        sizes.extend(STUDY_SIZES if s in ("study", "seed") else [s])  # "seed": the former name
     for s in sizes:
         if s not in SIZES and not _is_yaml(s):
             raise LmtrainError("--sizes", f"unknown size {s!r}.", f"use {', '.join(SIZES)} or a config YAML path.")
@@ -690,14 +535,16 @@ def command_line(args: argparse.Namespace | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmtrain.bench.studies import STUDIES
-
     cells, per_study, stop_after_oom = plan_cells(args)
     logdir = None if str(args.logdir).lower() == "none" else args.logdir
     print(f"{len(cells)} cells -> {args.out}", file=sys.stderr)
-    rows = run_sweep(cells, args.out, launcher=args.launcher, timeout=args.timeout, logdir=logdir,
-                     retry_failed=args.retry_failed, stop_after_oom=stop_after_oom,
-                     max_minutes=args.max_minutes, meta={"command": command_line(args)})
+    try:
+        rows = run_sweep(cells, args.out, launcher=args.launcher, timeout=args.timeout, logdir=logdir,
+                         retry_failed=args.retry_failed, stop_after_oom=stop_after_oom,
+                         max_minutes=args.max_minutes, meta={"command": command_line(args)})
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"stopped by Ctrl-C; the cells finished so far are in {args.out} "
+                                "(rerun the same command to resume).") from None
     print(markdown_rows(rows))
     by_key = {r["key"]: r for r in rows}
     for name, study_cells in per_study.items():

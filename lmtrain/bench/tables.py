@@ -1,0 +1,49 @@
+"""Formatting of sweep rows: numbers, ``mean ± std`` times, statuses and the per-cell Markdown table."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lmtrain.analysis.tables import markdown_table
+
+#: Columns of the Markdown table printed on stdout (one row per cell).
+MARKDOWN_COLUMNS = [
+    "size", "params", "context", "batch", "precision", "attention", "compile", "mode", "forward ms", "backward ms",
+    "optimizer ms", "step ms", "tokens/s", "MFU", "peak GiB", "estimate GiB", "status",
+]
+
+
+def fmt_ms(row: dict[str, Any], phase: str) -> str:
+    """``mean ± std`` in ms, or ``-``."""
+    mean = row.get(f"{phase}_ms_mean")
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "-"
+    return f"{mean:.2f} ± {row.get(f'{phase}_ms_std') or 0.0:.2f}"
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def status_text(row: dict[str, Any]) -> str:
+    """``ok``, ``OOM``, ``timeout`` or ``error: <first line>``."""
+    status = row.get("status") or "?"
+    if status in ("error", "skipped") and row.get("error"):
+        return f"{status}: {row['error']}".replace("|", "/")
+    return status
+
+
+def markdown_rows(rows: list[dict[str, Any]]) -> str:
+    """The per-cell Markdown table (columns ``MARKDOWN_COLUMNS``)."""
+    body = []
+    for r in rows:
+        body.append([
+            r.get("size"), fmt(r.get("params"), ","), r.get("context"), r.get("batch_size"), r.get("precision"),
+            r.get("attention"), r.get("compile"), r.get("mode"), fmt_ms(r, "forward"), fmt_ms(r, "backward"),
+            fmt_ms(r, "optimizer"), fmt_ms(r, "step"), fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
+            fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"), status_text(r),
+        ])
+    return markdown_table(MARKDOWN_COLUMNS, body)

@@ -1,0 +1,364 @@
+"""One configuration path: the LightningCLI parser of ``python -m lmtrain fit``, for every command.
+
+``fit``, ``validate`` and ``test`` run :class:`LMCli`; ``estimate`` and every ``bench`` command resolve their
+YAML and dotted overrides with :func:`resolve_config`, which parses them with the same class and the same
+parser (the model-to-data links, every default, the trainer's precision names, ``class_path`` entries) but
+builds nothing: no model, no data, no trainer, no log folder.
+
+    >>> cfg = resolve_config("configs/tiny.yaml", ["--model.context_length", "64"])
+    >>> cfg.model["context_length"], cfg.data["context_length"], cfg.precision
+    (64, 64, '32-true')
+
+Errors of the parser (a missing or malformed config file, an unknown option or key, a value of the wrong
+type, an unknown callback class) become one :class:`~lmtrain.errors.LmtrainError` naming the field and the
+fix (:func:`parser_error`), which the command line prints as one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmtrain.config import ModelConfig
+from lmtrain.errors import LmtrainError
+
+#: Default TensorBoard folder of ``fit`` (``logs/lmtrain/version_N``).
+LOG_DIR = "logs"
+#: What the commands call themselves in usage lines and errors.
+PROG = "python -m lmtrain"
+#: The Lightning subcommands that lmtrain offers (``predict`` is left out: the model does not generate).
+SUBCOMMANDS = ("fit", "validate", "test")
+#: Lightning's short precision names and what they mean.
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+#: Precisions offered in error messages (Lightning accepts a few more: 64-true, transformer-engine).
+PRECISION_CHOICES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+_TRAINER_DEFAULTS: dict[str, Any] = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        # No placeholder hp_metric scalar: lmtrain logs its own metrics.
+        "init_args": {"save_dir": LOG_DIR, "name": "lmtrain", "default_hp_metric": False},
+    },
+}
+_PARSER_KWARGS: dict[str, Any] = {
+    "exit_on_error": False,  # errors reach main() as exceptions and are printed as one line
+    "allow_abbrev": False,  # --trainer.max_step must not quietly mean --trainer.max_steps
+}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config file plus overrides, resolved by the ``fit`` parser.
+
+    Attributes:
+        model: ``LMModule`` keyword arguments (every parameter, defaults filled in).
+        data: ``LMDataModule`` keyword arguments (``context_length`` and ``vocab_size`` linked from the model).
+        trainer: ``lightning.pytorch.Trainer`` keyword arguments as the parser gives them (every parameter;
+            ``logger`` and ``callbacks`` as ``class_path`` / ``init_args`` dictionaries).
+        seed: ``seed_everything`` of the config (None, True or an integer).
+        source: the config file (None: defaults and overrides only).
+    """
+
+    model: dict[str, Any]
+    data: dict[str, Any]
+    trainer: dict[str, Any]
+    seed: Any = None
+    source: str | None = None
+
+    @property
+    def precision(self) -> str:
+        """``trainer.precision`` in Lightning's long form (``32`` -> ``32-true``, ``bf16`` -> ``bf16-mixed``)."""
+        return normalize_precision(self.trainer.get("precision"))
+
+    def model_config(self) -> ModelConfig:
+        """The ``ModelConfig`` that ``LMModule(**self.model)`` builds (validated; no torch model is created)."""
+        return ModelConfig.from_module_kwargs(self.model)
+
+
+def normalize_precision(precision: Any) -> str:
+    """Lightning's long precision name of ``precision`` (None: ``32-true``, Lightning's default)."""
+    if precision is None:
+        return "32-true"
+    text = str(precision)
+    return PRECISION_ALIASES.get(text, text)
+
+
+def _lm_cli_class() -> type:
+    """``LMCli``, built on first use: importing Lightning takes seconds, and ``--help`` of other commands skips it."""
+    global _LMCLI
+    if _LMCLI is not None:
+        return _LMCLI
+    from lightning.pytorch.cli import LightningCLI
+
+    class LMCli(LightningCLI):
+        """LightningCLI over ``LMModule`` and ``LMDataModule`` with lmtrain's links, defaults and checks."""
+
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            return {k: v for k, v in LightningCLI.subcommands().items() if k in SUBCOMMANDS}
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            # One source of truth for the shapes that the data must match.
+            parser.link_arguments("model.context_length", "data.context_length")
+            parser.link_arguments("model.vocab_size", "data.vocab_size")
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # As LightningCLI's, without its warning about args given next to sys.argv: lmtrain's commands
+            # always pass their arguments explicitly.
+            self.config = parser.parse_args(args)
+            # Checked right after the parse, before LightningCLI seeds, builds or writes anything.
+            subcommand = self.config.get("subcommand")
+            if subcommand is not None:
+                section = self.config[subcommand]
+                check_runnable(subcommand, section)
+                ModelConfig.from_module_kwargs(section["model"].as_dict())
+
+        def before_fit(self) -> None:
+            # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
+            from lmtrain.memory_plan import warn_if_too_large
+
+            warn_if_too_large(self.model, self.datamodule, self.trainer)
+
+    _LMCLI = LMCli
+    return LMCli
+
+
+_LMCLI: type | None = None
+
+
+def parser_kwargs() -> dict[str, Any]:
+    """``parser_kwargs`` of :class:`LMCli`: for the main parser and each subcommand's."""
+    main = {**_PARSER_KWARGS, "prog": PROG,
+            "description": "Train or evaluate a GPT-style LM. Every option can go in a YAML --config."}
+    return {**main, **{name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS}}
+
+
+def run_lightning(args: Sequence[str]) -> None:
+    """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand).
+
+    Raises:
+        LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
+    """
+    from jsonargparse import ArgumentError
+
+    check_config_files(args)
+    from lmtrain.data import LMDataModule
+    from lmtrain.module import LMModule
+
+    try:
+        _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=_TRAINER_DEFAULTS,
+                        save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
+    except ArgumentError as exc:
+        raise parser_error(str(exc), args) from None
+
+
+class _Parsed(Exception):
+    """Raised by :func:`resolve_args`'s LMCli right after parsing: nothing after the parse runs."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+def resolve_args(args: Sequence[str], subcommand: str = "fit") -> ResolvedConfig:
+    """Resolve ``fit``-style arguments (``--config FILE``, ``--model.X V``, ...) without running anything.
+
+    Args:
+        args: the arguments after the subcommand, as ``python -m lmtrain fit`` takes them.
+        subcommand: whose parser to use (``fit``, ``validate`` or ``test``).
+
+    Raises:
+        LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
+    """
+    from jsonargparse import ArgumentError
+
+    from lmtrain.data import LMDataModule
+    from lmtrain.module import LMModule
+
+    argv = [subcommand, *args]
+    check_config_files(argv)
+    base = _lm_cli_class()
+
+    class _Resolve(base):  # type: ignore[misc, valid-type]
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # Stop LightningCLI right after the parse: no seeding, no instantiation, nothing written.
+            raise _Parsed(parser.parse_args(args))
+
+    try:
+        _Resolve(LMModule, LMDataModule, args=argv, trainer_defaults=_TRAINER_DEFAULTS,
+                 parser_kwargs=parser_kwargs())
+    except _Parsed as parsed:
+        section = parsed.config[subcommand]
+    except ArgumentError as exc:
+        raise parser_error(str(exc), argv) from None
+    else:  # pragma: no cover - parse_arguments always raises
+        raise AssertionError("LightningCLI returned without parsing")
+    as_dict = section.as_dict()
+    config = as_dict.get("config") or []
+    source = str(config[-1]) if config else None
+    return ResolvedConfig(model=dict(as_dict["model"]), data=dict(as_dict["data"]),
+                          trainer=dict(as_dict["trainer"]), seed=as_dict.get("seed_everything"), source=source)
+
+
+def resolve_config(config: str | Path | None = None, overrides: Sequence[str] | Mapping[str, Any] = (),
+                   subcommand: str = "fit") -> ResolvedConfig:
+    """Resolve a YAML config and overrides exactly as ``python -m lmtrain fit --config CONFIG OVERRIDES`` would.
+
+    Args:
+        config: a YAML config of ``fit`` (None: the defaults of ``LMModule``, ``LMDataModule`` and the trainer).
+        overrides: dotted options, either as command-line words (``["--model.context_length", "1024"]``) or as a
+            mapping (``{"model.context_length": 1024, "data.batch_size": 8}``; None values are skipped).
+        subcommand: whose parser to use.
+
+    Returns:
+        The resolved model, data and trainer arguments.
+
+    Raises:
+        LmtrainError: the file, an override or a value is wrong.
+    """
+    args: list[str] = ["--config", str(config)] if config is not None else []
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            if value is not None:
+                args += [f"--{key}", _cli_value(value)]
+    else:
+        args += [str(a) for a in overrides]
+    return resolve_args(args, subcommand)
+
+
+def _cli_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# -- checks before anything runs ------------------------------------------------------------------------------
+
+
+def check_config_files(args: Sequence[str]) -> None:
+    """Every ``--config FILE`` in ``args`` exists and is valid YAML (errors name the file and the line).
+
+    Raises:
+        LmtrainError: a config file is missing, unreadable or not YAML.
+    """
+    import yaml
+
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            path = args[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        file = Path(path)
+        if not file.is_file():
+            raise LmtrainError("--config", f"the file {path} does not exist.",
+                               "give the path of a YAML config, e.g. configs/tiny.yaml.")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
+            problem = " ".join(str(exc.problem or exc.context or "invalid YAML").split())
+            raise LmtrainError("--config", f"{where}: {problem}.",
+                               "correct the YAML there (indentation, a missing ':' or closing bracket).") from None
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+            raise LmtrainError("--config", f"{path} cannot be read as YAML ({exc}).",
+                               "give a UTF-8 YAML file.") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise LmtrainError("--config", f"{path} holds a {type(loaded).__name__}, not sections such as model:.",
+                               "write the config as a mapping with model:, data: and trainer: sections.")
+
+
+def check_runnable(subcommand: str | None, config: Any) -> None:
+    """Refuse settings that Lightning would silently change or that would run nothing (before anything is built).
+
+    Args:
+        subcommand: ``fit``, ``validate`` or ``test``.
+        config: that subcommand's parsed namespace (``trainer`` inside).
+
+    Raises:
+        LmtrainError: 16-bit float precision without a GPU, or ``trainer.max_steps 0`` for ``fit``.
+    """
+    trainer = config["trainer"]
+    precision = normalize_precision(trainer.get("precision") if hasattr(trainer, "get") else trainer.precision)
+    accelerator = str(trainer.get("accelerator") or "auto")
+    if precision in ("16-mixed", "16-true") and _runs_on_cpu(accelerator):
+        raise LmtrainError("trainer.precision", f"{precision} needs a CUDA GPU; on the CPU Lightning would train in "
+                           "bf16 instead, after a warning.",
+                           "use --trainer.precision bf16-mixed (or 32-true) on this machine.")
+    if subcommand == "fit" and trainer.get("max_steps") == 0:
+        raise LmtrainError("trainer.max_steps", "0 steps trains nothing.",
+                           "give a positive number of steps, or -1 to let trainer.max_epochs end the run.")
+
+
+def _runs_on_cpu(accelerator: str) -> bool:
+    if accelerator == "cpu":
+        return True
+    if accelerator in ("auto", "cuda", "gpu"):
+        import torch
+
+        return not torch.cuda.is_available()
+    return False
+
+
+# -- parser errors as one line --------------------------------------------------------------------------------
+
+
+def parser_error(message: str, args: Sequence[str] = ()) -> LmtrainError:
+    """Turn a jsonargparse error message into one :class:`LmtrainError` (field, problem, fix).
+
+    Args:
+        message: the parser's message (often many lines).
+        args: the arguments that were parsed (for the subcommand in ``--help`` hints).
+    """
+    sub = next((a for a in args if a in SUBCOMMANDS), "fit")
+    help_hint = f"see `{PROG} {sub} --help` for every option"
+    text = message.strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if match := re.match(r"unrecognized arguments: (\S+)", text, re.IGNORECASE):
+        option = match.group(1).split("=", 1)[0]
+        close = difflib.get_close_matches(option, _known_options(sub), n=1)
+        fix = f"did you mean {close[0]}? Otherwise {help_hint}." if close else f"{help_hint}."
+        return LmtrainError(option.lstrip("-"), "is not an option.", fix)
+    if match := re.search(r"does not accept option '([^']+)'", text) or re.search(r'No action for key "([^"]+)"', text):
+        key = match.group(1)
+        close = difflib.get_close_matches(f"--{key}", _known_options(sub), n=1)
+        fix = f"did you mean {close[0].lstrip('-')}? Otherwise {help_hint}." if close else f"{help_hint}."
+        return LmtrainError(key, "is not a known key (in the config file or the options).", fix)
+    if match := re.match(r'Parser key "([^"]+)":', text):
+        key = match.group(1)
+        given = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")), None)
+        if key == "trainer.precision":
+            return LmtrainError(key, f"{given!r} is not a precision Lightning knows.",
+                                f"use one of {', '.join(PRECISION_CHOICES)}.")
+        if key.endswith("callbacks") or "class_path" in text:
+            path = re.search(r"class_path '([^']+)'", text) or re.search(r"but (\S+) either not", text)
+            name = path.group(1) if path else given
+            return LmtrainError(key, f"{name} is not an importable Lightning class of the right kind.",
+                                "give the full import path of a Callback class, e.g. "
+                                "lmtrain.callbacks.CudaSyncTimer.")
+        if "File does not exist" in text:
+            return LmtrainError(key, lines[-1].split(":", 1)[-1].strip() + " does not exist.",
+                                "give the path of an existing file.")
+        detail = next((line[2:] for line in lines if line.startswith("- ")), lines[-1] if len(lines) > 1 else "")
+        value = f" {given!r}" if given is not None else ""
+        return LmtrainError(key, f"the value{value} is not accepted ({detail.rstrip('.')}).", f"{help_hint}.")
+    if text.startswith("Problems parsing config"):
+        return LmtrainError("--config", "the config could not be parsed: " + " ".join(lines[1:] or lines) + ".",
+                            "correct the YAML.")
+    return LmtrainError("arguments", " ".join(lines) + ("" if text.endswith(".") else "."), f"{help_hint}.")
+
+
+def _known_options(subcommand: str) -> list[str]:
+    """The dotted options of a subcommand (for "did you mean" hints), from its resolved defaults."""
+    try:
+        defaults = resolve_args([], subcommand)
+    except Exception:  # noqa: BLE001 - hints are a courtesy; the error itself is still reported
+        return []
+    sections = {"model": defaults.model, "data": defaults.data, "trainer": defaults.trainer}
+    return [f"--{section}.{key}" for section, values in sections.items() for key in values]
