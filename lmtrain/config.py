@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from lmtrain.errors import LmtrainError
 
@@ -19,6 +19,7 @@ SIZES: dict[str, dict[str, int]] = {
 
 #: Values of ``ModelConfig.activation_checkpointing`` (what each block keeps for the backward pass).
 CHECKPOINTING_POLICIES: tuple[str, ...] = ("none", "full", "selective", "offload")
+CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 
 #: The sizes of the seeds' model table, smallest first (``tiny`` is lmtrain's own CPU demo size).
 SEED_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
@@ -67,7 +68,7 @@ class ModelConfig:
     d_ff: int = 3072
     rope_theta: float = 10_000.0
     attention: str = "sdpa"
-    activation_checkpointing: str | bool = "none"
+    activation_checkpointing: CheckpointingPolicy | bool = "none"
     norm_eps: float = 1e-5
     optimizer_in_backward: bool = False
     optimizer_overlap: bool = False
@@ -77,6 +78,8 @@ class ModelConfig:
         # Booleans are the older spelling of the two ends (``true`` = ``full``); the field always holds the name
         # so that everything downstream compares strings. Frozen dataclass: set through object.__setattr__.
         checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, str) and checkpointing.lower() in ("true", "false"):
+            checkpointing = checkpointing.lower() == "true"  # a command line's `true` can arrive as text
         if isinstance(checkpointing, bool):
             object.__setattr__(self, "activation_checkpointing", "full" if checkpointing else "none")
         elif checkpointing not in CHECKPOINTING_POLICIES:

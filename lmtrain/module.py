@@ -11,7 +11,7 @@ import torch
 import torchmetrics
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import ModelConfig
+from lmtrain.config import CheckpointingPolicy, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.kernels import triton_interpreted
@@ -77,7 +77,7 @@ class LMModule(pl.LightningModule):
         d_ff: int | None = None,
         rope_theta: float = 10_000.0,
         attention: str = "sdpa",
-        activation_checkpointing: str | bool = "none",
+        activation_checkpointing: CheckpointingPolicy | bool = "none",
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
