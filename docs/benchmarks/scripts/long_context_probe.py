@@ -59,6 +59,8 @@ CASES = [
     Case("2k full", 2048, "full"),
     Case("2k selective+ib+chunk", 2048, "selective", True, 4096),
     Case("16k candidate + overlap", 16384, "full", True, 4096, overlap=True, steps=2),
+    Case("16k candidate, sdpa", 16384, "full", True, 4096, attention="sdpa", steps=2),
+    Case("8k full, sdpa", 8192, "full", attention="sdpa"),
 ]
 
 #: --smoke: the same cases on the tiny model, contexts divided by this, sdpa attention, on the CPU.
