@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from lmtrain.errors import LmtrainError
 
@@ -18,6 +18,10 @@ SIZES: dict[str, dict[str, int]] = {
     "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
 }
+
+#: Values of ``ModelConfig.activation_checkpointing`` (what each block keeps for the backward pass).
+CHECKPOINTING_POLICIES: tuple[str, ...] = ("none", "full", "selective", "offload")
+CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 
 #: The model sizes of the reference profiling study, smallest first (``tiny`` is lmtrain's own CPU demo size).
 STUDY_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
@@ -41,9 +45,25 @@ class ModelConfig:
         rope_theta: RoPE base frequency.
         attention: attention backend name from ``lmtrain.attention`` (``naive``, ``sdpa``,
             ``flash_pytorch``, ``flash_triton``).
-        activation_checkpointing: recompute each block's activations in the backward pass instead of
-            storing them (less memory, about one extra forward of compute).
+        activation_checkpointing: what each block keeps for the backward pass (``docs/long_context.md``):
+            ``none`` (everything autograd saves), ``full`` (only the block's input; the backward pass runs the
+            block's forward again, about one extra forward of compute), ``selective`` (the outputs of the
+            matrix products and of attention; the backward pass recomputes only the elementwise work: norms,
+            RoPE, SiLU, products, residual adds) or ``offload`` (``full``, with the block's input kept in
+            pinned host memory and copied back for the backward pass). ``true`` and ``false`` are accepted as
+            ``full`` and ``none``; the field always holds the name.
         norm_eps: epsilon added inside RMSNorm's square root.
+        optimizer_in_backward: apply each parameter's AdamW update inside the backward pass, as soon as its
+            gradient is complete, and free that gradient at once, so no full set of gradients ever exists
+            (saves the gradient bytes, one per parameter, 4 bytes each in fp32 and *-mixed). Incompatible
+            with gradient accumulation, global-norm gradient clipping, ``16-mixed`` (loss scaling) and step
+            modes other than ``train``; ``lmtrain.module.LMModule`` checks those against the trainer.
+        optimizer_overlap: with ``optimizer_in_backward``, run the per-parameter updates on a second CUDA
+            stream so that they overlap with the rest of the backward pass (the same updates; on a CPU there
+            is no second stream and it changes nothing).
+        loss_chunk_tokens: compute the output head and the cross-entropy over this many tokens at a time, in
+            the forward and the backward pass, so that the (tokens x vocabulary) logits never exist whole;
+            0 computes them whole.
     """
 
     vocab_size: int = 10_000
@@ -54,10 +74,34 @@ class ModelConfig:
     d_ff: int = 3072
     rope_theta: float = 10_000.0
     attention: str = "sdpa"
-    activation_checkpointing: bool = False
+    activation_checkpointing: CheckpointingPolicy | bool = "none"
     norm_eps: float = 1e-5
+    optimizer_in_backward: bool = False
+    optimizer_overlap: bool = False
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # Booleans are the older spelling of the two ends (``true`` = ``full``); the field always holds the name
+        # so that everything downstream compares strings. Frozen dataclass: set through object.__setattr__.
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, str) and checkpointing.lower() in ("true", "false"):
+            checkpointing = checkpointing.lower() == "true"  # a command line's `true` can arrive as text
+        if isinstance(checkpointing, bool):
+            object.__setattr__(self, "activation_checkpointing", "full" if checkpointing else "none")
+        elif checkpointing not in CHECKPOINTING_POLICIES:
+            raise LmtrainError("model.activation_checkpointing", f"unknown policy {checkpointing!r}.",
+                               f"use one of {', '.join(CHECKPOINTING_POLICIES)} (true = full, false = none).")
+        for name in ("optimizer_in_backward", "optimizer_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise LmtrainError(f"model.{name}", f"must be true or false, got {getattr(self, name)!r}.",
+                                   f"set model.{name} to true or false.")
+        if self.optimizer_overlap and not self.optimizer_in_backward:
+            raise LmtrainError("model.optimizer_overlap", "overlaps the in-backward optimizer updates, which are off.",
+                               "also set model.optimizer_in_backward: true, or leave optimizer_overlap false.")
+        chunk = self.loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise LmtrainError("model.loss_chunk_tokens", f"must be a whole number >= 0, got {chunk!r}.",
+                               "use 0 (logits computed whole) or a token count such as 4096.")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

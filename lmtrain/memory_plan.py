@@ -60,7 +60,31 @@ the backward pass recomputes one layer at a time (its activations are added once
                          bf16 weights would hold)
 
 plus a fixed CUDA workspace term (cuBLAS / cuBLASLt workspaces come from PyTorch's caching allocator and
-are counted by ``max_memory_allocated``; see ``CUDA_WORKSPACE_BYTES``).
+are counted by ``max_memory_allocated``; see ``CUDA_WORKSPACE_BYTES``). During the backward pass of the first
+layer (``first layer backward``) all gradients but the embedding's exist next to that layer's activations
+(recomputed ones with checkpointing).
+
+**Long-context options** (``docs/long_context.md``):
+
+    activation_checkpointing
+      full               a layer keeps its input (n*D*r); the backward pass recomputes one layer at a time
+      offload            as full, but the inputs live in pinned host memory (``details["host_bytes"]``): the
+                         device keeps none of them; the recomputed layer is added as for full
+      selective          a layer keeps its input (n*D*r) and the outputs of its matrix products and attention:
+                         qkv 3*n*D*c, attention output n*D*c + logsumexp B*H*T*4 (sdpa and flash_triton; naive and
+                         flash_pytorch attention are recomputed), output projection n*D*c, w1 and w3 2*n*F*c, w2
+                         n*D*c; the backward pass recomputes the elementwise rest of one layer at a time
+    loss_chunk_tokens k  the head keeps the final norm's output (n*D*4, the chunks' inputs) instead of its bf16
+                         cast and the log-softmax; the loss transients become one chunk's: k*V*(c + 4 + 4) at the
+                         end of the forward pass, k*V*(2c + 3*4) in the backward pass, plus the gradient of the
+                         final norm's output, assembled chunk by chunk (2*n*D*4)
+    optimizer_in_backward  no moment holds all gradients: at most the gradient being produced and the one being
+                         applied, bounded by twice the largest parameter's (``gradients`` = 2 * max tensor * w)
+
+**Fits?** ``fits(estimate, capacity)`` compares the peak with ``device_capacity_bytes()``: the device's total
+memory (``torch.cuda.mem_get_info``) or a given size, minus ``CUDA_CONTEXT_BYTES`` (the CUDA context and kernel
+images, outside PyTorch's allocator) and ``FRAGMENTATION_FRACTION`` of the total (memory the caching allocator
+holds in partly used blocks at the peak, which ``max_memory_allocated`` does not count but the device does).
 """
 
 from __future__ import annotations
@@ -69,6 +93,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmtrain.config import ModelConfig
+from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 
 GIB = 1024**3
@@ -81,6 +106,18 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 #: product on a CUDA device: 28 MiB measured on an H100 with torch 2.11 + CUDA 13.0 (``memory_allocated``
 #: before and after a first fp32 ``mm``, output excluded; a later bf16 ``mm`` added nothing).
 CUDA_WORKSPACE_BYTES = 28 * 1024**2
+
+#: Device memory that PyTorch's allocator never gets: the CUDA context, cuBLAS handles and the loaded kernel images
+#: (PyTorch's, Triton's). About 0.5-0.6 GiB on an H100 with torch 2.11 and lazy module loading; 1 GiB leaves room
+#: for the Triton kernels autotuning loads and for a context that loads more eagerly.
+CUDA_CONTEXT_BYTES = 1 * GIB
+
+#: Share of the device lost to the caching allocator at the peak: ``max_memory_reserved`` exceeds
+#: ``max_memory_allocated`` by the free parts of cached segments (block rounding, split large blocks). A
+#: long-context step allocates and frees multi-GiB tensors of several sizes, so this is a few percent (the
+#: 2.7B step at context 16384 planned 79.09 GiB, within an 80 GB H100's 79.1 GiB, and ran out of memory). 5% of an
+#: 80 GB device is 4 GiB; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` lowers the real loss.
+FRAGMENTATION_FRACTION = 0.05
 
 
 def _widths(precision: str) -> tuple[int, int, bool]:
@@ -150,14 +187,19 @@ def layer_activation_bytes(
 def head_activation_bytes(
     cfg: ModelConfig, batch_size: int, seq_len: int, precision: str = "32-true"
 ) -> dict[str, int]:
-    """Bytes saved for backward outside the layers: final norm, output head, loss, token ids."""
+    """Bytes saved for backward outside the layers: final norm, output head, loss, token ids.
+
+    With ``loss_chunk_tokens`` the chunks keep their inputs, views of the final norm's output (n*D in the
+    residual's dtype), instead of the head's cast input, its weight cast and the log-softmax.
+    """
     c, _, mixed = _widths(precision)
     n, d, v = batch_size * seq_len, cfg.d_model, cfg.vocab_size
+    chunked = cfg.loss_chunk_tokens > 0
     return {
         "final_norm": n * d * 4 + n * d * 4 + n * 4,
-        "head_input": n * d * c,
-        "head_weight_cast": v * d * c if mixed else 0,
-        "log_softmax": n * v * 4,
+        "head_input": n * d * (_residual_width(precision) if chunked else c),
+        "head_weight_cast": v * d * c if mixed and not chunked else 0,
+        "log_softmax": 0 if chunked else n * v * 4,
         "tokens": batch_size * (seq_len + 1) * 8 + n * 8 + 4,  # embedding indices, flat targets, loss weight
     }
 
@@ -165,13 +207,81 @@ def head_activation_bytes(
 def saved_activation_bytes(
     cfg: ModelConfig, batch_size: int, seq_len: int, precision: str = "32-true", device_type: str = "cuda"
 ) -> int:
-    """Total bytes autograd saves for backward in one forward pass (what ``saved_tensors_hooks`` counts)."""
+    """Total bytes kept on the device for backward by one forward pass.
+
+    Without ``selective`` checkpointing this is what ``saved_tensors_hooks`` counts; ``selective`` keeps its
+    matrix-product and attention outputs in the checkpoint's own cache; ``offload`` keeps the layer inputs on
+    the host (:func:`host_activation_bytes`).
+    """
     head = sum(head_activation_bytes(cfg, batch_size, seq_len, precision).values())
-    if cfg.activation_checkpointing:
-        r = 2 if precision.endswith("-true") and precision != "32-true" else 4
-        return cfg.num_layers * batch_size * seq_len * cfg.d_model * r + head
-    layer = sum(layer_activation_bytes(cfg, batch_size, seq_len, precision, device_type).values())
-    return cfg.num_layers * layer + head
+    policy = cfg.activation_checkpointing
+    n = batch_size * seq_len
+    if policy == "none":
+        layer = sum(layer_activation_bytes(cfg, batch_size, seq_len, precision, device_type).values())
+        return cfg.num_layers * layer + head
+    layer_input = n * cfg.d_model * _residual_width(precision)
+    if policy == "full":
+        return cfg.num_layers * layer_input + head
+    if policy == "offload":
+        return head
+    return cfg.num_layers * (layer_input + selective_kept_bytes(cfg, batch_size, seq_len, precision)) + head
+
+
+def _residual_width(precision: str) -> int:
+    """Bytes per element of the residual stream: the parameter dtype's (fp32 unless ``*-true`` half precision)."""
+    return 2 if precision.endswith("-true") and precision != "32-true" else 4
+
+
+def selective_kept_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, precision: str = "32-true") -> int:
+    """Bytes one layer keeps under ``selective`` checkpointing besides its input: product and attention outputs."""
+    c, _, _ = _widths(precision)
+    n, d, f = batch_size * seq_len, cfg.d_model, cfg.d_ff
+    products = (3 + 1 + 1) * n * d * c + 2 * n * f * c  # qkv, out, w2; w1, w3
+    attention = n * d * c + batch_size * cfg.num_heads * seq_len * 4 if cfg.attention in ("sdpa", "flash_triton") else 0
+    return products + attention
+
+
+def host_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, precision: str = "32-true") -> int:
+    """Pinned host memory the ``offload`` policy fills in one forward pass (every layer's input)."""
+    if cfg.activation_checkpointing != "offload":
+        return 0
+    return cfg.num_layers * batch_size * seq_len * cfg.d_model * _residual_width(precision)
+
+
+def largest_parameter_elements(cfg: ModelConfig) -> int:
+    """Elements of the largest parameter tensor (embedding/head V*D, qkv 3*D*D, SwiGLU D*F)."""
+    return cfg.d_model * max(cfg.vocab_size, 3 * cfg.d_model, cfg.d_ff)
+
+
+def device_capacity_bytes(gpu_memory_gib: float | None = None, device: Any = None) -> int:
+    """Bytes a training step may plan for on the device: total memory minus the context and fragmentation.
+
+    Args:
+        gpu_memory_gib: device memory in GiB when no CUDA device is visible (planning for another machine);
+            ignored when one is.
+        device: CUDA device to read (default: the current one).
+
+    Returns:
+        total - ``CUDA_CONTEXT_BYTES`` - ``FRAGMENTATION_FRACTION`` * total.
+
+    Raises:
+        LmtrainError: no CUDA device and no ``gpu_memory_gib``.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.mem_get_info(device)[1]
+    elif gpu_memory_gib is not None and gpu_memory_gib > 0:
+        total = int(gpu_memory_gib * GIB)
+    else:
+        raise LmtrainError("--gpu-memory-gib", "no CUDA device is visible to read its memory size from.",
+                           "give the device's memory in GiB, e.g. --gpu-memory-gib 80 for an 80 GB H100.")
+    return int(total - CUDA_CONTEXT_BYTES - FRAGMENTATION_FRACTION * total)
+
+
+def fits(estimate: MemoryEstimate, capacity_bytes: int) -> bool:
+    """Whether a plan's peak fits ``capacity_bytes`` (from :func:`device_capacity_bytes`, allowances included)."""
+    return estimate.peak <= capacity_bytes
 
 
 @dataclass
@@ -246,15 +356,43 @@ def estimate_memory(
         return MemoryEstimate(components, sum(components.values()), "forward (no_grad)", details)
 
     saved = saved_activation_bytes(cfg, b, t, precision, device_type)
-    recompute = sum(layer.values()) if cfg.activation_checkpointing else 0
+    policy = cfg.activation_checkpointing
+    layer_bytes = sum(layer.values())
+    layer_input = n * cfg.d_model * _residual_width(precision)
+    if policy in ("full", "offload"):
+        recompute = layer_bytes
+    elif policy == "selective":
+        recompute = max(0, layer_bytes - selective_kept_bytes(cfg, b, t, precision))
+    else:
+        recompute = 0
+    details["host_bytes"] = host_activation_bytes(cfg, b, t, precision)
+    # Gradients alive while the backward pass runs: all of them (less the embedding's, made last) by the first
+    # layer's backward, or with the optimizer in the backward pass at most two parameters' (the one being
+    # produced, the one being applied).
+    if cfg.optimizer_in_backward and mode == "train":
+        grads_late = grads_early = 2 * largest_parameter_elements(cfg) * w
+        details["gradients"]["in_backward"] = grads_late
+    else:
+        grads_late, grads_early = grads - cfg.vocab_size * cfg.d_model * w, 0
+    k = min(cfg.loss_chunk_tokens, n) if cfg.loss_chunk_tokens else n
+    loss_forward = k * v * c + (k * v * 4 if c != 4 else 0) + (k * v * 4 if cfg.loss_chunk_tokens else 0)
+    loss_backward = (k * v * (2 * c + 3 * 4) + 2 * n * cfg.d_model * 4 if cfg.loss_chunk_tokens
+                     else 2 * n * v * 4 + n * v * c)
+    # The first layer's own saved activations at its backward pass (its input with checkpointing; on the device
+    # again, for offload, once copied back).
+    first_layer = layer_bytes if policy == "none" else layer_input + recompute
+    if policy == "selective":
+        first_layer = layer_input + selective_kept_bytes(cfg, b, t, precision) + recompute
+    end_grads = grads if not cfg.optimizer_in_backward or mode != "train" else grads_early
     # Each moment: (gradients, activations, transients) alive at that point of the step. No gradients exist
     # before the backward pass: LMModule.optimizer_step frees them after each step.
     moments = {
-        "end of forward": (0, saved, n * v * c + (n * v * 4 if c != 4 else 0)),
-        "backward start": (0, saved, 2 * n * v * 4 + n * v * c + recompute),
-        "end of backward": (grads, 0, n * cfg.d_model * 4),
+        "end of forward": (0, saved, loss_forward),
+        "backward start": (grads_early, saved, loss_backward + recompute),
+        "first layer backward": (grads_late, first_layer, 2 * n * cfg.d_model * 4),
+        "end of backward": (end_grads, 0, n * cfg.d_model * 4),
     }
-    if materializes_scores(cfg.attention) and not cfg.activation_checkpointing:
+    if materializes_scores(cfg.attention) and policy == "none":
         # Last layer, inside softmax: its post-attention activations and the head's do not exist yet.
         post_attention = (layer["swiglu"] + layer["linear_inputs"] * 3 // 4 + layer["norm_inputs"] // 2
                           + layer["norm_scaled"] // 2 + layer["norm_rsqrt"] // 2)
@@ -323,15 +461,17 @@ def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstim
         return None
     batch = int(getattr(datamodule, "batch_size", 1) or 1)
     plan = estimate_memory(module.config, batch, None, precision, getattr(module, "step_mode", "train"))
-    total = torch.cuda.get_device_properties(device).total_memory
-    if plan.peak > total:
+    capacity = device_capacity_bytes(device=device)
+    if not fits(plan, capacity):
         cfg = module.config
-        fit_t = max_fitting(cfg, total, batch_size=batch, precision=precision, mode=module.step_mode)
+        fit_t = max_fitting(cfg, capacity, batch_size=batch, precision=precision, mode=module.step_mode)
         rank_zero_warn(
             f"The memory plan of this run is {plan.peak_gib:.1f} GiB ({plan.moment}) but "
-            f"{torch.cuda.get_device_name(device)} has {total / GIB:.1f} GiB: expect CUDA out of memory. "
+            f"{torch.cuda.get_device_name(device)} leaves {capacity / GIB:.1f} GiB to tensors (its total less the "
+            f"CUDA context and an allowance for fragmentation): expect CUDA out of memory. "
             f"Largest context that fits at batch size {batch}: {fit_t}. Lower data.batch_size or "
-            f"model.context_length, use trainer.precision bf16-mixed, model.attention sdpa/flash_triton, or "
-            f"model.activation_checkpointing true (`python -m lmtrain estimate` shows the plan)."
+            f"model.context_length, use trainer.precision bf16-mixed, model.attention sdpa/flash_triton, "
+            f"model.activation_checkpointing full/offload, model.optimizer_in_backward true or "
+            f"model.loss_chunk_tokens 4096 (`python -m lmtrain estimate` shows the plan; docs/long_context.md)."
         )
     return plan

@@ -11,16 +11,23 @@ Parameter count (exact, checked against the seeds' table by the tests)::
                 + 3 * d_model * d_ff         SwiGLU w1, w2, w3
                 + 2 * d_model)               two RMSNorm gains
     + d_model                                final RMSNorm gain
+
+Memory options (``docs/long_context.md``): ``ModelConfig.activation_checkpointing`` picks what each block keeps
+for the backward pass (``none``, ``full``, ``selective``, ``offload``), and ``ModelConfig.loss_chunk_tokens`` makes
+:meth:`TransformerLM.loss` run the output head and the cross-entropy a chunk of tokens at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lmtrain.attention import get_attention
 from lmtrain.config import ModelConfig
@@ -61,13 +68,29 @@ class RotaryEmbedding(nn.Module):
         return out.flatten(-2).to(x.dtype)
 
 
+def _flash_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """flash_triton through its custom op ``lmtrain::flash_attn_fwd`` (differentiable; one dispatcher call).
+
+    In eager mode ``flash_triton`` launches its kernels from an ``autograd.Function``: a selective-checkpoint
+    policy sees only the empty output buffers, never the attention itself, and could not keep its output.
+    Called as the custom op, the attention is one operation the policy saves (``_SELECTIVE_SAVE``). The op's
+    dispatch costs some host time per call (tens of microseconds), nothing next to a long-context layer.
+    """
+    from lmtrain.kernels import flash_triton  # noqa: F401  (registers torch.ops.lmtrain.flash_attn_fwd)
+
+    out, _ = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(causal), False)
+    return out
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.attention = get_attention(cfg.attention)
+        selective = cfg.activation_checkpointing == "selective"
+        self.attention = _flash_triton_op if selective and cfg.attention == "flash_triton" else get_attention(
+            cfg.attention)
         self.rope = rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +128,90 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def _selective_save_ops() -> frozenset[Any]:
+    """The operations whose outputs ``selective`` checkpointing keeps: matrix products and attention kernels.
+
+    ``mm`` and ``addmm`` are every linear layer (a (B, T, D) input reaches the dispatcher as a 2-D ``mm``). Batched
+    products (``bmm``) are left out on purpose: in this model they occur only inside the ``naive`` and
+    ``flash_pytorch`` attention backends, whose score and tile products would make the kept set grow with the
+    square of the context; those two backends are recomputed instead.
+    """
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    return frozenset(ops)
+
+
+_SELECTIVE_SAVE = _selective_save_ops()
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep the outputs of matrix products and attention; recompute everything else (elementwise, cheap)."""
+    if op in _SELECTIVE_SAVE or _is_flash_triton_op(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _is_flash_triton_op(op: Any) -> bool:
+    # The custom op exists only once lmtrain.kernels.flash_triton is imported (it needs Triton): look it up by
+    # its registered name instead of importing Triton here.
+    return getattr(op, "_schema", None) is not None and op._schema.name == "lmtrain::flash_attn_fwd"
+
+
+_selective_contexts = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+
+
+def _offload_context(x: torch.Tensor) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks keeping what autograd saves in host memory (pinned on a CUDA device, for fast copies).
+
+    Around a fully checkpointed block the only tensor saved is the block's input, so this moves exactly the
+    per-block residual input off the device. On a CPU the tensor is already in host memory: nothing moves.
+    """
+    return torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Mean cross-entropy of ``head(hidden)`` against ``targets``, ``chunk_tokens`` tokens at a time.
+
+    Each chunk's logits -> fp32 -> summed cross-entropy runs inside ``torch.utils.checkpoint``: the forward pass
+    keeps only the chunk's input (a view of ``hidden``), and the backward pass recomputes that chunk's logits,
+    takes their gradient and frees them before the next chunk. So at most one chunk's (chunk_tokens, V) logits,
+    fp32 copy, log-softmax and their gradients exist at a time, never the whole (n, V). The price is the head's
+    forward product once more per step (2 n D V FLOPs; well under 1% of a 2.7B step). The loss equals the
+    unchunked mean (sum of chunk sums / n) and so do the gradients, up to summation order.
+
+    Args:
+        hidden: final-norm output (n, D).
+        head: the output projection (V rows).
+        targets: token ids (n,).
+        chunk_tokens: tokens per chunk (> 0).
+
+    Returns:
+        The scalar mean loss, fp32.
+    """
+    n = hidden.shape[0]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]  # (c, D), (c,)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_head_loss_sum, h, head.weight, t, use_reentrant=False)
+        else:
+            total = total + _head_loss_sum(h, head.weight, t)
+    return total / n
+
+
+def _head_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of one chunk: (c, D) x (V, D) -> (c, V) logits -> scalar."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+
+
 class TransformerLM(nn.Module):
-    """Token ids (B, T) -> logits (B, T, vocab_size)."""
+    """Token ids (B, T) -> logits (B, T, vocab_size); :meth:`loss` gives the mean next-token cross-entropy."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -132,17 +237,51 @@ class TransformerLM(nn.Module):
             s = std / math.sqrt(2 * self.cfg.num_layers) if name.endswith(("attn.out.weight", "mlp.w2.weight")) else std
             nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of token ids (B, T); with ``targets`` (B, T), the mean cross-entropy instead.
+
+        With targets and ``cfg.loss_chunk_tokens > 0`` the logits are never made whole
+        (:func:`chunked_cross_entropy`); without, the whole (B*T, V) logits and their fp32 copy are made.
+        The loss goes through ``forward`` so that ``torch.compile`` (which wraps ``__call__``) covers it too.
+        """
+        x = self.final_norm(self.hidden(tokens))  # (B, T, D)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, V)
+        if self.cfg.loss_chunk_tokens:
+            return chunked_cross_entropy(x.flatten(0, 1), self.lm_head, targets.flatten(), self.cfg.loss_chunk_tokens)
+        return F.cross_entropy(self.lm_head(x).float().flatten(0, 1), targets.flatten())
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of inputs (B, T) against targets (B, T)."""
+        return self(tokens, targets)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the last block (B, T, D), before the final norm."""
         t = tokens.shape[-1]
         if t > self.cfg.context_length:
             raise ValueError(f"sequence length {t} exceeds model.context_length={self.cfg.context_length}")
         x = self.embedding(tokens)  # (B, T, D)
+        run = self._block_runner()
         for block in self.blocks:
-            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+            x = run(block, x)
+        return x
+
+    def _block_runner(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+        """How each block runs under ``cfg.activation_checkpointing`` (plain when no gradients are taken)."""
+        policy = self.cfg.activation_checkpointing
+        if policy == "none" or not torch.is_grad_enabled():
+            return lambda block, x: block(x)
+        if policy == "full":
+            return lambda block, x: checkpoint(block, x, use_reentrant=False)
+        if policy == "selective":
+            return lambda block, x: checkpoint(block, x, use_reentrant=False, context_fn=_selective_contexts)
+        return _offloaded_block
+
+
+def _offloaded_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A fully checkpointed block whose saved input (its only saved tensor) lives in host memory."""
+    with _offload_context(x):
+        return checkpoint(block, x, use_reentrant=False)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 import torchmetrics
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import DEFAULT_SIZE, ModelConfig
+from lmtrain.config import DEFAULT_SIZE, CheckpointingPolicy, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.kernels import triton_interpreted
@@ -39,7 +39,10 @@ class LMModule(pl.LightningModule):
         rope_theta: RoPE base frequency.
         attention: attention backend, a name registered in ``lmtrain.attention``: naive (materialised scores),
             sdpa (PyTorch's fused kernels), flash_pytorch (tiled reference), flash_triton (Triton kernels, GPU).
-        activation_checkpointing: recompute each block in the backward pass to save memory.
+        activation_checkpointing: what each block keeps for the backward pass: ``none``, ``full`` (recompute the
+            block), ``selective`` (keep matrix-product and attention outputs, recompute the elementwise work) or
+            ``offload`` (``full`` with the block input in pinned host memory); ``true``/``false`` mean
+            ``full``/``none``. See ``ModelConfig`` and ``docs/long_context.md``.
         norm_eps: epsilon added inside RMSNorm's square root.
         lr: peak learning rate, reached after ``warmup_steps``.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
@@ -54,6 +57,15 @@ class LMModule(pl.LightningModule):
         step_mode: ``train`` (forward, backward, AdamW step), ``forward_backward`` (no optimizer
             step) or ``forward`` (no gradients at all), for benchmarks that time part of a step with
             the same loop.
+        optimizer_in_backward: update each parameter with its own AdamW inside the backward pass, as soon as its
+            gradient is complete, and free the gradient at once (:class:`InBackwardAdamW`): no full set of
+            gradients ever exists. Same updates, schedule and weight-decay groups as the ordinary step. Refused
+            (``LmtrainError``) with ``trainer.accumulate_grad_batches > 1``, ``trainer.gradient_clip_val``,
+            ``trainer.precision: 16-mixed`` and step modes other than ``train``.
+        optimizer_overlap: with ``optimizer_in_backward``, run those updates on a second CUDA stream (overlapping
+            the backward pass); no effect on a CPU.
+        loss_chunk_tokens: output head and cross-entropy over this many tokens at a time (0: all at once), so the
+            (tokens x vocabulary) logits never exist whole; same loss and gradients.
     """
 
     def __init__(
@@ -67,7 +79,7 @@ class LMModule(pl.LightningModule):
         d_ff: int | None = None,
         rope_theta: float = ModelConfig.rope_theta,
         attention: str = ModelConfig.attention,
-        activation_checkpointing: bool = ModelConfig.activation_checkpointing,
+        activation_checkpointing: CheckpointingPolicy | bool = ModelConfig.activation_checkpointing,
         norm_eps: float = ModelConfig.norm_eps,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
@@ -79,6 +91,9 @@ class LMModule(pl.LightningModule):
         fused_adamw: bool = True,
         compile: bool = False,
         step_mode: StepMode = "train",
+        optimizer_in_backward: bool = ModelConfig.optimizer_in_backward,
+        optimizer_overlap: bool = ModelConfig.optimizer_overlap,
+        loss_chunk_tokens: int = ModelConfig.loss_chunk_tokens,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -86,6 +101,10 @@ class LMModule(pl.LightningModule):
         self.config = ModelConfig.from_module_kwargs(self.hparams)
         if step_mode not in STEP_MODES:
             raise LmtrainError("model.step_mode", f"unknown step mode {step_mode!r}.", f"use one of {STEP_MODES}.")
+        if self.config.optimizer_in_backward and step_mode != "train":
+            raise LmtrainError("model.optimizer_in_backward", f"updates parameters inside the backward pass, but "
+                               f"step_mode={step_mode!r} takes no optimizer step.",
+                               "set model.optimizer_in_backward: false for forward or forward_backward timing.")
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
             raise LmtrainError("model.lr", f"bad schedule lr={lr}, min_lr_ratio={min_lr_ratio}, "
                                f"warmup_steps={warmup_steps}.",
@@ -105,6 +124,7 @@ class LMModule(pl.LightningModule):
         self._bar_copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._bar_loss: torch.Tensor | None = None
         self._batches_without_step = 0
+        self._in_backward: InBackwardAdamW | None = None
 
     # -- model --------------------------------------------------------------------------------
 
@@ -129,11 +149,14 @@ class LMModule(pl.LightningModule):
         return self.model(tokens)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (fp32) of a batch of windows (B, T + 1)."""
+        """Mean next-token cross-entropy (fp32) of a batch of windows (B, T + 1).
+
+        Through the model's forward with targets (``TransformerLM.forward``), which chunks the output head and
+        the loss when ``loss_chunk_tokens`` is set.
+        """
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         self._tokens_per_batch = tuple(inputs.shape)
-        logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.model(inputs, targets)
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -199,6 +222,40 @@ class LMModule(pl.LightningModule):
         # gradients at the activation peak (12.7 GiB more for the 2.7B model than a plain loop).
         optimizer.zero_grad(set_to_none=True)
 
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self.check_trainer(self.trainer)
+
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        """Refuse trainer settings this module's options cannot work with (one ``LmtrainError``, field and fix).
+
+        Called from ``setup("fit")``; a command line can call it before ``fit`` to stop before anything is
+        written.
+        """
+        if not self.config.optimizer_in_backward:
+            return
+        field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
+        if trainer.accumulate_grad_batches > 1:
+            raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
+                               f"{trainer.accumulate_grad_batches} batches.",
+                               "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) or "
+                               "model.optimizer_in_backward: false.")
+        if trainer.gradient_clip_val:
+            raise LmtrainError(field, f"{why} no global gradient norm exists to clip by "
+                               f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                               "unset trainer.gradient_clip_val or set model.optimizer_in_backward: false.")
+        if str(trainer.precision) == "16-mixed":
+            raise LmtrainError(field, f"{why} it would update from loss-scaled fp16 gradients before the "
+                               "scaler could unscale or skip them (trainer.precision=16-mixed).",
+                               "use trainer.precision: bf16-mixed (no loss scaling) or "
+                               "model.optimizer_in_backward: false.")
+
+    def teardown(self, stage: str) -> None:
+        # The in-backward optimizer's hooks live on the parameters: remove them with the fit that made them.
+        if stage == "fit" and self._in_backward is not None:
+            self._in_backward.remove_hooks()
+            self._in_backward = None
+
     def on_fit_start(self) -> None:
         # A trainer.validate() before fit leaves the metric's state as inference tensors (validate runs
         # under torch.inference_mode); fit validates under no_grad, where updating them in place fails.
@@ -228,10 +285,16 @@ class LMModule(pl.LightningModule):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         on_cuda = all(p.is_cuda for p in self.parameters())  # fused AdamW is CUDA-only; CPU uses foreach
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=bool(hp.fused_adamw and on_cuda),
-        )
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = bool(hp.fused_adamw and on_cuda)
+        if self.config.optimizer_in_backward:
+            if self._in_backward is not None:  # configured again: the old hooks must not update as well
+                self._in_backward.remove_hooks()
+            optimizer = InBackwardAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
+                                        overlap=self.config.optimizer_overlap)
+            self._in_backward = optimizer
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
         total = hp.decay_steps or self._total_steps()
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
@@ -244,6 +307,107 @@ class LMModule(pl.LightningModule):
             return max(1, self.hparams.warmup_steps)
         total = self.trainer.estimated_stepping_batches
         return int(total) if math.isfinite(total) else max(1, self.hparams.warmup_steps)
+
+
+class InBackwardAdamW(torch.optim.Optimizer):
+    """AdamW applied inside the backward pass, one parameter at a time, as each gradient is complete.
+
+    Every parameter gets its own ``torch.optim.AdamW`` (the same hyperparameters as its group) and a
+    ``register_post_accumulate_grad_hook``: when the backward pass has accumulated the parameter's gradient,
+    :meth:`_apply_update` steps that AdamW and frees the gradient at once, so a step holds at most the
+    gradients the backward pass is producing, never a full set. Updates happen only inside :meth:`step`,
+    whose closure runs the backward pass; a backward pass outside it (a gradient check, say) leaves ``.grad``
+    as usual.
+
+    To Lightning this is the step's optimizer: its param groups carry ``lr`` and ``weight_decay`` (a
+    ``LambdaLR`` schedules them, an LR monitor reads them), and each update copies its group's current ``lr``
+    into the parameter's AdamW, so the schedule is the ordinary one's. ``state`` shares the per-parameter
+    AdamW states (``exp_avg``, ``exp_avg_sq``, ``step``), so ``state_dict``/``load_state_dict`` save and
+    restore them like ``torch.optim.AdamW``'s.
+
+    With ``overlap`` on a CUDA device the updates run on a second stream, ordered after the gradient they
+    read by an event, and the step's end makes the compute stream wait for that stream, so they overlap with
+    the rest of the backward pass; elsewhere ``overlap`` changes nothing.
+
+    Args:
+        param_groups: groups as for ``torch.optim.AdamW`` (``params``, ``weight_decay``).
+        lr: peak learning rate (the schedule scales the groups' ``lr``).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused: use the fused CUDA AdamW kernel per parameter.
+        overlap: run the updates on a second CUDA stream.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
+                 fused: bool = False, overlap: bool = False) -> None:
+        super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
+        self._fused = fused
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._adamw: dict[torch.Tensor, torch.optim.AdamW] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._group_of[p] = group
+                self._adamw[p] = torch.optim.AdamW([p], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                                   weight_decay=group["weight_decay"], fused=fused)
+        self._share_state()
+        self._stepping = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._adamw]
+        cuda = overlap and any(p.is_cuda for p in self._adamw)
+        self._stream = torch.cuda.Stream(device=next(iter(self._adamw)).device) if cuda else None
+
+    def _share_state(self) -> None:
+        # AdamW fills its state dict in place on the first step, so one dict object serves both optimizers.
+        for p, adamw in self._adamw.items():
+            adamw.state[p] = self.state[p]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._stepping:
+            self._apply_update(param)
+
+    def _apply_update(self, param: torch.Tensor) -> None:
+        """One AdamW update of ``param`` from its accumulated gradient, then free the gradient.
+
+        The one place an update happens: the in-backward hook calls it on the current stream, or, with
+        ``overlap``, on the side stream after an event recorded where the gradient was produced.
+        """
+        adamw = self._adamw[param]
+        adamw.param_groups[0]["lr"] = self._group_of[param]["lr"]
+        if self._stream is None:
+            adamw.step()
+            param.grad = None
+            return
+        ready = torch.cuda.current_stream(param.device).record_event()
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            adamw.step()
+        # The compute stream may reuse the gradient's memory only after the side stream has read it.
+        param.grad.record_stream(self._stream)
+        param.grad = None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward pass); parameters are updated while its backward pass runs."""
+        if closure is None:
+            raise RuntimeError("InBackwardAdamW.step needs a closure that runs the backward pass: the updates "
+                               "happen inside it.")
+        self._stepping = True
+        try:
+            loss = closure()
+        finally:
+            self._stepping = False
+        if self._stream is not None:
+            # The next forward pass reads the updated parameters.
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share_state()  # load_state_dict replaced self.state's dicts
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (no more in-backward updates)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

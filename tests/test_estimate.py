@@ -160,3 +160,86 @@ def test_saved_activations_match_autograd_cuda(attention: str, precision: str) -
     planned = saved_activation_bytes(cfg, B, T, precision, device_type="cuda")
     print(f"{attention} {precision}: planned {planned} measured {measured}")
     assert planned == pytest.approx(measured, rel=0.02)
+
+
+# -- long-context options (docs/long_context.md) -----------------------------------------------------------------
+
+
+def test_capacity_subtracts_the_context_and_fragmentation_allowances() -> None:
+    from lmtrain.errors import LmtrainError
+    from lmtrain.memory_plan import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, device_capacity_bytes
+
+    if torch.cuda.is_available():
+        pytest.skip("a visible GPU's own size is used")
+    assert device_capacity_bytes(80) == int(80 * GIB - CUDA_CONTEXT_BYTES - FRAGMENTATION_FRACTION * 80 * GIB)
+    with pytest.raises(LmtrainError) as info:
+        device_capacity_bytes()
+    assert info.value.field == "--gpu-memory-gib"
+
+
+def test_the_16k_case_that_ran_out_of_memory_does_not_fit_and_the_options_make_it_fit() -> None:
+    from lmtrain.memory_plan import device_capacity_bytes, fits
+
+    capacity = device_capacity_bytes(80) if not torch.cuda.is_available() else 75 * GIB
+
+    def plan(t: int, **options: object) -> object:
+        cfg = ModelConfig.from_size("2.7B", context_length=t, attention="flash_triton", **options)
+        return estimate_memory(cfg, 4, None, "bf16-mixed")
+
+    # Measured on an H100: context 8192 trains (57.6 GiB peak), 16384 runs out of memory.
+    assert fits(plan(8192, activation_checkpointing="full"), capacity)
+    assert not fits(plan(16384, activation_checkpointing="full"), capacity)
+    assert fits(plan(16384, activation_checkpointing="full", optimizer_in_backward=True, loss_chunk_tokens=4096),
+                capacity)
+    assert fits(plan(16384, activation_checkpointing="offload"), capacity)
+
+
+def test_optimizer_in_backward_keeps_at_most_two_parameter_gradients() -> None:
+    from lmtrain.memory_plan import largest_parameter_elements
+
+    cfg = ModelConfig.from_size("2.7B", context_length=4096, activation_checkpointing="full")
+    ordinary = estimate_memory(cfg, 4, None, "bf16-mixed")
+    in_backward = estimate_memory(cfg.replace(optimizer_in_backward=True), 4, None, "bf16-mixed")
+    assert in_backward.components["gradients"] <= 2 * largest_parameter_elements(cfg) * 4
+    assert in_backward.components["optimizer_states"] == ordinary.components["optimizer_states"]
+    assert in_backward.peak < ordinary.peak
+
+
+def test_offload_keeps_the_layer_inputs_on_the_host() -> None:
+    from lmtrain.memory_plan import head_activation_bytes
+
+    cfg = tiny(checkpointing=True).replace(activation_checkpointing="offload")
+    plan = estimate_memory(cfg, B, T, "bf16-mixed")
+    assert saved_activation_bytes(cfg, B, T, "bf16-mixed") == sum(head_activation_bytes(cfg, B, T, "bf16-mixed")
+                                                                   .values())
+    assert plan.details["host_bytes"] == cfg.num_layers * B * T * cfg.d_model * 4
+
+
+def test_selective_keeps_more_than_full_and_less_than_none() -> None:
+    saved = {p: saved_activation_bytes(tiny().replace(activation_checkpointing=p), B, T, "bf16-mixed")
+             for p in ("none", "full", "selective")}
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_chunked_loss_saved_activations_match_autograd(precision: str) -> None:
+    cfg = tiny().replace(loss_chunk_tokens=24)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    planned = saved_activation_bytes(cfg, B, T, precision, device_type="cpu")
+    assert planned == pytest.approx(sum(seen.values()), rel=0.02)
+    # ... and far less than the unchunked head's, which keeps the (n, V) log-softmax.
+    assert planned < saved_activation_bytes(tiny(), B, T, precision, device_type="cpu")

@@ -14,6 +14,11 @@ session; raise ``--steps`` for tighter error bars.
                         80 GB GPU the 2048 train cells run out of memory
     attention-backends  small, bf16-mixed, forward+backward: naive vs sdpa vs flash_triton at contexts 256
                         .. 16384, stopping each backend at its first OOM
+    long-context        2.7B bf16-mixed batch 4, train, contexts 2048 .. 32768 x checkpointing full / selective /
+                        offload x optimizer in backward off/on x loss chunks 0/4096 x sdpa, flash_triton, stopping
+                        each combination at its first OOM (the three memory axes need the sweep cell fields
+                        ``activation_checkpointing``, ``optimizer_in_backward``, ``loss_chunk_tokens``: see
+                        docs/long_context.md)
 """
 
 from __future__ import annotations
@@ -173,6 +178,12 @@ STUDIES: dict[str, Study] = {
         "sizes": ["small"], "contexts": [256, 1024, 4096, 8192, 16384], "attention": ["naive", "sdpa", "flash_triton"],
         "mode": ["forward_backward"], "precision": ["bf16-mixed"], "batch_size": [1], "stop_after_oom": True},
         render_attention),
+    "long-context": Study("long-context", "Long context on one GPU", {
+        "sizes": ["2.7B"], "contexts": [2048, 4096, 8192, 16384, 32768], "precision": ["bf16-mixed"],
+        "batch_size": [4], "mode": ["train"], "attention": ["sdpa", "flash_triton"], "warmup": [1], "steps": [3],
+        "activation_checkpointing": ["full", "selective", "offload"], "optimizer_in_backward": ["off", "on"],
+        "loss_chunk_tokens": [0, 4096], "stop_after_oom": True},
+        lambda rows: "\n".join(["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_rows(rows)])),
 }
 
 
