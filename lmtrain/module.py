@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -109,7 +110,11 @@ class LMModule(pl.LightningModule):
     # -- model --------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
+        """Build the model; under ``ModelParallelStrategy`` (a device mesh is set), shard it with FSDP2."""
         if self.model is not None:
+            return
+        if self.device_mesh is not None:
+            self.model = _build_sharded_model(self)
             return
         model = TransformerLM(self.config)
         if self.hparams.compile:
@@ -244,6 +249,26 @@ class LMModule(pl.LightningModule):
             return max(1, self.hparams.warmup_steps)
         total = self.trainer.estimated_stepping_batches
         return int(total) if math.isfinite(total) else max(1, self.hparams.warmup_steps)
+
+
+def _build_sharded_model(module: LMModule) -> torch.nn.Module:
+    """The model of ``module``, built on its device and sharded over ``module.device_mesh`` with FSDP2.
+
+    ``ModelParallelStrategy`` does not place the tensors that ``configure_model`` creates (its init context
+    sets no device), so the model is built on the rank's device explicitly: the same device and seed as a
+    single-device or DDP run, hence the same initial weights. Activation checkpointing and compile are
+    applied per block by ``lmtrain.distributed.shard_model``, so the model itself is built without its own
+    checkpointing (that would checkpoint each block twice).
+    """
+    from lmtrain.distributed import check_fsdp_precision, shard_model
+
+    precision = str(module.trainer.precision)
+    check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
+    with torch.device(module.trainer.strategy.root_device):
+        model = TransformerLM(replace(module.config, activation_checkpointing=False))
+    return shard_model(model, module.device_mesh, precision,
+                       activation_checkpointing=module.config.activation_checkpointing,
+                       compile=bool(module.hparams.compile))
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
