@@ -171,5 +171,108 @@ def test_fsdp_rejects_fp16() -> None:
     assert mixed_precision_policy("32-true").param_dtype is None
 
 
+# -- the planner ---------------------------------------------------------------------------------------------
+
+
+def _tiny(**overrides: object):
+    from lmtrain.config import ModelConfig
+
+    return ModelConfig.from_size("tiny", vocab_size=VOCAB, context_length=128, **overrides)
+
+
+def test_parameter_shapes_add_up_to_the_parameter_count() -> None:
+    from lmtrain.flops import parameter_count
+    from lmtrain.memory_plan import parameter_shapes, parameter_tensor_count
+
+    for size in ("tiny", "small", "2.7B"):
+        from lmtrain.config import ModelConfig
+
+        cfg = ModelConfig.from_size(size)
+        shapes = parameter_shapes(cfg)
+        assert len(shapes) == parameter_tensor_count(cfg)
+        assert sum(torch.Size(s).numel() for s in shapes) == parameter_count(cfg)
+
+
+def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
+    from lmtrain.memory_plan import estimate_memory_distributed
+
+    cfg = _tiny()  # 1,115,264 parameters, 31 tensors; every dim 0 even
+    two = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=2, device_type="cpu")
+    rope = 128 * 32 * 4
+    assert two.components["parameters"] == 1_115_264 // 2 * 4 + rope
+    assert two.components["optimizer_states"] == 2 * 1_115_264 // 2 * 4 + 31 * 4
+    # Three GPUs: each dim 0 padded to a multiple of 3. Per rank: embedding and head 86 * 128 rows each,
+    # per layer 43 + 128*128 + 43*128 + 43 + 171*128 + 43*512 + 171*128 = 87,766, final norm 43.
+    sharded = 2 * 86 * 128 + 4 * 87_766 + 43
+    assert sharded == 373_123
+    three = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=3, device_type="cpu")
+    assert three.details["sharded_numel"] == sharded
+    assert three.components["parameters"] == sharded * 4 + rope
+    assert three.components["optimizer_states"] == 2 * sharded * 4 + 31 * 4
+    # Short sequences: the sharded gradients at the end of the backward pass set the peak.
+    from lmtrain.config import ModelConfig
+
+    big = ModelConfig.from_size("2.7B")
+    end = estimate_memory_distributed(big, 1, 16, "32-true", "fsdp", world_size=3, device_type="cpu")
+    assert end.moment == "end of backward"
+    assert end.components["gradients"] == end.details["sharded_numel"] * 4
+
+
+def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
+    from lmtrain.memory_plan import estimate_memory_distributed
+
+    plan = estimate_memory_distributed(_tiny(), 2, 128, "bf16-mixed", "fsdp", world_size=2, device_type="cpu")
+    # Root (embedding, final norm, head) and two blocks unsharded in bf16; a block is 4 D^2 + 3 D F + 2 D.
+    block = 4 * 128**2 + 3 * 128 * 512 + 2 * 128
+    assert block == 262_400
+    assert plan.components["root_unsharded"] == (2 * 256 * 128 + 128) * 2
+    assert plan.details["block_unsharded_numel"] == block
+    assert plan.moment == "backward start"
+    # Two blocks in flight plus one block's bf16 gradients and its fp32 reduce-scatter input.
+    assert plan.components["fsdp_buffers"] == 2 * block * 2 + block * (2 + 4)
+    # fp32 master weights: the shards stay 4 bytes per parameter.
+    assert plan.components["parameters"] == 1_115_264 // 2 * 4 + 128 * 32 * 4
+
+
+def test_ddp_plan_is_the_single_gpu_plan_plus_the_buckets() -> None:
+    from lmtrain.memory_plan import estimate_memory, estimate_memory_distributed
+
+    for precision in ("32-true", "bf16-mixed"):
+        for cfg, batch in ((_tiny(), 2), (_tiny(), 64), (_tiny(attention="naive"), 8),
+                           (_tiny(activation_checkpointing=True), 16)):
+            single = estimate_memory(cfg, batch, 128, precision, device_type="cpu")
+            ddp = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu")
+            # Buckets cover every parameter in its own dtype (fp32 under both precisions here).
+            assert ddp.components["ddp_buckets"] == 1_115_264 * 4
+            assert ddp.peak == single.peak + 1_115_264 * 4
+            assert ddp.moment == single.moment
+            view = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu",
+                                               gradient_as_bucket_view=True)
+            assert view.peak == max(single.peak, single.peak - single.components["gradients"] + 1_115_264 * 4)
+
+
+def test_fsdp_fits_longer_contexts_than_one_gpu() -> None:
+    from lmtrain.config import ModelConfig
+    from lmtrain.memory_plan import GIB, estimate_memory_distributed, max_fitting, max_fitting_distributed
+
+    cfg = ModelConfig.from_size("2.7B", context_length=1 << 17, activation_checkpointing=True)
+    budget = 80 * GIB
+    one = max_fitting(cfg, budget, batch_size=1, precision="bf16-mixed")
+    two = max_fitting_distributed(cfg, budget, batch_size=1, precision="bf16-mixed", strategy="fsdp", world_size=2)
+    assert two > one > 0
+    assert estimate_memory_distributed(cfg, 1, two, "bf16-mixed", "fsdp", 2).peak <= budget
+    assert estimate_memory_distributed(cfg, 1, two + 1, "bf16-mixed", "fsdp", 2).peak > budget
+
+
+def test_strategy_kind_maps_lightning_names() -> None:
+    from lmtrain.memory_plan import strategy_kind
+
+    assert strategy_kind("ddp") == strategy_kind("ddp_spawn") == strategy_kind("DDPStrategy") == "ddp"
+    assert strategy_kind("lightning.pytorch.strategies.ModelParallelStrategy") == "fsdp"
+    assert strategy_kind("auto") == "single"
+    with pytest.raises(ValueError):
+        strategy_kind("deepspeed")
+
+
 if __name__ == "__main__":
     run_fit(sys.argv[1], Path(sys.argv[2]))
