@@ -46,8 +46,9 @@ def _rank_indices(rank: int, world: int) -> list[int]:
 
 
 def run_fit(strategy: str, out: Path) -> None:
-    """Fit the tiny model for STEPS steps under ``strategy`` (``single``, ``ddp`` or ``fsdp``); rank 0 writes
-    the rank-averaged loss of every step (and, under ``fsdp``, what the sharding did) to ``out``."""
+    """Fit the tiny model for STEPS steps under ``strategy`` (``single``, ``ddp``, ``fsdp`` or ``fsdp_ac``, FSDP2
+    with activation checkpointing); rank 0 writes the rank-averaged loss of every step (and, under FSDP2, what
+    the sharding did) to ``out``."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -80,9 +81,10 @@ def run_fit(strategy: str, out: Path) -> None:
         "single": "auto",
         "ddp": "ddp",
         "fsdp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "fsdp_ac": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
     }
     module = SeededLM(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, lr=1e-2, warmup_steps=0,
-                      fused_adamw=False)
+                      fused_adamw=False, activation_checkpointing=strategy == "fsdp_ac")
     record = RecordLoss()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategies[strategy], precision="32-true",
@@ -91,7 +93,7 @@ def run_fit(strategy: str, out: Path) -> None:
     )
     trainer.fit(module, datamodule=Windows())
     result: dict = {"strategy": strategy, "world_size": trainer.world_size, "losses": record.losses}
-    if strategy == "fsdp":
+    if strategy.startswith("fsdp"):
         from torch.distributed.tensor import DTensor
 
         model = module.model
@@ -158,6 +160,15 @@ def test_fsdp2_two_processes_match_one(single_run: dict, tmp_path: Path) -> None
     # Parameters are sharded along dim 0 over the 2 ranks: qkv is (3 * 128, 128) globally.
     assert fsdp["qkv_is_dtensor"]
     assert fsdp["qkv_global_shape"] == [384, 128] and fsdp["qkv_local_shape"] == [192, 128]
+
+
+def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_path: Path) -> None:
+    fsdp = _fit("fsdp_ac", tmp_path)
+    assert fsdp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)
+    # Each block is checkpoint-wrapped, then sharded: the FSDP unit is the wrapper.
+    assert fsdp["fsdp_units"] == ["", *(f"blocks.{i}" for i in range(4))]
+    assert fsdp["block_types"] == ["FSDPCheckpointWrapper"] * 4
+    assert fsdp["qkv_local_shape"] == [192, 128]
 
 
 def test_fsdp_rejects_fp16() -> None:
