@@ -312,6 +312,67 @@ class MemoryEstimate:
         return "\n".join(["| component | GiB |", "| --- | --- |", *rows])
 
 
+def _train_moments(
+    cfg: ModelConfig, batch_size: int, seq_len: int, precision: str, mode: str, device_type: str
+) -> tuple[dict[str, tuple[int, int, int]], dict[str, Any]]:
+    """(gradients, activations, transients) at each moment of a training step, and extra details.
+
+    One table of moments for :func:`estimate_memory` and the distributed plans (see the module docstring).
+    """
+    c, w, _ = _widths(precision)
+    t = seq_len
+    b, n, v = batch_size, batch_size * t, cfg.vocab_size
+    grads = parameter_count(cfg) * w
+    layer = layer_activation_bytes(cfg, b, t, precision, device_type)
+    head = head_activation_bytes(cfg, b, t, precision)
+    details: dict[str, Any] = {}
+    saved = saved_activation_bytes(cfg, b, t, precision, device_type)
+    policy = cfg.activation_checkpointing
+    layer_bytes = sum(layer.values())
+    layer_input = n * cfg.d_model * _residual_width(precision)
+    if policy in ("full", "offload"):
+        recompute = layer_bytes
+    elif policy == "selective":
+        recompute = max(0, layer_bytes - selective_kept_bytes(cfg, b, t, precision))
+    else:
+        recompute = 0
+    details["host_bytes"] = host_activation_bytes(cfg, b, t, precision)
+    # Gradients alive while the backward pass runs: all of them (less the embedding's, made last) by the first
+    # layer's backward, or with the optimizer in the backward pass at most two parameters' (the one being
+    # produced, the one being applied).
+    if cfg.optimizer_in_backward and mode == "train":
+        grads_late = grads_early = 2 * largest_parameter_elements(cfg) * w
+        details["in_backward_gradients"] = grads_late
+    else:
+        grads_late, grads_early = grads - cfg.vocab_size * cfg.d_model * w, 0
+    k = min(cfg.loss_chunk_tokens, n) if cfg.loss_chunk_tokens else n
+    loss_forward = k * v * c + (k * v * 4 if c != 4 else 0) + (k * v * 4 if cfg.loss_chunk_tokens else 0)
+    loss_backward = (k * v * (2 * c + 3 * 4) + 2 * n * cfg.d_model * 4 if cfg.loss_chunk_tokens
+                     else 2 * n * v * 4 + n * v * c)
+    # The first layer's own saved activations at its backward pass (its input with checkpointing; on the device
+    # again, for offload, once copied back).
+    first_layer = layer_bytes if policy == "none" else layer_input + recompute
+    if policy == "selective":
+        first_layer = layer_input + selective_kept_bytes(cfg, b, t, precision) + recompute
+    end_grads = grads if not cfg.optimizer_in_backward or mode != "train" else grads_early
+    # Each moment: (gradients, activations, transients) alive at that point of the step. No gradients exist
+    # before the backward pass: LMModule.optimizer_step frees them after each step.
+    moments = {
+        "end of forward": (0, saved, loss_forward),
+        "backward start": (grads_early, saved, loss_backward + recompute),
+        "first layer backward": (grads_late, first_layer, 2 * n * cfg.d_model * 4),
+        "end of backward": (end_grads, 0, n * cfg.d_model * 4),
+    }
+    if materializes_scores(cfg.attention) and policy == "none":
+        # Last layer, inside softmax: its post-attention activations and the head's do not exist yet.
+        post_attention = (layer["swiglu"] + layer["linear_inputs"] * 3 // 4 + layer["norm_inputs"] // 2
+                          + layer["norm_scaled"] // 2 + layer["norm_rsqrt"] // 2)
+        scores = b * cfg.num_heads * t * t * (2 * c + 4 if c != 4 else 2 * 4)
+        moments["naive softmax (last layer)"] = (0, saved - sum(head.values()) - post_attention,
+                                                 scores)
+    return moments, details
+
+
 def estimate_memory(
     cfg: ModelConfig,
     batch_size: int,
@@ -355,50 +416,10 @@ def estimate_memory(
                       "workspace": workspace}
         return MemoryEstimate(components, sum(components.values()), "forward (no_grad)", details)
 
-    saved = saved_activation_bytes(cfg, b, t, precision, device_type)
-    policy = cfg.activation_checkpointing
-    layer_bytes = sum(layer.values())
-    layer_input = n * cfg.d_model * _residual_width(precision)
-    if policy in ("full", "offload"):
-        recompute = layer_bytes
-    elif policy == "selective":
-        recompute = max(0, layer_bytes - selective_kept_bytes(cfg, b, t, precision))
-    else:
-        recompute = 0
-    details["host_bytes"] = host_activation_bytes(cfg, b, t, precision)
-    # Gradients alive while the backward pass runs: all of them (less the embedding's, made last) by the first
-    # layer's backward, or with the optimizer in the backward pass at most two parameters' (the one being
-    # produced, the one being applied).
-    if cfg.optimizer_in_backward and mode == "train":
-        grads_late = grads_early = 2 * largest_parameter_elements(cfg) * w
-        details["gradients"]["in_backward"] = grads_late
-    else:
-        grads_late, grads_early = grads - cfg.vocab_size * cfg.d_model * w, 0
-    k = min(cfg.loss_chunk_tokens, n) if cfg.loss_chunk_tokens else n
-    loss_forward = k * v * c + (k * v * 4 if c != 4 else 0) + (k * v * 4 if cfg.loss_chunk_tokens else 0)
-    loss_backward = (k * v * (2 * c + 3 * 4) + 2 * n * cfg.d_model * 4 if cfg.loss_chunk_tokens
-                     else 2 * n * v * 4 + n * v * c)
-    # The first layer's own saved activations at its backward pass (its input with checkpointing; on the device
-    # again, for offload, once copied back).
-    first_layer = layer_bytes if policy == "none" else layer_input + recompute
-    if policy == "selective":
-        first_layer = layer_input + selective_kept_bytes(cfg, b, t, precision) + recompute
-    end_grads = grads if not cfg.optimizer_in_backward or mode != "train" else grads_early
-    # Each moment: (gradients, activations, transients) alive at that point of the step. No gradients exist
-    # before the backward pass: LMModule.optimizer_step frees them after each step.
-    moments = {
-        "end of forward": (0, saved, loss_forward),
-        "backward start": (grads_early, saved, loss_backward + recompute),
-        "first layer backward": (grads_late, first_layer, 2 * n * cfg.d_model * 4),
-        "end of backward": (end_grads, 0, n * cfg.d_model * 4),
-    }
-    if materializes_scores(cfg.attention) and policy == "none":
-        # Last layer, inside softmax: its post-attention activations and the head's do not exist yet.
-        post_attention = (layer["swiglu"] + layer["linear_inputs"] * 3 // 4 + layer["norm_inputs"] // 2
-                          + layer["norm_scaled"] // 2 + layer["norm_rsqrt"] // 2)
-        scores = b * cfg.num_heads * t * t * (2 * c + 4 if c != 4 else 2 * 4)
-        moments["naive softmax (last layer)"] = (0, saved - sum(head.values()) - post_attention,
-                                                 scores)
+    moments, extra = _train_moments(cfg, b, t, precision, mode, device_type)
+    details["host_bytes"] = extra["host_bytes"]
+    if "in_backward_gradients" in extra:
+        details["gradients"]["in_backward"] = extra["in_backward_gradients"]
     moment = max(moments, key=lambda k: sum(moments[k]))
     grads_part, activations, transients = moments[moment]
     components = {"parameters": params, "gradients": grads_part, "optimizer_states": optim,
@@ -475,3 +496,228 @@ def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstim
             f"model.loss_chunk_tokens 4096 (`python -m lmtrain estimate` shows the plan; docs/long_context.md)."
         )
     return plan
+
+
+# -- many GPUs: DDP and FSDP2 --------------------------------------------------------------------------------
+#
+# Per-GPU plans of ``estimate_memory_distributed``. ``b`` is the batch size *per GPU*, N the world size.
+#
+# **DDP** (``trainer.strategy: ddp``): every GPU holds the single-GPU plan at batch b, plus DDP's gradient
+# buckets. ``bucket_cap_mb`` (25 MB; the first bucket 1 MB) only sets how the parameters are grouped for
+# all-reduce: DDP's reducer allocates one flat buffer per bucket when it is built, and the buckets together
+# cover every parameter, so they add P * w bytes for the whole run (from the first forward on). By default
+# (``gradient_as_bucket_view=False``) ``param.grad`` tensors are separate and copied into the buckets, so at
+# the end of the backward pass the gradients count twice; with ``gradient_as_bucket_view=True`` the
+# gradients are views into the buckets and count once (but the buckets exist at every moment).
+#
+# **FSDP2** (``ModelParallelStrategy`` + ``lmtrain.distributed.shard_model``): each tensor is split along dim
+# 0 into N chunks, each padded to ceil(rows / N) rows; parameters, gradients and AdamW state are those padded
+# shards (the plan is rank 0's, which holds full chunks). On top of them:
+#
+#     root unsharded       embedding, final norm and output head, all-gathered in param_dtype and kept from
+#                          the forward to the backward pass (FSDP does not reshard the root after forward)
+#     blocks in flight     two blocks' all-gathered parameters in param_dtype: the one computing and the
+#                          next one prefetched (forward and backward both prefetch one block)
+#     reduce-scatter       during a block's backward: its unsharded gradients in param_dtype and the
+#                          reduce-scatter input in reduce_dtype (N padded shards)
+#     end of backward      all sharded gradients, plus the root's unsharded gradients and their
+#                          reduce-scatter input (the root reduces last)
+#
+# Activations are those of the single-GPU plan at batch b, with one difference under ``bf16-mixed``:
+# FSDP2's policy all-gathers bf16 parameters, so the residual stream is bf16 and no weight is cast by
+# autocast; the activations are those of ``bf16-true`` (see ``lmtrain.distributed``).
+# Not modelled: NCCL's own buffers (not allocated through PyTorch's allocator, so not in
+# ``max_memory_allocated``), the all-gather copy-in buffer (one block's shard in param_dtype) and the
+# transient flat all-gather output during copy-out (one block in param_dtype).
+
+#: Strategies the distributed planner models.
+DISTRIBUTED_STRATEGIES = ("ddp", "fsdp")
+
+
+def strategy_kind(strategy: Any) -> str:
+    """``ddp``, ``fsdp`` or ``single`` for a Lightning strategy name, class path or instance.
+
+    Args:
+        strategy: e.g. ``"ddp"``, ``"ddp_spawn"``, ``"auto"``, ``"lightning.pytorch.strategies.ModelParallelStrategy"``
+            or a strategy object.
+    """
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    name = name.rsplit(".", 1)[-1].lower()
+    if name.startswith("ddp"):
+        return "ddp"
+    if name in ("modelparallelstrategy", "model_parallel", "fsdp2"):
+        return "fsdp"
+    if name in ("auto", "single_device", "singledevicestrategy"):
+        return "single"
+    raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
+
+
+def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the parameters of ``TransformerLM(cfg)`` in registration order (embedding, blocks, final
+    norm, output head); a block's are attn_norm, qkv, out, mlp_norm, w1, w2, w3."""
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    block = [(d,), (3 * d, d), (d, d), (d,), (f, d), (d, f), (f, d)]
+    return [(v, d), *block * cfg.num_layers, (d,), (v, d)]
+
+
+def shard_numel(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of one FSDP2 shard of a tensor: dim 0 split into ``world_size`` chunks of ceil(rows / N)."""
+    rest = 1
+    for s in shape[1:]:
+        rest *= s
+    return -(-shape[0] // world_size) * rest
+
+
+def _root_and_block_shapes(cfg: ModelConfig) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    shapes = parameter_shapes(cfg)
+    per_block = (len(shapes) - 3) // cfg.num_layers
+    return [shapes[0], *shapes[-2:]], shapes[1:1 + per_block]
+
+
+def _activation_moments(
+    cfg: ModelConfig, batch_size: int, seq_len: int, precision: str, device_type: str
+) -> dict[str, tuple[int, int]]:
+    """(activations, transients) of each moment of ``estimate_memory``'s training step, gradients left out.
+
+    The same moments as ``estimate_memory`` (one table, :func:`_train_moments`), kept apart from the gradients
+    so that the distributed plans can add their own gradient and buffer terms to each.
+    """
+    moments, _ = _train_moments(cfg, batch_size, seq_len, precision, "train", device_type)
+    return {k: (activations, transients) for k, (_, activations, transients) in moments.items()}
+
+
+def estimate_memory_distributed(
+    cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "32-true",
+    strategy: str = "ddp",
+    world_size: int = 2,
+    mode: str = "train",
+    device_type: str = "cuda",
+    gradient_as_bucket_view: bool = False,
+) -> MemoryEstimate:
+    """Predicted peak memory of one GPU in a data-parallel step (see the comment above for every term).
+
+    Args:
+        cfg: model shape (attention backend and activation checkpointing included).
+        batch_size: sequences per GPU (the global batch is ``batch_size * world_size``).
+        seq_len: tokens per sequence (None: ``cfg.context_length``).
+        precision: Lightning precision string; under ``fsdp`` one of ``lmtrain.distributed.FSDP_PRECISIONS``.
+        strategy: ``ddp`` or ``fsdp`` (``strategy_kind`` maps Lightning's names); ``single`` gives
+            ``estimate_memory``.
+        world_size: GPUs in the data-parallel group (nodes x devices).
+        mode: ``train`` (AdamW), ``forward_backward`` or ``forward``.
+        device_type: ``cuda`` (adds the workspace term) or ``cpu``.
+        gradient_as_bucket_view: DDP's option of that name (gradients are views into the buckets).
+
+    Returns:
+        The plan of rank 0; ``details`` holds the strategy, the world size and the per-GPU element counts.
+    """
+    if strategy == "single":
+        return estimate_memory(cfg, batch_size, seq_len, precision, mode, device_type)
+    if strategy not in DISTRIBUTED_STRATEGIES:
+        raise ValueError(f"strategy must be one of {DISTRIBUTED_STRATEGIES} or 'single', got {strategy!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if mode not in STEP_MODES:
+        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    t = cfg.context_length if seq_len is None else seq_len
+    c, w, _ = _widths(precision)
+    p = parameter_count(cfg)
+    workspace = CUDA_WORKSPACE_BYTES if device_type == "cuda" else 0
+    rope = t * cfg.head_dim * 4
+
+    if strategy == "ddp":
+        buckets = p * w
+        if mode == "forward":
+            single = estimate_memory(cfg, batch_size, t, precision, mode, device_type)
+            components = {**single.components, "ddp_buckets": buckets}
+            return MemoryEstimate(components, sum(components.values()), single.moment,
+                                  {"strategy": "ddp", "world_size": world_size})
+        # The single-GPU step (its gradients included: DDP fills param.grad as usual) plus the buckets; with
+        # gradient_as_bucket_view the gradients are views into the buckets and take no memory of their own.
+        single = estimate_memory(cfg, batch_size, t, precision, mode, device_type)
+        components = {**single.components, "ddp_buckets": buckets}
+        if gradient_as_bucket_view:
+            components["gradients"] = 0
+        return MemoryEstimate(components, sum(components.values()), single.moment,
+                              {"strategy": "ddp", "world_size": world_size,
+                               "gradient_as_bucket_view": gradient_as_bucket_view})
+
+    # FSDP2.
+    from lmtrain.distributed import FSDP_PRECISIONS
+
+    if precision not in FSDP_PRECISIONS:
+        raise ValueError(f"FSDP2 runs in {FSDP_PRECISIONS}, got {precision!r}")
+    # param_dtype: bf16 under bf16-mixed (the policy), else the parameters' own; reduce_dtype: fp32 or w.
+    gather, reduce = (2, 4) if precision == "bf16-mixed" else (w, w)
+    act_precision = "bf16-true" if precision == "bf16-mixed" else precision
+    root_shapes, block_shapes = _root_and_block_shapes(cfg)
+    sharded = sum(shard_numel(s, world_size) for s in parameter_shapes(cfg))
+    root_full = world_size * sum(shard_numel(s, world_size) for s in root_shapes)
+    block_full = world_size * sum(shard_numel(s, world_size) for s in block_shapes)
+    static = {
+        "parameters": sharded * w + rope,
+        "optimizer_states": 2 * sharded * w + parameter_tensor_count(cfg) * 4 if mode == "train" else 0,
+        "root_unsharded": root_full * gather,
+        "workspace": workspace,
+    }
+    details = {"strategy": "fsdp", "world_size": world_size, "sharded_numel": sharded,
+               "block_unsharded_numel": block_full, "root_unsharded_numel": root_full,
+               "param_dtype_bytes": gather, "reduce_dtype_bytes": reduce}
+    in_flight = 2 * block_full * gather if cfg.num_layers > 1 else block_full * gather
+    if mode == "forward":
+        single = estimate_memory(cfg, batch_size, t, act_precision, mode, device_type)
+        components = {**static, "blocks_in_flight": in_flight, "transients": single.components["transients"]}
+        return MemoryEstimate(components, sum(components.values()), single.moment, details)
+    moments = _activation_moments(cfg, batch_size, t, act_precision, device_type)
+    block_reduce = block_full * (gather + reduce)  # a block's unsharded gradients + reduce-scatter input
+    totals: dict[str, tuple[int, int, int, int]] = {}  # gradients, buffers, activations, transients
+    for k, (activations, transients) in moments.items():
+        if k == "end of backward":
+            totals[k] = (sharded * w, root_full * (gather + reduce), activations, transients)
+        elif k == "backward start":
+            totals[k] = (0, in_flight + block_reduce, activations, transients)
+        else:
+            totals[k] = (0, in_flight, activations, transients)
+    moment = max(totals, key=lambda k: sum(totals[k]))
+    grads, buffers, activations, transients = totals[moment]
+    components = {**static, "gradients": grads, "fsdp_buffers": buffers, "activations": activations,
+                  "transients": transients}
+    return MemoryEstimate(components, sum(components.values()), moment, details)
+
+
+def max_fitting_distributed(
+    cfg: ModelConfig,
+    budget_bytes: int,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "32-true",
+    strategy: str = "ddp",
+    world_size: int = 2,
+    mode: str = "train",
+    limit: int = 1 << 20,
+    gradient_as_bucket_view: bool = False,
+) -> int:
+    """Largest context (``seq_len=None``) or batch size per GPU (``batch_size=None``) whose per-GPU plan
+    fits ``budget_bytes``; 0 when even 1 does not. Arguments as in ``estimate_memory_distributed``."""
+    if (batch_size is None) == (seq_len is None):
+        raise ValueError("give exactly one of batch_size and seq_len; the other is searched")
+
+    def fits(x: int) -> bool:
+        b, t = (x, seq_len) if batch_size is None else (batch_size, x)
+        plan = estimate_memory_distributed(cfg, b, t, precision, strategy, world_size, mode,
+                                           gradient_as_bucket_view=gradient_as_bucket_view)
+        return plan.peak <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

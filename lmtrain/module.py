@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -129,7 +130,11 @@ class LMModule(pl.LightningModule):
     # -- model --------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
+        """Build the model; under ``ModelParallelStrategy`` (a device mesh is set), shard it with FSDP2."""
         if self.model is not None:
+            return
+        if self.device_mesh is not None:
+            self.model = _build_sharded_model(self)
             return
         model = TransformerLM(self.config)
         if self.hparams.compile:
@@ -408,6 +413,29 @@ class InBackwardAdamW(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+def _build_sharded_model(module: LMModule) -> torch.nn.Module:
+    """The model of ``module``, built on its device and sharded over ``module.device_mesh`` with FSDP2.
+
+    ``ModelParallelStrategy`` does not place the tensors that ``configure_model`` creates (its init context
+    sets no device), so the model is built on the rank's device explicitly: the same device and seed as a
+    single-device or DDP run, hence the same initial weights. Activation checkpointing and compile are
+    applied per block by ``lmtrain.distributed.shard_model``, so the model itself is built without its own
+    checkpointing (that would checkpoint each block twice).
+    """
+    from lmtrain.distributed import check_fsdp_precision, shard_model
+
+    precision = str(module.trainer.precision)
+    check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
+    policy = module.config.activation_checkpointing
+    if policy not in ("none", "full"):
+        raise LmtrainError("model.activation_checkpointing",
+                           f"policy {policy!r} is not available under FSDP2 (ModelParallelStrategy); each sharded "
+                           "block is checkpointed whole.",
+                           "use model.activation_checkpointing: full (or none) with this strategy.")
+    with torch.device(module.trainer.strategy.root_device):
+        model = TransformerLM(replace(module.config, activation_checkpointing="none"))
+    return shard_model(model, module.device_mesh, precision, activation_checkpointing=policy == "full",
+                       compile=bool(module.hparams.compile))
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -1,0 +1,164 @@
+"""FSDP2 sharding of ``TransformerLM`` for Lightning's ``ModelParallelStrategy``, and its precision policy.
+
+``LMModule.configure_model`` calls :func:`shard_model` when the strategy hands it a device mesh
+(``ModelParallelStrategy`` does; ``ddp`` and single-device runs do not). The order of the steps is
+torchtitan's: per transformer block, activation checkpointing first (the checkpointed region sits inside
+the FSDP unit, so the recomputation in the backward pass finds the block's parameters already
+all-gathered), then ``torch.compile`` (so FSDP's all-gather and reduce-scatter hooks stay outside the
+compiled graph), then ``fully_shard``; the root module last, which shards what is left (embedding, final
+norm, output head).
+
+Precision. Under ``ModelParallelStrategy`` Lightning 2.6 accepts ``32-true``, ``bf16-mixed``,
+``bf16-true`` and ``16-true`` (it refuses ``16-mixed`` when the trainer is built). For ``bf16-mixed`` it
+installs its usual autocast plugin and nothing else: the sharded parameters stay fp32, so FSDP would
+all-gather fp32 weights (twice the traffic and the unsharded memory) and autocast would cast each of them
+to bf16 again at every use. lmtrain makes ``bf16-mixed`` mean FSDP2's mixed precision instead
+(:func:`mixed_precision_policy`): fp32 sharded master weights, gradients and AdamW state; parameters
+all-gathered in bf16 and every block computed in bf16; gradients reduce-scattered in fp32. Lightning's
+autocast context stays around the step, where it changes nothing but the ops autocast always runs in
+fp32 (the loss already is). The residual stream is then bf16 (the embedding's output is), as under
+``bf16-true``, and the memory planner plans the activations that way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmtrain.errors import LmtrainError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+#: Precisions FSDP2 runs in lmtrain. ``16-true`` is left out on purpose: fp16 gradients reduced without
+#: loss scaling underflow; ``16-mixed`` needs a gradient scaler that sharded parameters do not get.
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+#: Name of the data-parallel dimension of the mesh that ``ModelParallelStrategy`` builds.
+DATA_PARALLEL_DIM = "data_parallel"
+TENSOR_PARALLEL_DIM = "tensor_parallel"
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning precision string.
+
+    Args:
+        precision: ``32-true`` (fp32 everywhere), ``bf16-mixed`` (bf16 all-gather and compute, fp32 master
+            weights and fp32 gradient reduce-scatter) or ``bf16-true`` (bf16 everywhere: the parameters
+            already are bf16, Lightning converts the module).
+
+    Raises:
+        LmtrainError: for a precision FSDP2 does not run here (``16-mixed``, ``16-true``, ``64-true``, ...).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    check_fsdp_precision(precision)
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # 32-true and bf16-true: all-gather, compute and reduce in the parameters' own dtype.
+    return MixedPrecisionPolicy()
+
+
+def check_fsdp_precision(precision: str) -> None:
+    """Stop with one clear message when FSDP2 cannot train in ``precision``.
+
+    The command line can call this before it builds the trainer, so that ``16-mixed`` (which Lightning
+    itself rejects under ``ModelParallelStrategy`` with a message about Fabric) gets lmtrain's message.
+
+    Raises:
+        LmtrainError: ``precision`` is not one of :data:`FSDP_PRECISIONS`.
+    """
+    if str(precision) not in FSDP_PRECISIONS:
+        raise LmtrainError(
+            "trainer.precision",
+            f"{precision!r} is not supported with FSDP2 (ModelParallelStrategy): fp16 gradients are reduced "
+            "without loss scaling.",
+            f"use one of {', '.join(FSDP_PRECISIONS)} (bf16-mixed: bf16 compute, fp32 weights and reductions), "
+            "or trainer.strategy ddp for 16-mixed.",
+        )
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D data-parallel mesh that FSDP2 shards over, from ``ModelParallelStrategy``'s 2-D mesh.
+
+    lmtrain has no tensor parallelism: the ``tensor_parallel`` dimension must have size 1, i.e. the
+    strategy is built with ``data_parallel_size`` equal to the world size and ``tensor_parallel_size: 1``.
+    (Lightning's defaults, ``auto``/``auto``, mean one data-parallel group per node and tensor
+    parallelism inside the node, which would leave the GPUs of one node with the same batch.)
+
+    Raises:
+        LmtrainError: the mesh has a tensor-parallel dimension larger than 1.
+    """
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        return mesh
+    if DATA_PARALLEL_DIM not in names:
+        raise LmtrainError("trainer.strategy", f"the device mesh has no {DATA_PARALLEL_DIM!r} dimension "
+                           f"(dimensions: {names}).", "use lightning.pytorch.strategies.ModelParallelStrategy.")
+    tp = mesh[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1
+    if tp != 1:
+        world = mesh.size()
+        raise LmtrainError(
+            "trainer.strategy.init_args.tensor_parallel_size",
+            f"the device mesh has tensor_parallel size {tp}; lmtrain shards data-parallel only (FSDP2).",
+            f"set trainer.strategy.init_args.data_parallel_size: {world} (nodes x devices) and "
+            "tensor_parallel_size: 1.",
+        )
+    return mesh[DATA_PARALLEL_DIM]
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: str = "32-true",
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+) -> nn.Module:
+    """Apply activation checkpointing, ``torch.compile`` and FSDP2 to a ``TransformerLM``, in place.
+
+    Args:
+        model: a ``TransformerLM`` (any module with a ``blocks`` ``nn.ModuleList``) built *without* its own
+            activation checkpointing: here each block is wrapped instead, before it is sharded.
+        mesh: the strategy's device mesh (``LightningModule.device_mesh``); see :func:`data_parallel_mesh`.
+        precision: the trainer's precision string (:func:`mixed_precision_policy`).
+        activation_checkpointing: recompute each block in the backward pass (non-reentrant checkpoint).
+        compile: compile each block (``nn.Module.compile``, in place: parameter names stay those of the
+            eager model) before sharding it.
+
+    Returns:
+        ``model``, now an ``FSDPModule`` whose blocks are ``FSDPModule`` s too.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = data_parallel_mesh(mesh)
+    policy = mixed_precision_policy(precision)
+    blocks = model.blocks
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(blocks):
+            # The wrapper's state-dict hooks drop its "_checkpoint_wrapped_module." prefix, so checkpoints keep
+            # the eager model's keys.
+            blocks[i] = checkpoint_wrapper(block)
+    if compile:
+        for block in blocks:
+            block.compile()
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        # The last block's parameters would be all-gathered again right away by the backward pass, which
+        # starts with it: keep them unsharded between forward and backward (torchtitan does the same).
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < last)
+    # The root takes the embedding, final norm and output head; FSDP keeps its parameters unsharded from
+    # forward to backward.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[str]:
+    """Names of the submodules of ``model`` that are FSDP2 units (``""`` for the root), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]

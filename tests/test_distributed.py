@@ -1,0 +1,289 @@
+"""DDP and FSDP2 (ModelParallelStrategy) fits on CPU, 2 processes over gloo, against a 1-process run.
+
+Each fit runs in its own Python process (this file is also the script: ``python tests/test_distributed.py
+STRATEGY OUT.json``), so that Lightning's launcher starts rank 1 from a script and pytest is never forked.
+The data is this file's own, not ``LMDataModule``'s: one fixed global order of windows, and at step i rank r
+of W reads windows [i*G + r*G/W, i*G + (r+1)*G/W) of it (G the global batch), so every run, whatever its
+world size, trains on the same global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS = 5
+GLOBAL_BATCH = 8
+CONTEXT = 32
+VOCAB = 256
+TOLERANCE = 1e-5
+
+
+# -- the script ---------------------------------------------------------------------------------------------
+
+
+def _windows() -> torch.Tensor:
+    """The fixed global order of training windows: (STEPS * GLOBAL_BATCH, CONTEXT + 1) token ids.
+
+    Counting sequences from random starts (each id is the previous one plus 1): learnable in a few steps,
+    so the losses of the runs fall and a run that did not update its weights shows.
+    """
+    g = torch.Generator().manual_seed(1234)
+    starts = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, 1), generator=g)
+    return (starts + torch.arange(CONTEXT + 1)) % VOCAB
+
+
+def _rank_indices(rank: int, world: int) -> list[int]:
+    """The windows rank ``rank`` of ``world`` reads, in order: its slice of every global batch."""
+    per_rank = GLOBAL_BATCH // world
+    return [i * GLOBAL_BATCH + rank * per_rank + j for i in range(STEPS) for j in range(per_rank)]
+
+
+def run_fit(strategy: str, out: Path) -> None:
+    """Fit the tiny model for STEPS steps under ``strategy`` (``single``, ``ddp``, ``fsdp`` or ``fsdp_ac``, FSDP2
+    with activation checkpointing); rank 0 writes the rank-averaged loss of every step (and, under FSDP2, what
+    the sharding did) to ``out``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lmtrain.distributed import fsdp_modules
+    from lmtrain.module import LMModule
+
+    class SeededLM(LMModule):
+        def configure_model(self) -> None:
+            # Same initial weights in every process and every run, whatever consumed random numbers before.
+            torch.manual_seed(0)
+            super().configure_model()
+
+    class Windows(pl.LightningDataModule):
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+            subset = torch.utils.data.Subset(_windows(), _rank_indices(rank, world))
+            return torch.utils.data.DataLoader(subset, batch_size=GLOBAL_BATCH // world, shuffle=False)
+
+    class RecordLoss(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, idx) -> None:
+            # Each rank's loss is the mean over its windows; equal shares make their mean the global batch's.
+            loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+            self.losses.append(float(loss))
+
+    devices = 1 if strategy == "single" else 2
+    strategies = {
+        "single": "auto",
+        "ddp": "ddp",
+        "fsdp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "fsdp_ac": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+    }
+    module = SeededLM(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, lr=1e-2, warmup_steps=0,
+                      fused_adamw=False, activation_checkpointing=strategy == "fsdp_ac")
+    record = RecordLoss()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategies[strategy], precision="32-true",
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, callbacks=[record],
+    )
+    trainer.fit(module, datamodule=Windows())
+    result: dict = {"strategy": strategy, "world_size": trainer.world_size, "losses": record.losses}
+    if strategy.startswith("fsdp"):
+        from torch.distributed.tensor import DTensor
+
+        model = module.model
+        qkv = model.blocks[0].attn.qkv.weight
+        result.update(
+            fsdp_units=fsdp_modules(model),
+            block_types=[type(b).__name__ for b in model.blocks],
+            qkv_is_dtensor=isinstance(qkv, DTensor),
+            qkv_local_shape=list(qkv.to_local().shape) if isinstance(qkv, DTensor) else list(qkv.shape),
+            qkv_global_shape=list(qkv.shape),
+        )
+    if trainer.global_rank == 0:
+        out.write_text(json.dumps(result))
+
+
+# -- the tests ----------------------------------------------------------------------------------------------
+
+
+def _fit(strategy: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{strategy}.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get(
+        "PYTHONPATH", "")]))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(name, None)  # a run of its own, not a rank of some outer job
+    proc = subprocess.run([sys.executable, __file__, strategy, str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(f"{strategy}: {result['losses']}")  # per-step losses, for the record (pytest -s)
+    return result
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _fit("single", tmp_path_factory.mktemp("single"))
+
+
+def test_rank_slices_cover_each_global_batch_once() -> None:
+    for world in (1, 2, 4):
+        seen = sorted(i for r in range(world) for i in _rank_indices(r, world))
+        assert seen == list(range(STEPS * GLOBAL_BATCH))
+        # Step i of every rank lies inside global batch i.
+        per_rank = GLOBAL_BATCH // world
+        for r in range(world):
+            steps = [i // GLOBAL_BATCH for i in _rank_indices(r, world)]
+            assert steps == [s for s in range(STEPS) for _ in range(per_rank)]
+
+
+def test_ddp_two_processes_match_one(single_run: dict, tmp_path: Path) -> None:
+    ddp = _fit("ddp", tmp_path)
+    assert ddp["world_size"] == 2 and single_run["world_size"] == 1
+    assert len(ddp["losses"]) == len(single_run["losses"]) == STEPS
+    assert ddp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)
+    assert ddp["losses"][-1] < ddp["losses"][0]  # the steps did train
+
+
+def test_fsdp2_two_processes_match_one(single_run: dict, tmp_path: Path) -> None:
+    fsdp = _fit("fsdp", tmp_path)
+    assert fsdp["world_size"] == 2
+    assert fsdp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)
+    # One FSDP unit per block and one for the root, nothing else.
+    assert fsdp["fsdp_units"] == ["", *(f"blocks.{i}" for i in range(4))]
+    assert all(name.startswith("FSDP") for name in fsdp["block_types"])
+    # Parameters are sharded along dim 0 over the 2 ranks: qkv is (3 * 128, 128) globally.
+    assert fsdp["qkv_is_dtensor"]
+    assert fsdp["qkv_global_shape"] == [384, 128] and fsdp["qkv_local_shape"] == [192, 128]
+
+
+def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_path: Path) -> None:
+    fsdp = _fit("fsdp_ac", tmp_path)
+    assert fsdp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)
+    # Each block is checkpoint-wrapped, then sharded: the FSDP unit is the wrapper.
+    assert fsdp["fsdp_units"] == ["", *(f"blocks.{i}" for i in range(4))]
+    assert fsdp["block_types"] == ["FSDPCheckpointWrapper"] * 4
+    assert fsdp["qkv_local_shape"] == [192, 128]
+
+
+def test_fsdp_rejects_fp16() -> None:
+    from lmtrain.distributed import check_fsdp_precision, mixed_precision_policy
+    from lmtrain.errors import LmtrainError
+
+    with pytest.raises(LmtrainError, match="trainer.precision"):
+        check_fsdp_precision("16-mixed")
+    policy = mixed_precision_policy("bf16-mixed")
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert mixed_precision_policy("32-true").param_dtype is None
+
+
+# -- the planner ---------------------------------------------------------------------------------------------
+
+
+def _tiny(**overrides: object):
+    from lmtrain.config import ModelConfig
+
+    return ModelConfig.from_size("tiny", vocab_size=VOCAB, context_length=128, **overrides)
+
+
+def test_parameter_shapes_add_up_to_the_parameter_count() -> None:
+    from lmtrain.flops import parameter_count
+    from lmtrain.memory_plan import parameter_shapes, parameter_tensor_count
+
+    for size in ("tiny", "small", "2.7B"):
+        from lmtrain.config import ModelConfig
+
+        cfg = ModelConfig.from_size(size)
+        shapes = parameter_shapes(cfg)
+        assert len(shapes) == parameter_tensor_count(cfg)
+        assert sum(torch.Size(s).numel() for s in shapes) == parameter_count(cfg)
+
+
+def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
+    from lmtrain.memory_plan import estimate_memory_distributed
+
+    cfg = _tiny()  # 1,115,264 parameters, 31 tensors; every dim 0 even
+    two = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=2, device_type="cpu")
+    rope = 128 * 32 * 4
+    assert two.components["parameters"] == 1_115_264 // 2 * 4 + rope
+    assert two.components["optimizer_states"] == 2 * 1_115_264 // 2 * 4 + 31 * 4
+    # Three GPUs: each dim 0 padded to a multiple of 3. Per rank: embedding and head 86 * 128 rows each,
+    # per layer 43 + 128*128 + 43*128 + 43 + 171*128 + 43*512 + 171*128 = 87,766, final norm 43.
+    sharded = 2 * 86 * 128 + 4 * 87_766 + 43
+    assert sharded == 373_123
+    three = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=3, device_type="cpu")
+    assert three.details["sharded_numel"] == sharded
+    assert three.components["parameters"] == sharded * 4 + rope
+    assert three.components["optimizer_states"] == 2 * sharded * 4 + 31 * 4
+    # Short sequences: the sharded gradients at the end of the backward pass set the peak.
+    from lmtrain.config import ModelConfig
+
+    big = ModelConfig.from_size("2.7B")
+    end = estimate_memory_distributed(big, 1, 16, "32-true", "fsdp", world_size=3, device_type="cpu")
+    assert end.moment == "end of backward"
+    assert end.components["gradients"] == end.details["sharded_numel"] * 4
+
+
+def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
+    from lmtrain.memory_plan import estimate_memory_distributed
+
+    plan = estimate_memory_distributed(_tiny(), 2, 128, "bf16-mixed", "fsdp", world_size=2, device_type="cpu")
+    # Root (embedding, final norm, head) and two blocks unsharded in bf16; a block is 4 D^2 + 3 D F + 2 D.
+    block = 4 * 128**2 + 3 * 128 * 512 + 2 * 128
+    assert block == 262_400
+    assert plan.components["root_unsharded"] == (2 * 256 * 128 + 128) * 2
+    assert plan.details["block_unsharded_numel"] == block
+    assert plan.moment == "backward start"
+    # Two blocks in flight plus one block's bf16 gradients and its fp32 reduce-scatter input.
+    assert plan.components["fsdp_buffers"] == 2 * block * 2 + block * (2 + 4)
+    # fp32 master weights: the shards stay 4 bytes per parameter.
+    assert plan.components["parameters"] == 1_115_264 // 2 * 4 + 128 * 32 * 4
+
+
+def test_ddp_plan_is_the_single_gpu_plan_plus_the_buckets() -> None:
+    from lmtrain.memory_plan import estimate_memory, estimate_memory_distributed
+
+    for precision in ("32-true", "bf16-mixed"):
+        for cfg, batch in ((_tiny(), 2), (_tiny(), 64), (_tiny(attention="naive"), 8),
+                           (_tiny(activation_checkpointing=True), 16)):
+            single = estimate_memory(cfg, batch, 128, precision, device_type="cpu")
+            ddp = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu")
+            # Buckets cover every parameter in its own dtype (fp32 under both precisions here).
+            assert ddp.components["ddp_buckets"] == 1_115_264 * 4
+            assert ddp.peak == single.peak + 1_115_264 * 4
+            assert ddp.moment == single.moment
+            view = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu",
+                                               gradient_as_bucket_view=True)
+            assert view.peak == max(single.peak, single.peak - single.components["gradients"] + 1_115_264 * 4)
+
+
+def test_fsdp_fits_longer_contexts_than_one_gpu() -> None:
+    from lmtrain.config import ModelConfig
+    from lmtrain.memory_plan import GIB, estimate_memory_distributed, max_fitting, max_fitting_distributed
+
+    cfg = ModelConfig.from_size("2.7B", context_length=1 << 17, activation_checkpointing=True)
+    budget = 80 * GIB
+    one = max_fitting(cfg, budget, batch_size=1, precision="bf16-mixed")
+    two = max_fitting_distributed(cfg, budget, batch_size=1, precision="bf16-mixed", strategy="fsdp", world_size=2)
+    assert two > one > 0
+    assert estimate_memory_distributed(cfg, 1, two, "bf16-mixed", "fsdp", 2).peak <= budget
+    assert estimate_memory_distributed(cfg, 1, two + 1, "bf16-mixed", "fsdp", 2).peak > budget
+
+
+def test_strategy_kind_maps_lightning_names() -> None:
+    from lmtrain.memory_plan import strategy_kind
+
+    assert strategy_kind("ddp") == strategy_kind("ddp_spawn") == strategy_kind("DDPStrategy") == "ddp"
+    assert strategy_kind("lightning.pytorch.strategies.ModelParallelStrategy") == "fsdp"
+    assert strategy_kind("auto") == "single"
+    with pytest.raises(ValueError):
+        strategy_kind("deepspeed")
+
+
+if __name__ == "__main__":
+    run_fit(sys.argv[1], Path(sys.argv[2]))
