@@ -434,6 +434,11 @@ def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
     wide = torch.randn(1, 2, 200, 72, **bf16)
     q, k, v = (wide[..., i : i + 64] for i in (1, 3, 5))  # base pointers 2 bytes off 16-byte alignment
     assert not usable(q, k, v)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "forward")
+    assert usable(wide) and not flash_triton_hopper.usable(_as_4d(wide), backward=True)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "0")
+    assert not usable(wide)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # clones are aligned: TMA path
     want = flash_attention(*leaves, causal=True)
     torch.testing.assert_close(flash_attention(q, k, v, causal=True), want.detach(), rtol=2e-2, atol=2e-2)

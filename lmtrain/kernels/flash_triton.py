@@ -688,7 +688,7 @@ def _backward(
     key = (n_key, d, bool(is_causal), precision, q.dtype)
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
     with _device_guard(q):
-        if _hopper.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4):
+        if _hopper.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
             _hopper.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, common, key)
             return dq, dk, dv
         _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
