@@ -66,8 +66,8 @@ def _ws_configs(blocks: list[tuple[int, int, int, int, bool]]) -> list[triton.Co
 # Chosen from a sweep on an H100 (bf16, causal, B*H*N = 2^21; see docs/benchmarks/2026-11-23-H100-flash-hopper.md):
 # forward 128 x 128 with 8 warps and 3 stages for head dims above 64, 128 x 64 with 4 warps for 64; dQ 128 x 128 (d 128)
 # or 64 x 64 (d 64); dK/dV 128 keys x 64 queries with 8 warps (d 80, 128) or x 32 with 4 warps (d 64, where its
-# two accumulators fit). Warp-specialised loops (``WARP_SPEC``) were no faster there, or did not compile, so none
-# of the candidates uses them. The first fitting one is the default when autotuning is off.
+# two accumulators fit). Warp-specialised loops (``WARP_SPEC``) were no faster than the best plain ones there, or did
+# not compile, so none of the candidates uses them. The first fitting one is the default when autotuning is off.
 _FWD_CONFIGS = _ws_configs([(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False)])
 _DQ_CONFIGS = _ws_configs([(128, 128, 8, 2, False), (64, 64, 4, 3, False), (128, 32, 4, 3, False)])
 _DKDV_CONFIGS = _ws_configs([(64, 128, 8, 3, False), (32, 128, 4, 3, False), (32, 128, 8, 3, False)])
