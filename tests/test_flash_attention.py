@@ -375,6 +375,75 @@ def test_gpu_triton_matches_reference(shapes, dtype, causal, monkeypatch):
     assert_matches_reference(out, ref, base, dtype, f"flash_triton {shapes} {dtype} causal={causal}")
 
 
+HAS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper (sm_90+) GPU and Triton")
+
+# (q shape, k shape, v from a fused qkv tensor): odd lengths, N_q != N_k both ways, head dims 16-128 incl. 80.
+TMA_SHAPES = [
+    ((2, 97, 80), (2, 97, 80), False),
+    ((1, 2, 1025, 64), (1, 2, 700, 64), False),
+    ((1, 3, 300, 32), (1, 3, 513, 32), False),
+    ((2, 3, 257, 128), (2, 3, 257, 128), False),
+    ((2, 1, 1000, 16), (2, 1, 1000, 16), False),
+    ((2, 5, 333, 80), (2, 5, 333, 80), True),
+]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shapes", TMA_SHAPES, ids=lambda s: _shape_id(s[:2]) + ("_fusedv" if s[2] else ""))
+def test_gpu_tma_path_matches_reference(shapes, dtype, causal, monkeypatch):
+    """The TMA kernels (chosen on Hopper for these inputs) against float64, every output element written."""
+    from lmtrain.kernels import flash_triton_hopper
+    from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
+
+    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
+    sq, sk, fused_v = shapes
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
+    assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"
+    nan = float("nan")
+    o = torch.full(q.shape, nan, dtype=dtype, device="cuda")
+    lse = torch.full(q.shape[:-1], nan, dtype=torch.float32, device="cuda")
+    _forward(q, k, v, causal, o=o, lse=lse)
+    grads = [torch.full(t.shape, nan, dtype=dtype, device="cuda") for t in (q, k, v)]
+    _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
+    out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    ref = _reference_results(q, k, v, do, causal, upcast=True)
+    base = _reference_results(q, k, v, do, causal, upcast=False)
+    assert_matches_reference(out, ref, base, dtype, f"TMA path {shapes} {dtype} causal={causal}")
+
+
+@pytest.mark.gpu
+@requires_hopper
+def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
+    """fp32, head dim 256 or 20 and misaligned views go to the pointer kernels; the misaligned view still matches."""
+    from lmtrain.kernels import flash_triton_hopper
+    from lmtrain.kernels.flash_triton import _as_4d, flash_attention
+
+    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
+    def usable(*ts):
+        return flash_triton_hopper.usable(*(_as_4d(t) for t in ts))
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    assert usable(torch.randn(2, 64, 64, **bf16))
+    assert not usable(torch.randn(2, 64, 64, device="cuda"))  # fp32
+    assert not usable(torch.randn(2, 64, 256, **bf16))  # head dim above 128
+    assert not usable(torch.randn(2, 64, 20, **bf16))  # rows of 40 bytes: not a multiple of 16
+    wide = torch.randn(1, 2, 200, 72, **bf16)
+    q, k, v = (wide[..., i : i + 64] for i in (1, 3, 5))  # base pointers 2 bytes off 16-byte alignment
+    assert not usable(q, k, v)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "forward")
+    assert usable(wide) and not flash_triton_hopper.usable(_as_4d(wide), backward=True)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "0")
+    assert not usable(wide)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # clones are aligned: TMA path
+    want = flash_attention(*leaves, causal=True)
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True), want.detach(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -437,7 +506,11 @@ def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(monkeypatch)
     # A tuning key (fp16, head dim 48, 4096-bucket, causal) that no other test uses, so this call tunes.
     q, k, v, do = _inputs((2, 3, 3000, 48), (2, 3, 3000, 48), torch.float16, device="cuda", seed=11)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    tuned_before = {kern: len(kern.cache) for kern in (ft._fwd_kernel, ft._bwd_dq_kernel, ft._bwd_dkdv_kernel)}
+    # The kernels this call dispatches to: the TMA ones on Hopper, the pointer ones elsewhere.
+    kernels = ft._hopper if ft._hopper.usable(*(ft._as_4d(t) for t in (q, k, v))) else ft
+    tuned_before = {
+        kern: len(kern.cache) for kern in (kernels._fwd_kernel, kernels._bwd_dq_kernel, kernels._bwd_dkdv_kernel)
+    }
     peaks = []
     for _ in range(2):
         torch.cuda.synchronize()

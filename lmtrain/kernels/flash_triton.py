@@ -46,6 +46,12 @@ cache-flush buffer (``_tuning_bench``) rather than Triton's 256 MB one, since it
 step's memory peak. Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
 imported) the kernels run on CPU tensors with one small configuration; that is for tests only.
 
+On Hopper GPUs (compute capability 9.0+) fp16/bf16 calls whose tensors suit the bulk tensor copy engine (head
+dim a multiple of 8 up to 128, 16-byte aligned base and strides) run the kernels of ``flash_triton_hopper``
+instead: the same algorithm with every tile moved through TMA tensor descriptors. ``_forward`` and ``_backward``
+choose between the two; everything else (older GPUs, fp32, head dims above 128, the interpreter) runs the pointer
+kernels below.
+
 Limits: no dropout, no attention bias or arbitrary masks, no grouped-query attention (k and v must
 have q's leading dims), d of v equal to d of q, at least one key. The logsumexp output of the
 custom op is not differentiable.
@@ -625,7 +631,12 @@ def _forward(
         return (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,)
 
     n_key, precision = _n_key(n_q, n_k), _dot_precision(q.dtype, allow_tf32)
+    consts = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
+    key = (n_key, d, bool(is_causal), precision, q.dtype)
     with _device_guard(q):
+        if _hopper.usable(q4, k4, v4, o4):
+            _hopper.forward(q4, k4, v4, o4, lse, consts, key)
+            return o, lse
         _launch(_fwd_kernel, grid, (
             q4, k4, v4, o4, lse,
             q4.stride(0), q4.stride(1), q4.stride(2),
@@ -633,8 +644,7 @@ def _forward(
             v4.stride(0), v4.stride(1), v4.stride(2),
             o4.stride(0), o4.stride(1), o4.stride(2),
             h, n_q, n_k, n_key, sm_scale * _LOG2E,
-        ), dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision),
-            (n_key, d, bool(is_causal), precision, q.dtype))
+        ), consts, key)
     return o, lse
 
 
@@ -678,6 +688,9 @@ def _backward(
     key = (n_key, d, bool(is_causal), precision, q.dtype)
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
     with _device_guard(q):
+        if _hopper.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
+            _hopper.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, common, key)
+            return dq, dk, dv
         _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
             q4, k4, v4, o4, do4, lse, delta, dq4,
             q4.stride(0), q4.stride(1), q4.stride(2),
@@ -806,5 +819,8 @@ def flash_attention(
         return o
     return FlashAttentionTriton.apply(q, k, v, bool(causal), bool(allow_tf32))
 
+
+# The TMA kernels import the helpers above, so they are imported after them.
+from lmtrain.kernels import flash_triton_hopper as _hopper  # noqa: E402
 
 __all__ = ["FlashAttentionTriton", "flash_attention"]
