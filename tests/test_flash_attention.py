@@ -395,11 +395,13 @@ TMA_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", TMA_SHAPES, ids=lambda s: _shape_id(s[:2]) + ("_fusedv" if s[2] else ""))
 def test_gpu_tma_path_matches_reference(shapes, dtype, causal, monkeypatch):
-    """The TMA kernels (chosen on Hopper for these inputs) against float64, every output element written."""
+    """The TMA kernels (forward and backward, chosen on Hopper for these inputs) against float64, every output
+    element written."""
     from lmtrain.kernels import flash_triton_hopper
     from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
 
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA backward too (the default keeps it for the forward)
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
     assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"
@@ -423,6 +425,11 @@ def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
     from lmtrain.kernels.flash_triton import _as_4d, flash_attention
 
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
+    assert flash_triton_hopper.usable(_as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)))
+    assert not flash_triton_hopper.usable(_as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)),
+                                          backward=True), "by default the backward takes the pointer kernels"
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")
+
     def usable(*ts):
         return flash_triton_hopper.usable(*(_as_4d(t) for t in ts))
 

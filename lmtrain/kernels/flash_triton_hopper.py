@@ -18,9 +18,10 @@ The copy engine needs 16-byte alignment of the base pointers and of every stride
 ``usable`` checks that and the dtype (fp16/bf16; fp32 stays on the pointer kernels, whose IEEE products run on CUDA
 cores anyway), the head dim (a multiple of 8 up to 128) and the GPU (compute capability 9.0 or later, a Triton with
 in-kernel descriptors). Anything else runs the pointer kernels of ``flash_triton``, which also serve older GPUs and
-Triton's interpreter. ``LMTRAIN_FLASH_TMA=0`` turns this path off, ``LMTRAIN_FLASH_TMA=forward`` keeps it for the
-forward only (for comparisons; on an H100 the TMA forward followed by the pointer backward was the fastest of the three
-on the leaderboard problem, see docs/benchmarks/2026-11-23-H100-flash-hopper.md).
+Triton's interpreter. By default only the forward takes this path (``LMTRAIN_FLASH_TMA=forward``): on an H100 the TMA
+forward followed by the pointer backward was the fastest of the three choices on the leaderboard problem, and the TMA
+backward was slower than the pointer one (docs/benchmarks/2026-11-23-H100-flash-hopper.md).
+``LMTRAIN_FLASH_TMA=1`` takes it for both passes, ``LMTRAIN_FLASH_TMA=0`` for neither.
 
 The descriptors are built in the kernel, in a small global-memory scratch area that Triton asks its allocator for at
 launch (128 bytes per descriptor per program); ``_ensure_allocator`` installs one backed by PyTorch's caching
@@ -96,9 +97,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
     """Whether the TMA kernels serve these (Z, H, N, d) tensors (inputs and output buffers alike).
 
-    ``LMTRAIN_FLASH_TMA``: ``1`` (default) forward and backward, ``forward`` the forward only, ``0`` neither.
+    ``LMTRAIN_FLASH_TMA``: ``forward`` (default) the forward only, ``1`` forward and backward, ``0`` neither.
     """
-    setting = os.environ.get("LMTRAIN_FLASH_TMA", "1")
+    setting = os.environ.get("LMTRAIN_FLASH_TMA", "forward")
     if _INTERPRET or not _HAS_DESCRIPTORS or setting == "0" or (backward and setting == "forward"):
         return False
     q = tensors[0]
