@@ -52,6 +52,13 @@ class ModelConfig:
             RoPE, SiLU, products, residual adds) or ``offload`` (``full``, with the block's input kept in
             pinned host memory and copied back for the backward pass). ``true`` and ``false`` are accepted as
             ``full`` and ``none``; the field always holds the name.
+        checkpoint_layers: how many blocks, counted from the first, ``activation_checkpointing`` applies to;
+            the remaining (last) blocks keep everything for the backward pass, as with ``none``. Trades memory for
+            recomputation block by block: the last blocks are the first the backward pass needs, so keeping them
+            whole costs memory only while the backward pass reaches them. None: every block.
+        checkpoint_rest: what the blocks past ``checkpoint_layers`` keep: ``none`` (everything) or ``selective``
+            (matrix-product and attention outputs: about 2.5x less memory per block than ``none`` at the 2.7B
+            model's shapes, for nearly the same saving of recomputation).
         norm_eps: epsilon added inside RMSNorm's square root.
         optimizer_in_backward: apply each parameter's AdamW update inside the backward pass, as soon as its
             gradient is complete, and free that gradient at once, so no full set of gradients ever exists
@@ -76,6 +83,8 @@ class ModelConfig:
     attention: str = "sdpa"
     activation_checkpointing: CheckpointingPolicy | bool = "none"
     norm_eps: float = 1e-5
+    checkpoint_layers: int | None = None
+    checkpoint_rest: Literal["none", "selective"] = "none"
     optimizer_in_backward: bool = False
     optimizer_overlap: bool = False
     loss_chunk_tokens: int = 0
@@ -91,6 +100,13 @@ class ModelConfig:
         elif checkpointing not in CHECKPOINTING_POLICIES:
             raise LmtrainError("model.activation_checkpointing", f"unknown policy {checkpointing!r}.",
                                f"use one of {', '.join(CHECKPOINTING_POLICIES)} (true = full, false = none).")
+        layers = self.checkpoint_layers
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+            raise LmtrainError("model.checkpoint_layers", f"must be a whole number >= 0 or null, got {layers!r}.",
+                               "leave it null (every block) or give how many blocks, from the first, to checkpoint.")
+        if self.checkpoint_rest not in ("none", "selective"):
+            raise LmtrainError("model.checkpoint_rest", f"unknown policy {self.checkpoint_rest!r}.",
+                               "use none or selective.")
         for name in ("optimizer_in_backward", "optimizer_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise LmtrainError(f"model.{name}", f"must be true or false, got {getattr(self, name)!r}.",

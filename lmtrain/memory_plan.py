@@ -216,15 +216,27 @@ def saved_activation_bytes(
     head = sum(head_activation_bytes(cfg, batch_size, seq_len, precision).values())
     policy = cfg.activation_checkpointing
     n = batch_size * seq_len
+    layer = sum(layer_activation_bytes(cfg, batch_size, seq_len, precision, device_type).values())
     if policy == "none":
-        layer = sum(layer_activation_bytes(cfg, batch_size, seq_len, precision, device_type).values())
         return cfg.num_layers * layer + head
+    k = checkpointed_layers(cfg)
     layer_input = n * cfg.d_model * _residual_width(precision)
+    # Blocks past checkpoint_layers keep everything, or under checkpoint_rest: selective their kept outputs.
+    rest = (layer_input + selective_kept_bytes(cfg, batch_size, seq_len, precision)
+            if cfg.checkpoint_rest == "selective" else layer)
+    plain = (cfg.num_layers - k) * rest
     if policy == "full":
-        return cfg.num_layers * layer_input + head
+        return k * layer_input + plain + head
     if policy == "offload":
-        return head
-    return cfg.num_layers * (layer_input + selective_kept_bytes(cfg, batch_size, seq_len, precision)) + head
+        return plain + head
+    return k * (layer_input + selective_kept_bytes(cfg, batch_size, seq_len, precision)) + plain + head
+
+
+def checkpointed_layers(cfg: ModelConfig) -> int:
+    """Blocks that ``cfg.activation_checkpointing`` applies to (``checkpoint_layers``, at most all of them)."""
+    if cfg.activation_checkpointing == "none":
+        return 0
+    return cfg.num_layers if cfg.checkpoint_layers is None else min(cfg.checkpoint_layers, cfg.num_layers)
 
 
 def _residual_width(precision: str) -> int:
@@ -245,7 +257,7 @@ def host_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, preci
     """Pinned host memory the ``offload`` policy fills in one forward pass (every layer's input)."""
     if cfg.activation_checkpointing != "offload":
         return 0
-    return cfg.num_layers * batch_size * seq_len * cfg.d_model * _residual_width(precision)
+    return checkpointed_layers(cfg) * batch_size * seq_len * cfg.d_model * _residual_width(precision)
 
 
 def largest_parameter_elements(cfg: ModelConfig) -> int:

@@ -88,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        selective = cfg.activation_checkpointing == "selective"
+        selective = "selective" in (cfg.activation_checkpointing, cfg.checkpoint_rest)
         self.attention = _flash_triton_op if selective and cfg.attention == "flash_triton" else get_attention(
             cfg.attention)
         self.rope = rope
@@ -261,14 +261,16 @@ class TransformerLM(nn.Module):
         if t > self.cfg.context_length:
             raise ValueError(f"sequence length {t} exceeds model.context_length={self.cfg.context_length}")
         x = self.embedding(tokens)  # (B, T, D)
-        run = self._block_runner()
-        for block in self.blocks:
-            x = run(block, x)
+        run = self._block_runner(self.cfg.activation_checkpointing)
+        rest = self._block_runner(self.cfg.checkpoint_rest)
+        checkpointed = self.cfg.num_layers if self.cfg.checkpoint_layers is None else self.cfg.checkpoint_layers
+        for i, block in enumerate(self.blocks):
+            x = run(block, x) if i < checkpointed else rest(block, x)
         return x
 
-    def _block_runner(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-        """How each block runs under ``cfg.activation_checkpointing`` (plain when no gradients are taken)."""
-        policy = self.cfg.activation_checkpointing
+    @staticmethod
+    def _block_runner(policy: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+        """How a block runs under checkpointing ``policy`` (plain when no gradients are taken)."""
         if policy == "none" or not torch.is_grad_enabled():
             return lambda block, x: block(x)
         if policy == "full":

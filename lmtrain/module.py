@@ -45,6 +45,9 @@ class LMModule(pl.LightningModule):
             ``offload`` (``full`` with the block input in pinned host memory); ``true``/``false`` mean
             ``full``/``none``. See ``ModelConfig`` and ``docs/long_context.md``.
         norm_eps: epsilon added inside RMSNorm's square root.
+        checkpoint_layers: how many blocks, from the first, ``activation_checkpointing`` applies to; the last
+            blocks keep everything (None: every block). See ``ModelConfig``.
+        checkpoint_rest: what the blocks past ``checkpoint_layers`` keep: ``none`` or ``selective``.
         lr: peak learning rate, reached after ``warmup_steps``.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
         warmup_steps: linear warmup from 0 to ``lr``.
@@ -82,6 +85,8 @@ class LMModule(pl.LightningModule):
         attention: str = ModelConfig.attention,
         activation_checkpointing: CheckpointingPolicy | bool = ModelConfig.activation_checkpointing,
         norm_eps: float = ModelConfig.norm_eps,
+        checkpoint_layers: int | None = ModelConfig.checkpoint_layers,
+        checkpoint_rest: str = ModelConfig.checkpoint_rest,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
@@ -427,6 +432,9 @@ def _build_sharded_model(module: LMModule) -> torch.nn.Module:
     precision = str(module.trainer.precision)
     check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
     policy = module.config.activation_checkpointing
+    if module.config.checkpoint_layers is not None:  # (and so checkpoint_rest)
+        raise LmtrainError("model.checkpoint_layers", "is not available under FSDP2 (ModelParallelStrategy), which "
+                           "checkpoints every sharded block.", "leave model.checkpoint_layers null with this strategy.")
     if policy not in ("none", "full"):
         raise LmtrainError("model.activation_checkpointing",
                            f"policy {policy!r} is not available under FSDP2 (ModelParallelStrategy); each sharded "

@@ -215,6 +215,19 @@ def test_offload_keeps_the_layer_inputs_on_the_host() -> None:
     assert plan.details["host_bytes"] == cfg.num_layers * B * T * cfg.d_model * 4
 
 
+def test_partial_checkpointing_plans_between_full_and_none() -> None:
+    """Blocks past checkpoint_layers keep everything (rest none) or their selective outputs (rest selective)."""
+    cfg = tiny().replace(activation_checkpointing="full")
+    full, none = (saved_activation_bytes(cfg.replace(activation_checkpointing=p), B, T, "bf16-mixed")
+                  for p in ("full", "none"))
+    layers = cfg.num_layers
+    one_whole = saved_activation_bytes(cfg.replace(checkpoint_layers=layers - 1), B, T, "bf16-mixed")
+    one_selective = saved_activation_bytes(cfg.replace(checkpoint_layers=layers - 1, checkpoint_rest="selective"),
+                                           B, T, "bf16-mixed")
+    assert one_whole - full == (none - full) // layers
+    assert full < one_selective < one_whole
+
+
 def test_selective_keeps_more_than_full_and_less_than_none() -> None:
     saved = {p: saved_activation_bytes(tiny().replace(activation_checkpointing=p), B, T, "bf16-mixed")
              for p in ("none", "full", "selective")}

@@ -188,6 +188,40 @@ def test_checkpointing_policy_gives_the_plain_loss_and_gradients(policy: str, at
         torch.testing.assert_close(grads_p[name], g, **GRAD_TOL, msg=name)
 
 
+@pytest.mark.parametrize(("layers", "rest"), [(0, "none"), (1, "none"), (1, "selective"), (0, "selective")])
+def test_partial_checkpointing_gives_the_plain_loss_and_gradients(layers: int, rest: str) -> None:
+    """The first ``checkpoint_layers`` blocks checkpointed, the others whole or selective: the plain numbers."""
+    loss, grads = loss_and_grads(tiny_config(attention="sdpa"))
+    cfg = tiny_config(attention="sdpa", activation_checkpointing="full", checkpoint_layers=layers, checkpoint_rest=rest)
+    loss_p, grads_p = loss_and_grads(cfg)
+    torch.testing.assert_close(loss_p, loss, **GRAD_TOL)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_p[name], g, **GRAD_TOL, msg=name)
+
+
+def test_partial_checkpointing_recomputes_only_the_checkpointed_blocks() -> None:
+    """One of two blocks checkpointed: the backward pass runs half the extra matrix products of ``full``."""
+    def extra_mm(**kwargs: Any) -> int:
+        torch.manual_seed(0)
+        model = TransformerLM(tiny_config(attention="sdpa", **kwargs))
+        tokens = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1), generator=torch.Generator().manual_seed(1))
+        with CountOps() as ops:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        return ops.counts.get("aten.mm", 0)
+
+    plain, full = extra_mm(), extra_mm(activation_checkpointing="full")
+    half = extra_mm(activation_checkpointing="full", checkpoint_layers=1)
+    assert full > plain
+    assert half - plain == (full - plain) // 2
+
+
+def test_bad_partial_checkpointing_is_refused() -> None:
+    with pytest.raises(LmtrainError, match="model.checkpoint_layers"):
+        tiny_config(checkpoint_layers=-1)
+    with pytest.raises(LmtrainError, match="model.checkpoint_rest"):
+        tiny_config(checkpoint_rest="offload")
+
+
 class CountOps(TorchDispatchMode):
     """Counts calls of each ATen operation."""
 

@@ -43,6 +43,8 @@ class Case:
     chunk: int = 0
     attention: str = "flash_triton"
     overlap: bool = False
+    layers: int | None = None  # checkpoint_layers (None: every block)
+    rest: str = "none"  # checkpoint_rest
     steps: int = 3
     warmup: int = 1
 
@@ -61,6 +63,9 @@ CASES = [
     Case("16k candidate + overlap", 16384, "full", True, 4096, overlap=True, steps=2),
     Case("16k candidate, sdpa", 16384, "full", True, 4096, attention="sdpa", steps=2),
     Case("8k full, sdpa", 8192, "full", attention="sdpa"),
+    Case("8k sdpa 24 full + 8 selective", 8192, "full", True, 4096, attention="sdpa", layers=24, rest="selective"),
+    Case("8k sdpa 26 full + 6 selective", 8192, "full", True, 4096, attention="sdpa", layers=26, rest="selective"),
+    Case("8k sdpa 29 full + 3 whole", 8192, "full", True, 4096, attention="sdpa", layers=29),
 ]
 
 #: --smoke: the same cases on the tiny model, contexts divided by this, sdpa attention, on the CPU.
@@ -84,6 +89,8 @@ def run_case(case: Case, smoke: bool) -> dict[str, Any]:
         attention="sdpa" if smoke else case.attention, activation_checkpointing=case.checkpointing,
         warmup_steps=10, optimizer_in_backward=case.in_backward, optimizer_overlap=case.overlap,
         loss_chunk_tokens=case.chunk // SMOKE_DIVISOR if smoke else case.chunk,
+        checkpoint_layers=None if case.layers is None else (min(case.layers, 3) if smoke else case.layers),
+        checkpoint_rest=case.rest,
     )
     plan = estimate_memory(module.config, batch, context, "bf16-mixed", "train", device.type)
     capacity = device_capacity_bytes(80)
