@@ -513,10 +513,13 @@ def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(monkeypatch)
     # A tuning key (fp16, head dim 48, 4096-bucket, causal) that no other test uses, so this call tunes.
     q, k, v, do = _inputs((2, 3, 3000, 48), (2, 3, 3000, 48), torch.float16, device="cuda", seed=11)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    # The kernels this call dispatches to: the TMA ones on Hopper, the pointer ones elsewhere.
-    kernels = ft._hopper if ft._hopper.usable(*(ft._as_4d(t) for t in (q, k, v))) else ft
+    # The kernels this call dispatches to: the TMA ones on Hopper (by default for the forward only), the pointer
+    # ones elsewhere.
+    tensors = [ft._as_4d(t) for t in (q, k, v)]
+    forward = ft._hopper if ft._hopper.usable(*tensors) else ft
+    backward = ft._hopper if ft._hopper.usable(*tensors, backward=True) else ft
     tuned_before = {
-        kern: len(kern.cache) for kern in (kernels._fwd_kernel, kernels._bwd_dq_kernel, kernels._bwd_dkdv_kernel)
+        kern: len(kern.cache) for kern in (forward._fwd_kernel, backward._bwd_dq_kernel, backward._bwd_dkdv_kernel)
     }
     peaks = []
     for _ in range(2):
