@@ -159,6 +159,24 @@ class GlobalOrderSampler(DistributedSampler):
             yield from range(start, start + self.batch_size)
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader over a ``GlobalOrderSampler`` whose read position Lightning saves and restores.
+
+    Having ``state_dict``/``load_state_dict`` marks the loader as resumable to Lightning, which stores its
+    state in the checkpoint's loop state next to the data module's (both hold the same position).
+    """
+
+    def state_dict(self) -> dict[str, int]:
+        progress = self.sampler.progress or ReadProgress()
+        return {"next_batch": progress.next_batch, "batch_in_epoch": progress.batch_in_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        progress = self.sampler.progress
+        if progress is not None:
+            progress.next_batch, progress.batch_in_epoch = state_dict["next_batch"], state_dict["batch_in_epoch"]
+            progress.resumed = True
+
+
 class LMDataModule(pl.LightningDataModule):
     """Token windows for language-model training, in a seed-determined order that checkpoints keep.
 
@@ -435,7 +453,7 @@ class LMDataModule(pl.LightningDataModule):
         batches = self.train_batches if split == "train" else self.val_batches
         sampler = GlobalOrderSampler(dataset, batches, self.batch_size, self.rank, self.world_size,
                                      progress=self.progress if split == "train" else None)
-        return DataLoader(
+        return ResumableLoader(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
