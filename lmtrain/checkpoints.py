@@ -42,7 +42,8 @@ _VERSION = re.compile(r"version_(\d+)")
 
 
 def checkpoint_dir(trainer: pl.Trainer) -> Path:
-    """Where this run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``."""
+    """Where this run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``
+    (the folder Lightning's ModelCheckpoint uses by default)."""
     callback = trainer.checkpoint_callback
     if isinstance(callback, ModelCheckpoint) and callback.dirpath:
         return Path(callback.dirpath)
@@ -51,6 +52,9 @@ def checkpoint_dir(trainer: pl.Trainer) -> Path:
 
 class CheckpointOnSignal(pl.Callback):
     """Save ``last.ckpt`` and stop cleanly on SIGINT / SIGTERM; save it at the end of training too.
+
+    Active when the trainer checkpoints (``enable_checkpointing`` with a ``ModelCheckpoint``); with
+    checkpointing off it does nothing, so a 2.7B benchmark never writes 38 GiB on Ctrl+C.
 
     The handlers are installed while training runs (``on_train_start`` to ``on_train_end``, or ``teardown``
     after an exception) and replace the previous ones meanwhile: Lightning installs its own SIGTERM handler
@@ -72,6 +76,7 @@ class CheckpointOnSignal(pl.Callback):
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._paused_save_last: tuple[ModelCheckpoint, Any] | None = None
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -87,6 +92,8 @@ class CheckpointOnSignal(pl.Callback):
         self.received, self._saved_step = None, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.checkpoint_callback is None:
+            return  # checkpointing is off (e.g. the large sizes' benchmarks): signals keep their usual meaning
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("CheckpointOnSignal: fit runs outside the main thread, where Python cannot install "
                           "signal handlers; SIGINT/SIGTERM will not save a checkpoint.", stacklevel=2)
@@ -103,6 +110,10 @@ class CheckpointOnSignal(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_handlers()  # after an exception, when on_train_end does not run
+        if self._paused_save_last is not None:
+            callback, value = self._paused_save_last
+            callback.save_last = value
+            self._paused_save_last = None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -119,19 +130,42 @@ class CheckpointOnSignal(pl.Callback):
         self.saved_path = path
         rank_zero_info(f"{why}: saved {path} at step {trainer.global_step}.")
 
+    @staticmethod
+    def _final_step(trainer: pl.Trainer) -> bool:
+        """Whether the step that just ended is the last one of ``max_steps`` or ``max_epochs``."""
+        if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs
+        return bool(trainer.is_last_batch and max_epochs is not None and max_epochs >= 0
+                    and trainer.current_epoch + 1 >= max_epochs)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if trainer.checkpoint_callback is None:
+            return
         stop = self.received is not None
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled
-        if not stop:
+        if stop:
+            self._save_last(trainer, self.received or "a signal on another rank")
+            trainer.should_stop = True
+        elif self.save_on_train_end and self._final_step(trainer) and self._saved_step != trainer.global_step:
+            self._save_last(trainer, "training ended")
+        else:
             return
-        self._save_last(trainer, self.received or "a signal on another rank")
-        trainer.should_stop = True
+        # Saved at the end of a step, the checkpoint resumes exactly. ModelCheckpoint(save_last=True) that has
+        # not written last.ckpt yet would overwrite it in on_train_end with one taken after the loop closed the
+        # epoch, which resumes at the next logging step and with another epoch boundary: keep ours.
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and callback.save_last:
+            self._paused_save_last = (callback, callback.save_last)
+            callback.save_last = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_handlers()
-        if self.save_on_train_end and self._saved_step != trainer.global_step and trainer.global_step > 0:
+        # Training that stopped otherwise (e.g. early stopping): the best we have is the end-of-training state.
+        if (self.save_on_train_end and trainer.checkpoint_callback is not None
+                and self._saved_step != trainer.global_step and trainer.global_step > 0):
             self._save_last(trainer, "training ended")
 
 
@@ -173,7 +207,10 @@ def _set(namespace: Any, key: str, value: Any) -> None:
 
 
 def resolve_ckpt_path(config: Any, subcommand: str) -> None:
-    """Resolve ``ckpt_path`` in a LightningCLI subcommand's config before the trainer is built.
+    """Resolve and check ``ckpt_path`` in a LightningCLI subcommand's config, right after parsing.
+
+    Call it from ``LightningCLI.parse_arguments`` (after ``super()``): LightningCLI then replaces the model
+    options with the checkpoint's, so the comparison with the requested model must come first.
 
     ``last`` becomes the newest ``last*.ckpt`` of the TensorBoard logger's runs (see
     ``find_last_checkpoint``). For ``fit``, a checkpoint inside ``<save_dir>/<name>/version_N/checkpoints``
@@ -187,12 +224,54 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
         subcommand: ``fit``, ``validate``, ``test`` or ``predict``.
 
     Raises:
-        LmtrainError: ``validate``/``test`` asked for ``last`` and there is no checkpoint, or the given
-            checkpoint file does not exist.
+        LmtrainError: ``validate``/``test`` asked for ``last`` and there is no checkpoint, the given
+            checkpoint file does not exist, or its model differs from the requested one.
     """
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is None:
         return
+    _resolve_in_log_dir(config, subcommand, ckpt_path)
+    ckpt_path = _get(config, "ckpt_path")
+    if ckpt_path is not None and Path(ckpt_path).is_file():
+        check_checkpoint_model(ckpt_path, _get(config, "model"))
+
+
+def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
+    """Stop when a checkpoint's model differs from the requested one; warn about other options it replaces.
+
+    LightningCLI replaces the requested ``model`` options with the checkpoint's own hyperparameters right
+    after parsing, so without this check a run asking for another model would silently continue the old one.
+
+    Args:
+        ckpt_path: a checkpoint file written by lmtrain.
+        model: the requested ``model`` section (namespace or dict of LMModule arguments).
+
+    Raises:
+        LmtrainError: the architectures differ (see ``lmtrain.module.check_architecture``).
+    """
+    import torch
+
+    from lmtrain.config import ModelConfig
+    from lmtrain.module import ARCHITECTURE_FIELDS, check_architecture
+
+    if model is None:
+        return
+    requested = {k: v for k, v in (model.items() if isinstance(model, dict) else vars(model).items())}
+    if requested.get("size") is None:
+        return
+    # mmap: only the hyperparameters are read, not gigabytes of weights.
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    fields = ARCHITECTURE_FIELDS + ("context_length",)
+    config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
+    check_architecture(saved, requested, config)
+    replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
+                if saved[k] != requested[k] and not (isinstance(saved[k], tuple) and list(saved[k]) == requested[k])]
+    if replaced:
+        warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
+                      "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+
+
+def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
     logger = _get(_get(config, "trainer"), "logger")
     if not str(_get(logger, "class_path", "")).endswith("TensorBoardLogger"):
         return

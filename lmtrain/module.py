@@ -261,6 +261,10 @@ class LMModule(pl.LightningModule):
                 names each field with both values and says how to request the checkpoint's model).
         """
         check_architecture(checkpoint.get("hyper_parameters") or {}, dict(self.hparams), self.config)
+        if self.model is not None and "state_dict" in checkpoint:
+            # LMModule.load_from_checkpoint(path, **overrides) writes the overrides into the checkpoint's
+            # hyperparameters before this hook runs, so compare the weights' shapes too.
+            check_shapes(checkpoint["state_dict"], self.state_dict())
         self._weights_known = True
 
     # -- optimizer ----------------------------------------------------------------------------
@@ -320,11 +324,26 @@ def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config:
         f"{k} {getattr(theirs, k)} in the checkpoint, {getattr(config, k)} requested" for k in differing) + "."
     # The fix names the checkpoint's own options (size first: it sets four fields at once).
     options = [k for k in ("size",) + ARCHITECTURE_FIELDS if saved.get(k) != requested.get(k)]
-    fix = ("request the checkpoint's model (" + " ".join(f"--model.{k} {_cli_value(saved.get(k))}" for k in options)
+    values = {k: saved["size"] if k == "size" else getattr(theirs, k) for k in options}  # resolved, never null
+    fix = ("request the checkpoint's model (" + " ".join(f"--model.{k} {v}" for k, v in values.items())
            + "), or start a new run without --ckpt_path.")
     raise LmtrainError(", ".join(f"model.{k}" for k in differing), problem, fix)
 
 
-def _cli_value(value: Any) -> str:
-    """A value as a command-line option takes it (None is YAML's null)."""
-    return "null" if value is None else str(value)
+def check_shapes(saved: dict[str, torch.Tensor], requested: dict[str, torch.Tensor]) -> None:
+    """Compare a checkpoint's weight shapes with the requested model's.
+
+    Raises:
+        LmtrainError: a weight is missing on either side or has another shape.
+    """
+    differing = [k for k in saved.keys() | requested.keys()
+                 if k not in saved or k not in requested or tuple(saved[k].shape) != tuple(requested[k].shape)]
+    if not differing:
+        return
+    first = sorted(differing)[0]
+    shapes = [tuple(d[first].shape) if first in d else "absent" for d in (saved, requested)]
+    raise LmtrainError("model", f"the checkpoint holds another model: {len(differing)} weights differ, e.g. {first} "
+                       f"{shapes[0]} in the checkpoint, {shapes[1]} requested.",
+                       "build the model with the checkpoint's own hyperparameters (no overrides of size, "
+                       "vocab_size, d_model, num_layers, num_heads or d_ff).")
+
