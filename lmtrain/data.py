@@ -21,7 +21,9 @@ batch ``i`` holds samples ``[i * G, (i + 1) * G)`` with ``G = world_size * batch
 see exactly what 1 rank of batch 4 sees. An epoch is ``train_batches`` global batches; later epochs
 continue the order (new windows), with no reload of the loader needed. The number of batches read is
 part of the module's ``state_dict``, which Lightning stores in every checkpoint: a resumed run reads
-exactly the batches an uninterrupted run would have read next.
+exactly the batches an uninterrupted run would have read next. (Set the epoch length with
+``train_batches``: a smaller ``trainer.limit_train_batches`` ends epochs early, and a run resumed at
+such an epoch's end would start its next epoch at another point of the order.)
 
 Everything is checked when the module is built (or, when ``vocab_size``/``context_length`` are left
 to the model, in ``setup``), before any training starts.
