@@ -256,7 +256,7 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
 
     if model is None:
         return
-    requested = {k: v for k, v in (model.items() if isinstance(model, dict) else vars(model).items())}
+    requested = dict(model) if isinstance(model, dict) else dict(vars(model))
     if requested.get("size") is None:
         return
     # mmap: only the hyperparameters are read, not gigabytes of weights.
