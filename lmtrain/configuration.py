@@ -116,6 +116,11 @@ def _lm_cli_class() -> type:
                 section = self.config[subcommand]
                 check_runnable(subcommand, section)
                 ModelConfig.from_module_kwargs(section["model"].as_dict())
+                # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
+                # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
+                from lmtrain.checkpoints import resolve_ckpt_path
+
+                resolve_ckpt_path(section, subcommand)
 
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
@@ -146,11 +151,14 @@ def run_lightning(args: Sequence[str]) -> None:
     from jsonargparse import ArgumentError
 
     check_config_files(args)
+    from lmtrain.checkpoints import CheckpointOnSignal
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
+    # Callbacks given here are added to those of the config (a fresh instance per run).
+    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal()]}
     try:
-        _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=_TRAINER_DEFAULTS,
+        _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
                         save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None

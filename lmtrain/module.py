@@ -10,15 +10,19 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import DEFAULT_SIZE, CheckpointingPolicy, ModelConfig
+from lmtrain.config import DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
 
 StepMode = Literal["train", "forward", "forward_backward"]
+#: ModelConfig fields that fix the weights (their shapes or what they compute). A checkpoint must agree on
+#: all of them; context_length, attention, activation_checkpointing and compile may change between runs.
+ARCHITECTURE_FIELDS: tuple[str, ...] = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 
 
 class LMModule(pl.LightningModule):
@@ -131,6 +135,9 @@ class LMModule(pl.LightningModule):
         self._bar_loss: torch.Tensor | None = None
         self._batches_without_step = 0
         self._in_backward: InBackwardAdamW | None = None
+        # Whether the weights came from training or a checkpoint; validate/test warn when neither.
+        self._weights_known = False
+        self.register_load_state_dict_post_hook(LMModule._mark_weights_loaded)
 
     # -- model --------------------------------------------------------------------------------
 
@@ -208,6 +215,9 @@ class LMModule(pl.LightningModule):
             return None
         loss = self.loss(batch)
         self._log_train_loss(loss)
+        if self.automatic_optimization:
+            # The rate this step's update uses. A CPU tensor: logging it costs no host-device copy.
+            self.log("train/lr", torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"]))
         if self.step_mode == "forward_backward":
             self.manual_backward(loss)
             for p in self.parameters():
@@ -216,6 +226,7 @@ class LMModule(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        self._weights_known = True
         # Without optimizer steps Lightning's global_step stays 0 and trainer.max_steps would never end a
         # forward or forward_backward run: count the batches instead.
         if self.automatic_optimization:
@@ -272,6 +283,21 @@ class LMModule(pl.LightningModule):
         # reset() outside inference mode replaces them with normal tensors.
         self.val_loss.reset()
 
+    def on_validation_start(self) -> None:
+        self._warn_if_untrained("validate")
+
+    def on_test_start(self) -> None:
+        self._warn_if_untrained("test")
+
+    def _warn_if_untrained(self, stage: str) -> None:
+        """One warning when validate/test would measure freshly initialised weights."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != stage or self._weights_known or trainer.ckpt_path is not None:
+            return
+        rank_zero_warn(f"{stage} is measuring untrained weights: no checkpoint was given and this model has not "
+                       f"been trained. Pass --ckpt_path last (the newest run's last.ckpt) or a checkpoint file "
+                       f"(in Python: trainer.{stage}(model, data, ckpt_path=...)).")
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))
 
@@ -287,6 +313,26 @@ class LMModule(pl.LightningModule):
         loss = self.val_loss.compute()
         self.log_dict({"test/loss": loss, "test/perplexity": torch.exp(loss)})
         self.val_loss.reset()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    @staticmethod
+    def _mark_weights_loaded(module: torch.nn.Module, incompatible_keys: Any) -> None:
+        module._weights_known = True
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another architecture with one line, before its weights are loaded.
+
+        Raises:
+            LmtrainError: the checkpoint's model differs in a field of ``ARCHITECTURE_FIELDS`` (the error
+                names each field with both values and says how to request the checkpoint's model).
+        """
+        check_architecture(checkpoint.get("hyper_parameters") or {}, dict(self.hparams), self.config)
+        if self.model is not None and "state_dict" in checkpoint:
+            # LMModule.load_from_checkpoint(path, **overrides) writes the overrides into the checkpoint's
+            # hyperparameters before this hook runs, so compare the weights' shapes too.
+            check_shapes(checkpoint["state_dict"], self.state_dict())
+        self._weights_known = True
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -454,3 +500,50 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
         return min_ratio
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: ModelConfig) -> None:
+    """Compare a checkpoint's hyperparameters with the requested model's resolved configuration.
+
+    Args:
+        saved: the checkpoint's ``hyper_parameters`` (an LMModule's ``__init__`` arguments).
+        requested: the requested module's hyperparameters.
+        config: the requested module's resolved ``ModelConfig``.
+
+    Raises:
+        LmtrainError: a field of ``ARCHITECTURE_FIELDS`` differs.
+    """
+    if saved.get("size") not in SIZES:
+        return  # not an LMModule checkpoint's hyperparameters: Lightning's state-dict check still applies
+    overrides = {k: saved.get(k) for k in ARCHITECTURE_FIELDS + ("context_length",) if k in saved}
+    theirs = ModelConfig.from_size(saved["size"], **overrides)
+    differing = [k for k in ARCHITECTURE_FIELDS if getattr(theirs, k) != getattr(config, k)]
+    if not differing:
+        return
+    problem = "the checkpoint holds another model: " + ", ".join(
+        f"{k} {getattr(theirs, k)} in the checkpoint, {getattr(config, k)} requested" for k in differing) + "."
+    # The fix names the checkpoint's own options (size first: it sets four fields at once).
+    options = [k for k in ("size",) + ARCHITECTURE_FIELDS if saved.get(k) != requested.get(k)]
+    values = {k: saved["size"] if k == "size" else getattr(theirs, k) for k in options}  # resolved, never null
+    fix = ("request the checkpoint's model (" + " ".join(f"--model.{k} {v}" for k, v in values.items())
+           + "), or start a new run without --ckpt_path.")
+    raise LmtrainError(", ".join(f"model.{k}" for k in differing), problem, fix)
+
+
+def check_shapes(saved: dict[str, torch.Tensor], requested: dict[str, torch.Tensor]) -> None:
+    """Compare a checkpoint's weight shapes with the requested model's.
+
+    Raises:
+        LmtrainError: a weight is missing on either side or has another shape.
+    """
+    differing = [k for k in saved.keys() | requested.keys()
+                 if k not in saved or k not in requested or tuple(saved[k].shape) != tuple(requested[k].shape)]
+    if not differing:
+        return
+    first = sorted(differing)[0]
+    shapes = [tuple(d[first].shape) if first in d else "absent" for d in (saved, requested)]
+    raise LmtrainError("model", f"the checkpoint holds another model: {len(differing)} weights differ, e.g. {first} "
+                       f"{shapes[0]} in the checkpoint, {shapes[1]} requested.",
+                       "build the model with the checkpoint's own hyperparameters (no overrides of size, "
+                       "vocab_size, d_model, num_layers, num_heads or d_ff).")
+

@@ -191,3 +191,117 @@ def test_bad_numbers(name: str) -> None:
 
 def test_unknown_source() -> None:
     expect_error("data.source", source="parquet")
+
+
+# -- one global sample order: ranks, resume, test split, shapes from the model ---------------------------
+
+
+class _Trainer:
+    """What setup reads from a trainer: rank, world size and the module (a simulated DDP rank)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.global_rank, self.world_size, self.lightning_module = rank, world_size, None
+
+
+def _ranked(rank: int, world_size: int, **kwargs) -> LMDataModule:
+    dm = make(**kwargs)
+    dm.trainer = _Trainer(rank, world_size)
+    dm.setup("fit")
+    return dm
+
+
+def _sources(tmp_path: Path) -> dict[str, dict]:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 1000, 5000).astype(np.int32))
+    text = tmp_path / "text.txt"
+    text.write_text("".join(chr(32 + i % 90) for i in range(6000)))
+    return {"synthetic": {}, "tokens": {"source": "tokens", "path": str(path)},
+            "text": {"source": "text", "path": str(text), "vocab_size": 256}}
+
+
+@pytest.mark.parametrize("source", ["synthetic", "tokens", "text"])
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_two_ranks_of_batch_2_read_what_one_rank_of_batch_4_reads(source: str, split: str, tmp_path: Path) -> None:
+    kwargs = _sources(tmp_path)[source]
+    loader = f"{split}_dataloader"
+    single = batches(getattr(_ranked(0, 1, batch_size=4, **kwargs), loader)())
+    ranks = [batches(getattr(_ranked(r, 2, batch_size=2, **kwargs), loader)()) for r in (0, 1)]
+    assert len(single) == len(ranks[0]) == len(ranks[1])
+    for i, whole in enumerate(single):
+        assert torch.equal(torch.cat([ranks[0][i], ranks[1][i]]), whole)  # rank 0 first half, rank 1 second
+    assert not torch.equal(ranks[0][0], ranks[1][0])
+
+
+def test_epochs_continue_the_order_and_resume_skips_what_was_read() -> None:
+    dm = make(train_batches=3)
+    loader = dm.train_dataloader()
+    # 1 rank of batch 4: global batch i is samples 4i .. 4i+3; the second epoch reads batches 3, 4, 5.
+    assert list(loader.batch_sampler) == [[4 * i + k for k in range(4)] for i in range(3)]
+    dm.progress.next_batch, dm.progress.batch_in_epoch = 3, 3  # what training steps count
+    assert list(loader.batch_sampler)[0] == [12, 13, 14, 15]
+    # Resumed after 4 batches (one into the second epoch): the rest of that epoch, from global batch 4.
+    state = {**dm.state_dict(), "next_batch": 4, "batch_in_epoch": 1}
+    resumed = make(train_batches=3)
+    resumed.load_state_dict(state)
+    assert list(resumed.train_dataloader().batch_sampler) == [[16, 17, 18, 19], [20, 21, 22, 23]]
+    assert len(resumed.train_dataloader()) == 3  # a full epoch for Lightning, which counts the batches read
+
+
+def test_resume_refuses_another_seed() -> None:
+    state = make(seed=1).state_dict()
+    with pytest.raises(LmtrainError) as info:
+        make(seed=2).load_state_dict(state)
+    assert info.value.field == "data.seed"
+
+
+def test_test_split_is_held_out_after_validation(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(1000, dtype=np.int32))
+    dm = make(source="tokens", path=str(path), val_fraction=0.2, test_fraction=0.1)
+    assert (len(dm.train_tokens), len(dm.val_tokens), len(dm.test_tokens)) == (700, 200, 100)
+    assert all(int(b.min()) >= 900 for b in batches(dm.test_dataloader()))
+    assert all(700 <= int(b.min()) and int(b.max()) < 900 for b in batches(dm.val_dataloader()))
+
+
+def test_without_a_test_split_test_says_it_uses_validation(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(1000, dtype=np.int32))
+    dm = make(source="tokens", path=str(path))
+    with pytest.warns(UserWarning, match="test reports the validation split"):
+        test = batches(dm.test_dataloader())
+    assert all(torch.equal(a, b) for a, b in zip(test, batches(dm.val_dataloader()), strict=True))
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 0.95])
+def test_bad_test_fraction(fraction: float) -> None:
+    expect_error("data.test_fraction", test_fraction=fraction)
+
+
+def test_negative_token_ids(tmp_path: Path) -> None:
+    path = tmp_path / "negative.npy"
+    ids = np.arange(300, dtype=np.int64)
+    ids[17] = -3
+    np.save(path, ids)
+    error = expect_error("data.path", source="tokens", path=str(path))
+    assert "negative token id -3" in error.problem and "uint16" in error.fix
+
+
+def test_shapes_come_from_the_model() -> None:
+    from types import SimpleNamespace
+
+    dm = LMDataModule(batch_size=2, train_batches=2, val_batches=1)  # no vocab_size, no context_length
+    assert "vocab_size" not in dm.hparams and "context_length" not in dm.hparams
+    with pytest.raises(LmtrainError) as info:
+        dm.train_dataloader()
+    assert info.value.field == "data.context_length" and "LMModule" in info.value.fix
+    trainer = _Trainer(0, 1)
+    trainer.lightning_module = SimpleNamespace(hparams={"vocab_size": 50, "context_length": 8})
+    dm.trainer = trainer
+    dm.setup("fit")
+    assert (dm.vocab_size, dm.context_length) == (50, 8)
+    assert batches(dm.train_dataloader())[0].shape == (2, 9)
+    clash = LMDataModule(vocab_size=60, context_length=8)
+    clash.trainer = trainer
+    with pytest.raises(LmtrainError) as info:
+        clash.setup("fit")
+    assert info.value.field == "data.vocab_size"

@@ -170,7 +170,7 @@ def _run_worker(in_path: str, out_path: str) -> None:
             res["apply"] = [out.detach()] + [t.grad for t in leaves]
             res["saved"] = saved
         results[case["id"]] = res
-    from lmtrain.kernels.flash_triton import _CHOSEN
+    from lmtrain.kernels._flash_shared import _CHOSEN
 
     # Launches after the first of each tuning key skip the autotuner: the configurations it chose are held here.
     results["chosen"] = sorted((kernel.fn.__name__, *key[1:-1]) for kernel, *key in _CHOSEN)

@@ -281,3 +281,51 @@ def test_progress_bar_loss_does_not_synchronise_on_cuda() -> None:
     shown = trainer.progress_bar_metrics["loss"]
     assert isinstance(shown, float) and math.isfinite(shown) and shown > 0
     assert module._bar_loss is not None and module._bar_loss.device.type == "cpu"
+
+
+def test_learning_rate_is_logged_every_step(tmp_path) -> None:  # noqa: ANN001
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tb import scalars
+
+    module = small_module(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
+    logger = TensorBoardLogger(tmp_path, name="lmtrain", default_hp_metric=False)
+    fit(module, 5, logger=logger, log_every_n_steps=1)
+    logged = scalars(logger.log_dir)
+    # The rate each step's update used: the schedule at steps 0..4 (cosine to max_steps=5).
+    expected = [1e-2 * lr_factor(step, 2, 5, 0.1) for step in range(5)]
+    assert [step for step, _ in logged["train/lr"]] == list(range(5))
+    assert [value for _, value in logged["train/lr"]] == pytest.approx(expected, rel=1e-6)
+    assert "hp_metric" not in logged
+
+
+def test_data_module_takes_its_shapes_from_the_model(tmp_path) -> None:  # noqa: ANN001
+    """A Python script needs no vocab_size/context_length on the data module (the CLI links them)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    module = small_module()
+    data = LMDataModule(batch_size=BATCH, train_batches=3, val_batches=1)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=TensorBoardLogger(tmp_path, name="lmtrain"),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)  # logging the hyperparameters used to fail: the keys were in both
+    assert trainer.global_step == 2
+    assert (data.vocab_size, data.context_length) == (VOCAB, CONTEXT)
+
+
+def test_validate_warns_once_when_the_weights_are_untrained() -> None:
+    data = LMDataModule(batch_size=BATCH, train_batches=3, val_batches=1)
+    kwargs = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    module = small_module()
+    with pytest.warns(UserWarning, match="validate is measuring untrained weights") as record:
+        pl.Trainer(**kwargs).validate(module, data, verbose=False)
+    assert len([w for w in record if "untrained" in str(w.message)]) == 1
+    pl.Trainer(max_steps=1, **kwargs).fit(module, data)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*untrained.*")
+        pl.Trainer(**kwargs).validate(module, data, verbose=False)  # trained now: no warning
+        loaded = small_module()
+        loaded.configure_model()
+        loaded.load_state_dict(module.state_dict())
+        pl.Trainer(**kwargs).test(loaded, data, verbose=False)  # weights loaded by hand: no warning

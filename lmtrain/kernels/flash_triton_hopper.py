@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmtrain.kernels.flash_triton import (
+from lmtrain.kernels._flash_shared import (
     _INTERPRET,
     _LOG2E,
     _TUNE_KEY,

@@ -1,0 +1,300 @@
+"""Checkpoints as part of fit: save on SIGINT/SIGTERM, resume the newest run in its own run folder.
+
+Three pieces:
+
+- ``CheckpointOnSignal``: a callback that turns Ctrl+C (SIGINT) and preemption (SIGTERM) into a checkpoint
+  and a clean stop. The signal only sets a flag; the checkpoint is written at the end of the training
+  step in progress, when weights, optimizer state, loop counters and the data position agree. A second
+  Ctrl+C stops at once, without saving (the step it lands in may be half done). It also writes
+  ``last.ckpt`` at the end of training when the last periodic save was earlier, so ``--ckpt_path last``
+  always finds the final weights.
+- ``find_last_checkpoint``: the newest ``<save_dir>/<name>/version_N/checkpoints/last*.ckpt``.
+- ``resolve_ckpt_path``: for the command line, before the trainer is built: turns ``ckpt_path: last`` into
+  that file and, for ``fit``, points the TensorBoard logger at the checkpoint's ``version_N``, so a resumed
+  run goes on writing the same run folder (Lightning alone would open ``version_N+1`` and, looking for
+  ``last`` there, find nothing and start from scratch).
+
+Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
+parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
+saved): tiny 13 MB, small 1.44 GiB, medium 4.73 GiB, large 10.8 GiB, xl 22.3 GiB, 2.7B 38.1 GiB per file
+(training itself holds 16 bytes per parameter with the gradients: 50.8 GiB for 2.7B).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from lmtrain.errors import LmtrainError
+
+LAST = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # "last.ckpt"
+_VERSION = re.compile(r"version_(\d+)")
+
+
+def checkpoint_dir(trainer: pl.Trainer) -> Path:
+    """Where this run's checkpoints go: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``
+    (the folder Lightning's ModelCheckpoint uses by default)."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        return Path(callback.dirpath)
+    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+
+
+class CheckpointOnSignal(pl.Callback):
+    """Save ``last.ckpt`` and stop cleanly on SIGINT / SIGTERM; save it at the end of training too.
+
+    Active when the trainer checkpoints (``enable_checkpointing`` with a ``ModelCheckpoint``); with
+    checkpointing off it does nothing, so a 2.7B benchmark never writes 38 GiB on Ctrl+C.
+
+    The handlers are installed while training runs (``on_train_start`` to ``on_train_end``, or ``teardown``
+    after an exception) and replace the previous ones meanwhile: Lightning installs its own SIGTERM handler
+    just before, which would raise ``SystemExit`` after the step instead of letting the loop stop. The
+    previous handlers come back afterwards.
+    Under DDP the ranks agree on stopping at the same step (one boolean all-reduce per step, only when there
+    is more than one rank). The process then leaves ``fit`` normally: exit status 0.
+
+    Args:
+        signals: names of the signals to catch.
+        save_on_train_end: also write ``last.ckpt`` when training ends, if the newest checkpoint is older
+            than the final step (a ModelCheckpoint every N steps misses the last steps otherwise).
+    """
+
+    def __init__(self, signals: tuple[str, ...] = ("SIGINT", "SIGTERM"), save_on_train_end: bool = True) -> None:
+        self.signals = tuple(signals)
+        self.save_on_train_end = save_on_train_end
+        self.received: str | None = None
+        self.saved_path: Path | None = None
+        self._saved_step: int | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._paused_save_last: tuple[ModelCheckpoint, Any] | None = None
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl+C: stop now, nothing saved
+        self.received = name
+        rank_zero_info(f"\n{name} received: saving a checkpoint after the current step, then stopping "
+                       "(Ctrl+C again stops at once without saving).")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.received, self._saved_step = None, None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.checkpoint_callback is None:
+            return  # checkpointing is off (e.g. the large sizes' benchmarks): signals keep their usual meaning
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("CheckpointOnSignal: fit runs outside the main thread, where Python cannot install "
+                          "signal handlers; SIGINT/SIGTERM will not save a checkpoint.", stacklevel=2)
+            return
+        for name in self.signals:
+            signum = signal.Signals[name]
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handle)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handlers()  # after an exception, when on_train_end does not run
+        if self._paused_save_last is not None:
+            callback, value = self._paused_save_last
+            callback.save_last = value
+            self._paused_save_last = None
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        # Every save passes here (ModelCheckpoint's too): remember the newest step on disk, and record the
+        # run folder so that a checkpoint moved elsewhere still says where its scalars are.
+        self._saved_step = trainer.global_step
+        checkpoint["lmtrain"] = {"log_dir": trainer.log_dir, "version": getattr(trainer.logger, "version", None)}
+
+    def _save_last(self, trainer: pl.Trainer, why: str) -> None:
+        path = checkpoint_dir(trainer) / LAST
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        rank_zero_info(f"{why}: saved {path} at step {trainer.global_step}.")
+
+    @staticmethod
+    def _final_step(trainer: pl.Trainer) -> bool:
+        """Whether the step that just ended is the last one of ``max_steps`` or ``max_epochs``."""
+        if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs
+        return bool(trainer.is_last_batch and max_epochs is not None and max_epochs >= 0
+                    and trainer.current_epoch + 1 >= max_epochs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.checkpoint_callback is None:
+            return
+        stop = self.received is not None
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled
+        if stop:
+            self._save_last(trainer, self.received or "a signal on another rank")
+            trainer.should_stop = True
+        elif self.save_on_train_end and self._final_step(trainer) and self._saved_step != trainer.global_step:
+            self._save_last(trainer, "training ended")
+        else:
+            return
+        # Saved at the end of a step, the checkpoint resumes exactly. ModelCheckpoint(save_last=True) that has
+        # not written last.ckpt yet would overwrite it in on_train_end with one taken after the loop closed the
+        # epoch, which resumes at the next logging step and with another epoch boundary: keep ours.
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and callback.save_last:
+            self._paused_save_last = (callback, callback.save_last)
+            callback.save_last = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+        # Training that stopped otherwise (e.g. early stopping): the best we have is the end-of-training state.
+        if (self.save_on_train_end and trainer.checkpoint_callback is not None
+                and self._saved_step != trainer.global_step and trainer.global_step > 0):
+            self._save_last(trainer, "training ended")
+
+
+# -- resuming ---------------------------------------------------------------------------------------
+
+
+def find_last_checkpoint(save_dir: str | os.PathLike = "logs", name: str = "lmtrain") -> Path | None:
+    """The newest (by modification time) ``last*.ckpt`` under ``<save_dir>/<name>/version_*/checkpoints``."""
+    root = Path(save_dir) / name
+    found = [p for p in root.glob("version_*/checkpoints/last*.ckpt") if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def run_version(ckpt_path: str | os.PathLike, save_dir: str | os.PathLike = "logs",
+                name: str = "lmtrain") -> int | None:
+    """N when ``ckpt_path`` lies in ``<save_dir>/<name>/version_N/checkpoints/``; None otherwise."""
+    path = Path(ckpt_path).resolve()
+    if path.parent.name != "checkpoints":
+        return None
+    run = path.parent.parent
+    match = _VERSION.fullmatch(run.name)
+    if match is None or run.parent != (Path(save_dir) / name).resolve():
+        return None
+    return int(match.group(1))
+
+
+def _get(namespace: Any, key: str, default: Any = None) -> Any:
+    """Attribute or item access: jsonargparse namespaces and plain dicts alike."""
+    if isinstance(namespace, dict):
+        return namespace.get(key, default)
+    return getattr(namespace, key, default)
+
+
+def _set(namespace: Any, key: str, value: Any) -> None:
+    if isinstance(namespace, dict):
+        namespace[key] = value
+    else:
+        setattr(namespace, key, value)
+
+
+def resolve_ckpt_path(config: Any, subcommand: str) -> None:
+    """Resolve and check ``ckpt_path`` in a LightningCLI subcommand's config, right after parsing.
+
+    Call it from ``LightningCLI.parse_arguments`` (after ``super()``): LightningCLI then replaces the model
+    options with the checkpoint's, so the comparison with the requested model must come first.
+
+    ``last`` becomes the newest ``last*.ckpt`` of the TensorBoard logger's runs (see
+    ``find_last_checkpoint``). For ``fit``, a checkpoint inside ``<save_dir>/<name>/version_N/checkpoints``
+    sets the logger's ``version`` to N, so the resumed run's scalars and checkpoints stay in that folder.
+    ``fit`` with ``last`` and no checkpoint yet starts a new run (so a preemptible job can always pass
+    ``--ckpt_path last``); ``validate``/``test`` with ``last`` and none stop with an error. Does nothing when
+    the logger is not a TensorBoardLogger given by class path.
+
+    Args:
+        config: ``LightningCLI.config[subcommand]`` (a jsonargparse Namespace; a dict works too).
+        subcommand: ``fit``, ``validate``, ``test`` or ``predict``.
+
+    Raises:
+        LmtrainError: ``validate``/``test`` asked for ``last`` and there is no checkpoint, the given
+            checkpoint file does not exist, or its model differs from the requested one.
+    """
+    ckpt_path = _get(config, "ckpt_path")
+    if ckpt_path is None:
+        return
+    _resolve_in_log_dir(config, subcommand, ckpt_path)
+    ckpt_path = _get(config, "ckpt_path")
+    if ckpt_path is not None and Path(ckpt_path).is_file():
+        check_checkpoint_model(ckpt_path, _get(config, "model"))
+
+
+def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
+    """Stop when a checkpoint's model differs from the requested one; warn about other options it replaces.
+
+    LightningCLI replaces the requested ``model`` options with the checkpoint's own hyperparameters right
+    after parsing, so without this check a run asking for another model would silently continue the old one.
+
+    Args:
+        ckpt_path: a checkpoint file written by lmtrain.
+        model: the requested ``model`` section (namespace or dict of LMModule arguments).
+
+    Raises:
+        LmtrainError: the architectures differ (see ``lmtrain.module.check_architecture``).
+    """
+    import torch
+
+    from lmtrain.config import ModelConfig
+    from lmtrain.module import ARCHITECTURE_FIELDS, check_architecture
+
+    if model is None:
+        return
+    requested = dict(model) if isinstance(model, dict) else dict(vars(model))
+    if requested.get("size") is None:
+        return
+    # mmap: only the hyperparameters are read, not gigabytes of weights.
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    fields = ARCHITECTURE_FIELDS + ("context_length",)
+    config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
+    check_architecture(saved, requested, config)
+    replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
+                if saved[k] != requested[k] and not (isinstance(saved[k], tuple) and list(saved[k]) == requested[k])]
+    if replaced:
+        warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
+                      "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+
+
+def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
+    logger = _get(_get(config, "trainer"), "logger")
+    if not str(_get(logger, "class_path", "")).endswith("TensorBoardLogger"):
+        return
+    init_args = _get(logger, "init_args")
+    save_dir, name = _get(init_args, "save_dir", "logs"), _get(init_args, "name", "lightning_logs")
+    if ckpt_path == "last":
+        found = find_last_checkpoint(save_dir, name)
+        if found is None:
+            where = Path(save_dir) / name / "version_*" / "checkpoints"
+            if subcommand == "fit":
+                warnings.warn(f"--ckpt_path last: no last.ckpt under {where} yet; starting a new run.", stacklevel=2)
+                _set(config, "ckpt_path", None)
+                return
+            raise LmtrainError("ckpt_path", f"'last' asks for the newest run's last.ckpt, and there is none under "
+                               f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
+        ckpt_path = str(found)
+        _set(config, "ckpt_path", ckpt_path)
+    elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).is_file():
+        raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
+                           "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
+    if subcommand != "fit" or ckpt_path in ("best", "hpc", "registry"):
+        return
+    version = run_version(ckpt_path, save_dir, name)
+    if version is not None:
+        _set(init_args, "version", version)
+        rank_zero_info(f"Resuming {ckpt_path}: logging on in {Path(save_dir) / name / f'version_{version}'}.")
