@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -168,12 +169,16 @@ class LMModule(pl.LightningModule):
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32) of a batch of windows (B, T + 1).
 
-        Through the model's forward with targets (``TransformerLM.forward``), which chunks the output head and
-        the loss when ``loss_chunk_tokens`` is set.
+        With ``loss_chunk_tokens`` set, through the model's forward with targets (``TransformerLM.forward``),
+        which chunks the output head and the loss; otherwise the model returns the logits (its output is what
+        ``PrecisionInspector`` reports as the logits) and the loss is taken here.
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         self._tokens_per_batch = tuple(inputs.shape)
-        return self.model(inputs, targets)
+        if self.config.loss_chunk_tokens:
+            return self.model(inputs, targets)
+        logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     # -- steps --------------------------------------------------------------------------------
 
