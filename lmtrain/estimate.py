@@ -2,6 +2,14 @@
 
     python -m lmtrain estimate --config configs/tiny.yaml [--model.context_length 1024] [--data.batch_size 8]
         [--trainer.precision bf16-mixed] [--model.attention naive] [--gpu-memory-gib 80] [--mode train]
+        [--model.activation_checkpointing full] [--model.optimizer_in_backward true] [--model.loss_chunk_tokens 4096]
+        [--trainer.strategy ddp --trainer.devices 2]
+
+"Fits" is judged against the device's usable capacity: its total memory (``torch.cuda.mem_get_info`` when a GPU
+is visible, else ``--gpu-memory-gib``) less 1 GiB for the CUDA context and kernel images and 5% for the caching
+allocator's fragmentation (``lmtrain.memory_plan.device_capacity_bytes``). Under ``--trainer.strategy ddp`` or
+FSDP2 (``ModelParallelStrategy``) the plan is per GPU, with ``--trainer.devices`` x ``--trainer.num_nodes`` GPUs
+(``data.batch_size`` is per GPU).
 
 The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.configuration``): the same
 sections, links, defaults and dotted overrides, so any option of ``fit`` is accepted here. The formula is in
@@ -15,7 +23,21 @@ import argparse
 from lmtrain.configuration import ResolvedConfig, resolve_args
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
-from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory, max_fitting
+from lmtrain.memory_plan import (
+    GIB,
+    PRECISIONS,
+    device_capacity_bytes,
+    estimate_memory,
+    estimate_memory_distributed,
+    fits,
+    max_fitting,
+    max_fitting_distributed,
+    strategy_kind,
+)
+
+#: Total memory CUDA reports for an 80 GB H100 ("GPU 0 has a total capacity of 79.18 GiB" in its out-of-memory
+#: message, 2026-11-23): the default device to plan for when no GPU is visible.
+H100_80GB_GIB = 79.18
 
 #: Arguments this command does not know itself go to the ``fit`` parser.
 PASS_UNKNOWN_ARGUMENTS = True
@@ -40,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain estimate`` (the ``fit`` options are parsed by the ``fit`` parser)."""
     parser.add_argument("--mode", choices=STEP_MODES, default=None,
                         help="step to plan: train, forward_backward or forward (default: model.step_mode, train)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                        help="memory to fit the plan into, GiB (default 80, an 80 GB H100/A100)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=H100_80GB_GIB,
+                        help="total memory of the GPU to plan for, GiB, used when no GPU is visible (default "
+                             f"{H100_80GB_GIB}, what CUDA reports for an 80 GB H100); the allowances for the CUDA "
+                             "context and fragmentation are taken off")
 
 
 def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
@@ -54,23 +78,66 @@ def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
     return resolved, mode
 
 
+def world_size(trainer: dict) -> int:
+    """GPUs in the data-parallel group of the resolved trainer arguments (devices x nodes; ``auto`` counts 1)."""
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        count = int(devices)
+    else:
+        count = 1
+    return max(1, count) * max(1, int(trainer.get("num_nodes") or 1))
+
+
+def strategy_of(trainer: dict) -> str:
+    """``single``, ``ddp`` or ``fsdp`` for the resolved ``trainer.strategy`` (a name or a class_path mapping)."""
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, dict):
+        strategy = strategy.get("class_path", "auto")
+    return strategy_kind(strategy)
+
+
 def run(args: argparse.Namespace) -> int:
     resolved, mode = resolve(args)
     cfg = resolved.model_config()
     batch = int(resolved.data["batch_size"])
     precision = resolved.precision
-    plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode)
-    budget = int(args.gpu_memory_gib * GIB)
+    strategy, world = strategy_of(resolved.trainer), world_size(resolved.trainer)
+    if strategy == "single" or world == 1 and strategy == "ddp":
+        plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode)
+
+        def largest(budget: int, **kw: int | None) -> int:
+            return max_fitting(cfg, budget, precision=precision, mode=mode, **kw)
+    else:
+        plan = estimate_memory_distributed(cfg, batch, cfg.context_length, precision, strategy, world, mode)
+
+        def largest(budget: int, **kw: int | None) -> int:
+            return max_fitting_distributed(cfg, budget, precision=precision, strategy=strategy, world_size=world,
+                                           mode=mode, **kw)
+    capacity = device_capacity_bytes(args.gpu_memory_gib)
+    options = [f"activation checkpointing {cfg.activation_checkpointing}"]
+    if cfg.checkpoint_layers is not None:
+        options.append(f"on the first {cfg.checkpoint_layers} blocks, the rest {cfg.checkpoint_rest}")
+    if cfg.optimizer_in_backward:
+        options.append("optimizer in the backward pass")
+    if cfg.loss_chunk_tokens:
+        options.append(f"loss in chunks of {cfg.loss_chunk_tokens} tokens")
     print(f"model: {parameter_count(cfg):,} parameters (d_model {cfg.d_model}, {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}), attention {cfg.attention}, "
-          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}")
-    print(f"step: batch {batch} x context {cfg.context_length}, {precision}, mode {mode}")
+          f"{', '.join(options)}")
+    where = "one GPU" if strategy == "single" else f"per GPU, {strategy} over {world} GPUs"
+    print(f"step: batch {batch} x context {cfg.context_length}, {precision}, mode {mode}, {where}")
     print()
     print(plan.table())
+    host = plan.details.get("host_bytes", 0)
+    if host:
+        print(f"pinned host memory (offloaded block inputs): {host / GIB:.2f} GiB")
     print()
-    max_t = max_fitting(cfg, budget, batch_size=batch, precision=precision, mode=mode)
-    max_b = max_fitting(cfg, budget, seq_len=cfg.context_length, precision=precision, mode=mode)
-    verdict = "fits" if plan.peak <= budget else "does NOT fit"
-    print(f"{plan.peak_gib:.2f} GiB {verdict} in {args.gpu_memory_gib:g} GiB. Largest context at batch {batch}: "
-          f"{max_t}; largest batch at context {cfg.context_length}: {max_b}.")
+    max_t = largest(capacity, batch_size=batch)
+    max_b = largest(capacity, seq_len=cfg.context_length)
+    verdict = "fits" if fits(plan, capacity) else "does NOT fit"
+    print(f"{plan.peak_gib:.2f} GiB {verdict} in {capacity / GIB:.2f} GiB usable (device total less 1 GiB for the "
+          f"CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch at "
+          f"context {cfg.context_length}: {max_b}.")
     return 0

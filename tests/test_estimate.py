@@ -150,6 +150,20 @@ def test_estimate_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--model.size", "nope"]) == 2
 
 
+def test_estimate_command_plans_the_memory_options_and_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 2.7B step at 16k that ran out of memory on an 80 GB H100 does not fit; with the options it does."""
+    base = ["estimate", "--config", "configs/2.7B_bf16.yaml", "--model.context_length", "16384",
+            "--model.activation_checkpointing", "full"]
+    assert main(base) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([*base, "--model.optimizer_in_backward", "true", "--model.loss_chunk_tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert " fits in 74." in out and "optimizer in the backward pass" in out and "chunks of 4096" in out
+    assert main(["estimate", "--config", "configs/2.7B_bf16.yaml", "--trainer.strategy", "ddp",
+                 "--trainer.devices", "2"]) == 0
+    assert "per GPU, ddp over 2 GPUs" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
