@@ -15,6 +15,7 @@ import pytest
 from lmtrain.bench import sweep as bench
 from lmtrain.bench import tables
 from lmtrain.cli import main
+from lmtrain.errors import LmtrainError
 
 TINY = "configs/tiny.yaml"
 
@@ -208,3 +209,26 @@ def test_ctrl_c_keeps_finished_cells(tmp_path: Path, stub_timer: None, monkeypat
     assert [(r["context"], r["status"]) for r in read_csv(out)] == [("16", "ok")]
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("interrupted: stopped by Ctrl-C") and str(out) in err[-1]
+
+
+def test_memory_options_reach_the_cells_and_old_keys_still_match() -> None:
+    """The long-context study crosses the memory options; a cell without them keeps its former key."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cells, _, stop = bench.plan_cells(parser.parse_args(["--study", "long-context"]))
+    assert stop
+    assert {c.activation_checkpointing for c in cells} == {"full", "selective", "offload"}
+    assert {c.optimizer_in_backward for c in cells} == {False, True}
+    assert {c.loss_chunk_tokens for c in cells} == {0, 4096}
+    cell = next(c for c in cells if c.activation_checkpointing == "offload" and c.optimizer_in_backward
+                and c.loss_chunk_tokens == 4096)
+    kwargs = bench.module_kwargs(cell)
+    assert (kwargs["activation_checkpointing"], kwargs["optimizer_in_backward"], kwargs["loss_chunk_tokens"]) == (
+        "offload", True, 4096)
+    assert cell.slug.endswith("_acoffload_ib_chunk4096")
+    plain = bench.Cell("small", 512, 4, "bf16-mixed", "sdpa", False, "train", 1, 3)
+    assert "activation_checkpointing" not in json.loads(plain.key())  # results written before the options match
+    with pytest.raises(LmtrainError, match="--activation-checkpointing"):
+        bench.cells_from_values({**bench.DEFAULTS, "activation_checkpointing": ["most"]})

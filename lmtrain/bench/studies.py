@@ -16,9 +16,7 @@ session; raise ``--steps`` for tighter error bars.
                         .. 16384, stopping each backend at its first OOM
     long-context        2.7B bf16-mixed batch 4, train, contexts 2048 .. 32768 x checkpointing full / selective /
                         offload x optimizer in backward off/on x loss chunks 0/4096 x sdpa, flash_triton, stopping
-                        each combination at its first OOM (the three memory axes need the sweep cell fields
-                        ``activation_checkpointing``, ``optimizer_in_backward``, ``loss_chunk_tokens``: see
-                        docs/long_context.md)
+                        each combination at its first OOM (docs/long_context.md)
 """
 
 from __future__ import annotations
@@ -183,8 +181,19 @@ STUDIES: dict[str, Study] = {
         "batch_size": [4], "mode": ["train"], "attention": ["sdpa", "flash_triton"], "warmup": [1], "steps": [3],
         "activation_checkpointing": ["full", "selective", "offload"], "optimizer_in_backward": ["off", "on"],
         "loss_chunk_tokens": [0, 4096], "stop_after_oom": True},
-        lambda rows: "\n".join(["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_rows(rows)])),
+        lambda rows: _long_context(rows)),
 }
+
+
+def _long_context(rows: Rows) -> str:
+    """Per memory option: step time, tokens/s, measured peak and the plan."""
+    header = ["context", "attention", "checkpointing", "optimizer in backward", "loss chunk", "step ms", "tokens/s",
+              "peak GiB", "plan GiB", "status"]
+    body = [[r.get("context"), r.get("attention"), r.get("activation_checkpointing") or "none",
+             "on" if r.get("optimizer_in_backward") in (True, "True", "true", "on") else "off",
+             r.get("loss_chunk_tokens") or 0, fmt(r.get("step_ms_median"), ".0f"), fmt(r.get("tokens_per_s"), ",.0f"),
+             fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"), status_text(r)] for r in rows]
+    return "\n".join(["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_table(header, body)])
 
 
 def render_all(per_study: dict[str, Rows]) -> str:

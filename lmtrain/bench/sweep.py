@@ -41,7 +41,7 @@ from lmtrain.bench.environment import environment
 from lmtrain.bench.runner import cuda_initialised
 from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.tables import markdown_rows, status_text
-from lmtrain.config import SIZES, STUDY_SIZES, ModelConfig
+from lmtrain.config import CHECKPOINTING_POLICIES, SIZES, STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory
@@ -50,12 +50,18 @@ from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory
 DEFAULTS: dict[str, Any] = {
     "sizes": ["small"], "contexts": [512], "batch_size": [4], "precision": ["32-true"], "attention": ["sdpa"],
     "compile": ["off"], "mode": ["forward_backward"], "warmup": [3], "steps": [10], "vocab_size": 10_000,
+    "activation_checkpointing": ["none"], "optimizer_in_backward": ["off"], "loss_chunk_tokens": [0],
 }
+
+#: Memory options of a cell and their defaults: left out of a cell's key and name at their defaults, so results
+#: files written before the options existed still match.
+MEMORY_OPTIONS: dict[str, Any] = {"activation_checkpointing": "none", "optimizer_in_backward": False,
+                                  "loss_chunk_tokens": 0}
 
 #: Columns of the CSV and JSON rows.
 CSV_COLUMNS = [
     "size", "params", "context", "batch_size", "precision", "attention", "compile", "mode", "warmup", "steps",
-    "vocab_size", "status", "error",
+    "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "status", "error",
     "forward_ms_mean", "forward_ms_std", "backward_ms_mean", "backward_ms_std", "optimizer_ms_mean",
     "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median", "step_ms_min", "step_ms_max",
     "first_step_ms", "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct",
@@ -79,10 +85,18 @@ class Cell:
     warmup: int
     steps: int
     vocab_size: int = 10_000
+    activation_checkpointing: str = "none"
+    optimizer_in_backward: bool = False
+    loss_chunk_tokens: int = 0
+
+    def options(self) -> dict[str, Any]:
+        """The memory options that differ from their defaults (``MEMORY_OPTIONS``)."""
+        return {k: getattr(self, k) for k, default in MEMORY_OPTIONS.items() if getattr(self, k) != default}
 
     def key(self) -> str:
-        """Identity of the cell in a results file (every parameter)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """Identity of the cell in a results file (every parameter; memory options only where set)."""
+        return json.dumps({k: v for k, v in asdict(self).items()
+                           if k not in MEMORY_OPTIONS or getattr(self, k) != MEMORY_OPTIONS[k]}, sort_keys=True)
 
     @property
     def label(self) -> str:
@@ -93,8 +107,10 @@ class Cell:
     def slug(self) -> str:
         """File-name-safe name of the cell."""
         c = "compiled" if self.compile else "eager"
+        short = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib", "loss_chunk_tokens": "chunk"}
+        options = "".join(f"_{short[k]}{'' if v is True else v}" for k, v in self.options().items())
         text = (f"{self.label}_T{self.context}_B{self.batch_size}_{self.precision}_{self.attention}_{c}_{self.mode}"
-                f"_w{self.warmup}_s{self.steps}")
+                f"_w{self.warmup}_s{self.steps}{options}")
         return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
 
 
@@ -112,7 +128,7 @@ def module_kwargs(cell: Cell) -> dict[str, Any]:
         LmtrainError: the YAML is missing or invalid.
     """
     overrides = {"context_length": cell.context, "attention": cell.attention, "compile": cell.compile,
-                 "step_mode": cell.mode}
+                 "step_mode": cell.mode, **cell.options()}
     if not _is_yaml(cell.size):
         return {"size": cell.size, "vocab_size": cell.vocab_size, **overrides}
     return dict(_resolved_model(cell.size, tuple(overrides.items())))
@@ -453,6 +469,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=_list(int), help="warm-up steps excluded from the statistics (default 3)")
     parser.add_argument("--steps", type=_list(int), help="measured steps (default 10)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of named sizes (default 10000)")
+    parser.add_argument("--activation-checkpointing", type=_list(str),
+                        help="checkpointing policies: none, full, selective, offload (default none)")
+    parser.add_argument("--optimizer-in-backward", type=_list(str), help="off, on or off,on (default off)")
+    parser.add_argument("--loss-chunk-tokens", type=_list(int),
+                        help="loss chunk sizes in tokens, 0 = whole (default 0)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/model.csv"),
                         help="results CSV (JSON beside it; rerun with the same path to resume)")
     parser.add_argument("--logdir", default="logs/bench", help="TensorBoard folder ('none': no logs)")
@@ -508,6 +529,11 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
     for c in values["compile"]:
         if c not in ("on", "off"):
             raise LmtrainError("--compile", f"expected on or off, got {c!r}.", "use --compile off,on.")
+    for flag, key, allowed in (("--optimizer-in-backward", "optimizer_in_backward", ("on", "off")),
+                               ("--activation-checkpointing", "activation_checkpointing", CHECKPOINTING_POLICIES)):
+        for v in values[key]:
+            if v not in allowed:
+                raise LmtrainError(flag, f"unknown value {v!r}.", f"use {', '.join(allowed)}.")
     from lmtrain.attention import available_backends
 
     for a in values["attention"]:
@@ -515,9 +541,12 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
             raise LmtrainError("--attention", f"unknown backend {a!r}.", f"use {', '.join(available_backends())}.")
     cells = [
         Cell(size=s, context=t, batch_size=b, precision=p, attention=a, compile=c == "on", mode=m, warmup=w,
-             steps=n, vocab_size=values["vocab_size"])
+             steps=n, vocab_size=values["vocab_size"], activation_checkpointing=ac, optimizer_in_backward=ib == "on",
+             loss_chunk_tokens=k)
         for s in sizes for p in values["precision"] for a in values["attention"] for c in values["compile"]
-        for m in values["mode"] for b in values["batch_size"] for t in sorted(values["contexts"])
+        for m in values["mode"] for ac in values["activation_checkpointing"]
+        for ib in values["optimizer_in_backward"] for k in values["loss_chunk_tokens"]
+        for b in values["batch_size"] for t in sorted(values["contexts"])
         for w in values["warmup"] for n in values["steps"]
     ]
     for c in cells:
