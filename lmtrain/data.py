@@ -3,7 +3,7 @@
 Each sample is a window of ``context_length + 1`` token ids (int64); the module splits it into inputs
 ``window[:, :-1]`` and targets ``window[:, 1:]``. Sources:
 
-    synthetic   uniformly random ids in [0, vocab_size): the seeds' benchmark input, no I/O.
+    synthetic   uniformly random ids in [0, vocab_size): the course's benchmark input, no I/O.
     tokens      a pre-tokenised file, memory-mapped: ``.npy`` (any integer dtype) or a raw ``.bin``
                 of ``token_dtype`` (uint16 or uint32) ids.
     text        UTF-8 text files (a file or a folder, read recursively), one token per byte (vocab 256).

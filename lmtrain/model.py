@@ -1,10 +1,10 @@
-"""TransformerLM: the seeds' GPT-style language model, readable top to bottom. No Lightning in here.
+"""TransformerLM: the GPT-style LM of the reference profiling study, readable top to bottom. No Lightning here.
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); a final RMSNorm; an untied output
 head. RoPE on queries and keys; no biases anywhere. The attention kernel is chosen by name
 (``ModelConfig.attention``) from ``lmtrain.attention``.
 
-Parameter count (exact, checked against the seeds' table by the tests)::
+Parameter count (exact, checked against the reference study's table by the tests)::
 
     2 * vocab * d_model                      embedding + output head
     + layers * (4 * d_model**2               q, k, v, out projections

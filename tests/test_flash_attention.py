@@ -155,7 +155,8 @@ def _run_worker(in_path: str, out_path: str) -> None:
         out, lse_op = torch.ops.lmtrain.flash_attn_fwd(*leaves, causal, False)
         out.backward(do)
         res["op"] = [out.detach(), lse_op] + [t.grad for t in leaves]
-        # The seeds' interface on 3-D inputs: FlashAttentionTriton.apply(q, k, v, is_causal), saved tensors listed.
+        # The course's assignment interface on 3-D inputs: FlashAttentionTriton.apply(q, k, v, is_causal); saved
+        # tensors listed.
         if q.ndim == 3:
             saved = []
 
@@ -239,7 +240,7 @@ def test_pytorch_saves_only_logsumexp_of_row_shape():
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = FlashAttentionPyTorch.apply(*leaves, True)  # is_causal positional: the seeds' interface
+        o = FlashAttentionPyTorch.apply(*leaves, True)  # is_causal positional: the course's assignment interface
     o.backward(do)
     row_shaped = [t for t in saved if tuple(t.shape) == (batch, n)]
     assert len(row_shaped) == 1 and row_shaped[0].dtype == torch.float32

@@ -1,4 +1,4 @@
-"""TransformerLM: the seeds' parameter counts, shapes, causality, attention backends, RMSNorm, ModelConfig checks."""
+"""TransformerLM: the reference study's parameter counts, shapes, causality, backends, RMSNorm, ModelConfig checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lmtrain.errors import LmtrainError
 from lmtrain.flops import parameter_count
 from lmtrain.model import RMSNorm, TransformerLM, count_parameters
 
-#: The seeds' model table (vocabulary 10,000).
+#: The reference study's model table (vocabulary 10,000).
 SEED_PARAMETERS = {
     "small": 128_625_408,
     "medium": 423_183_360,

@@ -148,7 +148,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 class FlashAttentionPyTorch(torch.autograd.Function):
     """FlashAttention-2 in plain PyTorch: ``FlashAttentionPyTorch.apply(q, k, v, is_causal)``.
 
-    q (..., N_q, d), k and v (..., N_k, d); 3-D (batch, N, d) in the seeds' tests. The forward saves
+    q (..., N_q, d), k and v (..., N_k, d); 3-D (batch, N, d) in the course's assignment tests. The forward saves
     L (logsumexp, natural log, fp32, shape q.shape[:-1]) with q, k, v and O; the backward recomputes P.
     """
 

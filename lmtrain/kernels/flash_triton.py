@@ -641,7 +641,7 @@ _flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_conte
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 with Triton kernels: ``FlashAttentionTriton.apply(q, k, v, is_causal)``.
 
-    q (..., N_q, d), k and v (..., N_k, d) (3-D (batch, N, d) in the seeds' tests). The forward saves the
+    q (..., N_q, d), k and v (..., N_k, d) (3-D (batch, N, d) in the course's assignment tests). The forward saves the
     logsumexp L (natural log, fp32, shape q.shape[:-1]) with q, k, v and O; no N x N tensor is saved.
 
     In eager mode the kernels are launched directly; while ``torch.compile`` traces, through the custom ops
