@@ -41,6 +41,7 @@ def test_bench_callbacks_smoke_in_process(tmp_path):
     assert "time/step_ms" in scalars(logdir)  # the all-five run's TensorBoard logs
 
 
+@pytest.mark.slow
 def test_bench_callbacks_one_process_per_setting(tmp_path, monkeypatch, capsys):
     """Each setting runs in its own child process; a child that fails is recorded and the others go on."""
     bench_faults.use(monkeypatch, callbacks, "SETTING_TARGET", "callbacks_setting", "NVTXRanges")

@@ -34,6 +34,7 @@ def test_bad_config_path(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert capsys.readouterr().err.startswith("error: --config: ")
 
 
+@pytest.mark.slow
 def test_runs_on_cpu_in_process(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "overhead.json"
     status = main(["bench", "overhead", *SMALL_RUN, "--no-isolate", "--out", str(out)])
@@ -59,6 +60,7 @@ def test_runs_on_cpu_in_process(tmp_path: Path, capsys: pytest.CaptureFixture) -
     assert result["overhead_pct"]["lightning"] == pytest.approx((lightning / result["baseline_step_ms"] - 1) * 100)
 
 
+@pytest.mark.slow
 def test_one_process_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Each run is its own child process; a failing child is recorded as an error and the other runs go on."""
     bench_faults.use(monkeypatch, overhead, "SETTING_TARGET", "overhead_setting", "lightning")

@@ -131,6 +131,7 @@ def test_last_checkpoint_written_at_the_end_of_training(in_tmp: Path) -> None:
     assert checkpoint["lmtrain"]["version"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_in_a_subprocess_saves_and_exits_0(tmp_path: Path) -> None:
     script = tmp_path / "preempted.py"
     script.write_text(textwrap.dedent(f"""
@@ -215,6 +216,7 @@ SMALL_TINY = ["--config", str(TINY), "--model.context_length", "32", "--data.max
               "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false"]
 
 
+@pytest.mark.slow
 def test_cli_resume_last_continues_the_same_run_folder(in_tmp: Path) -> None:
     run_cli(["fit", *SMALL_TINY, "--trainer.max_steps", "6"])
     run_dir = in_tmp / "logs" / "lmtrain" / "version_0"
@@ -225,6 +227,7 @@ def test_cli_resume_last_continues_the_same_run_folder(in_tmp: Path) -> None:
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 10
 
 
+@pytest.mark.slow
 def test_cli_validate_and_test_use_the_checkpoint(in_tmp: Path, recwarn: pytest.WarningsRecorder) -> None:
     run_cli(["fit", *SMALL_TINY, "--trainer.max_steps", "6"])
     recwarn.clear()
@@ -243,6 +246,7 @@ def test_cli_validate_and_test_use_the_checkpoint(in_tmp: Path, recwarn: pytest.
         run_cli(["validate", *SMALL_TINY, "--ckpt_path", "last", "--model.lr", "0.001"])
 
 
+@pytest.mark.slow
 def test_cli_last_without_a_checkpoint(in_tmp: Path) -> None:
     with pytest.raises(LmtrainError) as info:
         run_cli(["test", *SMALL_TINY, "--ckpt_path", "last"])
@@ -296,6 +300,7 @@ def _one_error_line(result: subprocess.CompletedProcess, field: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_cli_mismatched_checkpoint_is_one_line(in_tmp: Path) -> None:
     last = Path(fit(2, {}).log_dir) / "checkpoints" / "last.ckpt"
     args = ["--config", str(TINY), "--model.d_model", "32", "--model.num_layers", "3", "--model.num_heads", "2",
@@ -306,6 +311,7 @@ def test_cli_mismatched_checkpoint_is_one_line(in_tmp: Path) -> None:
         assert "--model.num_layers 2" in line
 
 
+@pytest.mark.slow
 def test_cli_negative_token_ids_are_one_line(tmp_path: Path) -> None:
     path = tmp_path / "ids.npy"
     ids = np.arange(2000, dtype=np.int32) % 200

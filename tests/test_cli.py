@@ -139,6 +139,7 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_input_stops_cleanly(case: str, bad_runs: dict) -> None:
     result, cwd, field = bad_runs[case]
@@ -197,6 +198,7 @@ def parser_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[sub
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PARSER_CASES)
 def test_parser_errors_are_one_line_first(case: str, parser_runs: dict) -> None:
     result, cwd = parser_runs[case]
@@ -207,6 +209,7 @@ def test_parser_errors_are_one_line_first(case: str, parser_runs: dict) -> None:
     assert list(cwd.iterdir()) == []  # no logs/, no lightning_logs/
 
 
+@pytest.mark.slow
 def test_parser_errors_name_what_is_wrong(parser_runs: dict) -> None:
     first = {name: result.stderr.splitlines()[0] for name, (result, _) in parser_runs.items()}
     assert first["missing_config"].startswith("error: --config: ") and "nope.yaml" in first["missing_config"]

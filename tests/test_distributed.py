@@ -142,6 +142,7 @@ def test_rank_slices_cover_each_global_batch_once() -> None:
             assert steps == [s for s in range(STEPS) for _ in range(per_rank)]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one(single_run: dict, tmp_path: Path) -> None:
     ddp = _fit("ddp", tmp_path)
     assert ddp["world_size"] == 2 and single_run["world_size"] == 1
@@ -150,6 +151,7 @@ def test_ddp_two_processes_match_one(single_run: dict, tmp_path: Path) -> None:
     assert ddp["losses"][-1] < ddp["losses"][0]  # the steps did train
 
 
+@pytest.mark.slow
 def test_fsdp2_two_processes_match_one(single_run: dict, tmp_path: Path) -> None:
     fsdp = _fit("fsdp", tmp_path)
     assert fsdp["world_size"] == 2
@@ -162,6 +164,7 @@ def test_fsdp2_two_processes_match_one(single_run: dict, tmp_path: Path) -> None
     assert fsdp["qkv_global_shape"] == [384, 128] and fsdp["qkv_local_shape"] == [192, 128]
 
 
+@pytest.mark.slow
 def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_path: Path) -> None:
     fsdp = _fit("fsdp_ac", tmp_path)
     assert fsdp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)

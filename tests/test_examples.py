@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tb import scalars
 
@@ -20,6 +21,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_train_with_callbacks_runs_and_resumes(tmp_path: Path) -> None:
     first = _run(["--steps", "6"], tmp_path)
     assert first.returncode == 0, first.stderr

@@ -253,6 +253,7 @@ def test_pytorch_saves_only_logsumexp_of_row_shape():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @requires_triton
 def test_triton_interpreter_matches_reference(interpreter_results):
     cases, results = interpreter_results
