@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -109,6 +110,17 @@ def check_ranks(owner: str, ranks: Any, world_size: int) -> list[int]:
                            f"must be a non-empty list of distinct ranks in 0..{world_size - 1}, got {ranks!r}.",
                            f"use e.g. [0], or any of 0..{world_size - 1} (the run has {world_size} rank(s)).")
     return sorted(ranks)
+
+
+def request_cupti_teardown() -> bool:
+    """Ask Kineto to tear CUPTI down when the profiler stops (``TEARDOWN_CUPTI=1``), unless the variable is set.
+
+    Returns whether this call set it. Kineto reads the variable when a trace stops, so it must be set before.
+    """
+    if "TEARDOWN_CUPTI" in os.environ:
+        return False
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    return True
 
 
 class WarnOnce:
