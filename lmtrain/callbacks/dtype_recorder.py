@@ -37,6 +37,10 @@ class DtypeRecorder:
 
     def install(self) -> None:
         for path, module in self.root.named_modules():
+            if path == "" and callable(getattr(module, "training_step", None)):
+                # A LightningModule: under DDP its training_step runs as the root's forward (Lightning redirects
+                # the wrapped module's forward); that call is the step, not the model's forward pass.
+                continue
             self._handles.append(module.register_forward_hook(self._hook(path), with_kwargs=True))
 
     def remove(self) -> None:
