@@ -197,6 +197,40 @@ def test_exposed_communication_reaches_the_metrics() -> None:
     assert "kernels/communication_ms_forward" not in metrics
 
 
+def test_dtensor_parameters_report_master_and_compute_dtypes(tmp_path: Path) -> None:
+    """FSDP2 on a 1-rank gloo mesh in this process: bf16 all-gather of fp32 master shards."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lmtrain.analysis.dtypes import PrecisionReport, parameter_entries
+    from lmtrain.callbacks.dtype_recorder import DtypeRecorder
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        with DtypeRecorder(model, "cpu") as rec:
+            out = model(torch.randn(2, 8))
+        out.float().sum().backward()  # FSDP2 reshards: the parameters are sharded fp32 DTensors again
+        assert out.dtype == torch.bfloat16
+        entries = parameter_entries(model, rec.param_compute)
+        assert [e["path"] for e in entries] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        first = entries[0]
+        assert first["dtype"] == "float32" and first["compute_dtype"] == "bfloat16"
+        assert first["shape"] == first["local_shape"] == [16, 8] and first["local_numel"] == 128
+        report = PrecisionReport(precision="bf16-mixed", device_type="cpu", autocast=False, autocast_dtype=None,
+                                 compute_dtype="bfloat16", parameters=entries)
+        text = report.to_markdown()
+        assert "parameters (compute: as the modules saw them)" in text and "sharded parameters (DTensor)" in text
+    finally:
+        dist.destroy_process_group()
+
+
 def test_check_ranks() -> None:
     from lmtrain.callbacks._common import check_ranks
     from lmtrain.errors import LmtrainError

@@ -32,6 +32,8 @@ class DtypeRecorder:
         self.calls: dict[str, ModuleCall] = {}
         self.order: list[str] = []
         self.kept: dict[str, tuple[tuple, dict, Any]] = {}  # path -> (args, kwargs, output), depth <= 1
+        # parameter path -> its dtype while its module ran (under FSDP2: the all-gathered compute dtype)
+        self.param_compute: dict[str, torch.dtype] = {}
         self.paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -67,7 +69,10 @@ class DtypeRecorder:
             call = self.calls.get(path)
             if call is None:
                 call = self.calls[path] = ModuleCall(type=type(module).__name__, module_path=type(module).__module__)
-                call.param_dtypes = sorted({p.dtype for p in module.parameters(recurse=False)}, key=str)
+                own = list(module.named_parameters(recurse=False))
+                call.param_dtypes = sorted({p.dtype for _, p in own}, key=str)
+                for name, p in own:
+                    self.param_compute[f"{path}.{name}" if path else name] = p.dtype
                 self.order.append(path)
             call.calls += 1
             for t in tensors((args, kwargs)):
