@@ -56,6 +56,11 @@ def log_image(trainer: pl.Trainer, tag: str, image: Any, step: int = 0) -> None:
 _LOG_DIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def world_size(trainer: pl.Trainer) -> int:
+    """``trainer.world_size`` (1 for a stand-in trainer without one, as in unit tests)."""
+    return getattr(trainer, "world_size", 1)
+
+
 def log_dir(trainer: pl.Trainer) -> str | None:
     """Folder where the first logger writes (where callbacks put their files), or the trainer's root.
 
@@ -63,7 +68,7 @@ def log_dir(trainer: pl.Trainer) -> str | None:
     trainer (every lmtrain callback asks in ``setup``, which runs on every rank) and kept, so that a call made by
     one rank alone later (a file written by a profiling rank, an OOM dump) cannot hang.
     """
-    if trainer.world_size <= 1:
+    if world_size(trainer) <= 1:
         return trainer.log_dir or trainer.default_root_dir
     if trainer not in _LOG_DIRS:
         _LOG_DIRS[trainer] = trainer.log_dir or trainer.default_root_dir
@@ -80,7 +85,7 @@ def gather_values(trainer: pl.Trainer, values: Sequence[float]) -> list[list[flo
     value a rank does not have). Callbacks call it on their logging steps only: with NCCL the vector goes
     through the GPU, which waits for the host. One process: ``[list(values)]``, no communication.
     """
-    if trainer.world_size <= 1:
+    if world_size(trainer) <= 1:
         return [list(values)]
     local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=trainer.strategy.root_device)
     gathered = trainer.strategy.all_gather(local)  # (world_size, len(values))
@@ -92,7 +97,7 @@ def gather_objects(trainer: pl.Trainer, obj: Any) -> list[Any]:
     like :func:`gather_values`. One process (or no process group): ``[obj]``."""
     import torch.distributed as dist
 
-    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+    if world_size(trainer) <= 1 or not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
