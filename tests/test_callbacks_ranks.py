@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_callback_memory import fake_cuda  # noqa: F401 (a fixture)
+
 STEPS = 6
 BATCH = 4
 CONTEXT = 32
@@ -229,6 +231,42 @@ def test_dtensor_parameters_report_master_and_compute_dtypes(tmp_path: Path) -> 
         assert "parameters (compute: as the modules saw them)" in text and "sharded parameters (DTensor)" in text
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_memory_snapshot_on_rank_of_two(fake_cuda, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:  # noqa: F811
+    """MemorySnapshot as rank ``rank`` of 2 (fake allocator, the gather stubbed with the other rank's peak 6 GiB)."""
+    import lmtrain.callbacks.memory as memory_module
+    from lmtrain.callbacks.memory import MemorySnapshot
+    from tests.test_callback_memory import run_step
+
+    alloc, trainer = fake_cuda
+    trainer.world_size, trainer.global_rank = 2, rank
+    gathered = []
+
+    def gather(trainer_, values):  # noqa: ANN001, ANN202
+        gathered.append(list(values))
+        return [list(values), [6.0]] if rank == 0 else [[6.0], list(values)]
+
+    monkeypatch.setattr(memory_module, "gather_values", gather)
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=1, num_steps=1, ranks=[1], log_every_n_steps=2)
+    cb.setup(trainer, module, "fit")
+    recording = []
+    for _ in range(3):
+        run_step(cb, trainer, module, alloc)
+        recording.append(alloc.recording)
+    cb.teardown(trainer, module, "fit")
+    assert gathered == [[4.5], [4.5]]  # logged steps 0 and 2 only: the step's peak, on every rank
+    if rank == 0:  # rank 0 logs the gathered peaks; it does not record history
+        tags = trainer.loggers[0].logged[0][1]
+        assert tags["memory/peak_gib_max"] == 6.0 and tags["memory/peak_gib_rank0"] == 4.5
+        assert tags["memory/peak_gib_rank1"] == 6.0
+        assert recording == [False, False, False] and cb.files == []
+    else:
+        assert recording == [False, False, False]  # recorded in step 1 only, stopped at its end
+        assert [p.name for p in cb.files] == ["memory_snapshot_rank1_steps_1-1.pickle",
+                                              "memory_timeline_rank1_steps_1-1.png"]
 
 
 def test_check_ranks() -> None:

@@ -70,9 +70,12 @@ def log_dir(trainer: pl.Trainer) -> str | None:
     """
     if world_size(trainer) <= 1:
         return trainer.log_dir or trainer.default_root_dir
-    if trainer not in _LOG_DIRS:
-        _LOG_DIRS[trainer] = trainer.log_dir or trainer.default_root_dir
-    return _LOG_DIRS[trainer]
+    try:
+        if trainer not in _LOG_DIRS:
+            _LOG_DIRS[trainer] = trainer.log_dir or trainer.default_root_dir
+        return _LOG_DIRS[trainer]
+    except TypeError:  # a stand-in trainer (unit tests) that cannot be weakly referenced
+        return trainer.log_dir or trainer.default_root_dir
 
 
 # -- several ranks ------------------------------------------------------------------------------------------
