@@ -94,7 +94,6 @@ def _rank0_scalars(tmp_path: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars(tmp_path / "tb" / "version_0")
 
 
-@pytest.mark.slow
 def test_ddp_two_ranks_all_five_callbacks(tmp_path: Path) -> None:
     ranks = _fit("ddp", tmp_path)
     assert ranks[0]["world_size"] == 2 and ranks[0]["steps"] == STEPS - 1
@@ -122,7 +121,6 @@ def test_ddp_two_ranks_all_five_callbacks(tmp_path: Path) -> None:
     assert "precision/flagged_modules" in sc
 
 
-@pytest.mark.slow
 def test_ddp_kernel_share_on_rank_one_only(tmp_path: Path) -> None:
     ranks = _fit("ddp_rank1", tmp_path)
     assert ranks[1]["kernel_summary"] and not ranks[0]["kernel_summary"]
@@ -131,7 +129,6 @@ def test_ddp_kernel_share_on_rank_one_only(tmp_path: Path) -> None:
     assert sc["kernels/total_ms_per_step"][0][0] == 3 and sc["kernels/communication_ms_step"][0][1] > 0
 
 
-@pytest.mark.slow
 def test_fsdp2_two_ranks_all_five_callbacks(tmp_path: Path) -> None:
     ranks = _fit("fsdp", tmp_path)
     sc = _rank0_scalars(tmp_path)
