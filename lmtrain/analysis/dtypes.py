@@ -149,10 +149,24 @@ def _reason(c: ModuleCall, out: torch.dtype, widest_in: torch.dtype | None, comp
 
 
 
-def parameter_entries(module: nn.Module) -> list[dict[str, Any]]:
-    """Path, storage dtype, shape and element count of every parameter."""
-    return [{"path": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape), "numel": p.numel()}
-            for n, p in module.named_parameters()]
+def parameter_entries(module: nn.Module, compute: dict[str, torch.dtype] | None = None) -> list[dict[str, Any]]:
+    """Path, storage (master) dtype, global shape and element count of every parameter.
+
+    A sharded parameter (a ``DTensor``, FSDP2) also gets ``local_shape`` and ``local_numel``, this rank's shard
+    (``to_local()``, no communication). With ``compute`` (parameter path -> the dtype its module saw while it
+    ran, e.g. ``DtypeRecorder.param_compute``) each entry seen there gets ``compute_dtype``: under FSDP2's
+    mixed precision the fp32 master shards are all-gathered in bf16, and the modules compute with those.
+    """
+    out = []
+    for n, p in module.named_parameters():
+        entry: dict[str, Any] = {"path": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape), "numel": p.numel()}
+        local = p.to_local() if callable(getattr(p, "to_local", None)) else None
+        if local is not None:
+            entry.update(local_shape=list(local.shape), local_numel=local.numel())
+        if compute and n in compute:
+            entry["compute_dtype"] = dtype_name(compute[n])
+        out.append(entry)
+    return out
 
 
 def grad_entries(module: nn.Module) -> list[dict[str, Any]]:
@@ -248,6 +262,14 @@ class PrecisionReport:
         qa = [["parameters (storage)", _counts(param_dtypes),
                "parameters are fp32 under mixed precision; autocast casts copies for each op"
                if self.autocast and "float32" in param_dtypes else ""]]
+        compute = Counter(p["compute_dtype"] for p in self.parameters if "compute_dtype" in p)
+        sharded = sum(1 for p in self.parameters if "local_shape" in p)
+        if compute and set(compute) != set(param_dtypes):
+            qa.append(["parameters (compute: as the modules saw them)", _counts(compute),
+                       "sharded master weights are all-gathered in this dtype (FSDP2 MixedPrecisionPolicy)"])
+        if sharded:
+            qa.append(["sharded parameters (DTensor)", f"{sharded} of {len(self.parameters)}",
+                       "each rank stores a shard of the master weights (local_shape in the JSON file)"])
         if first_linear:
             qa.append([f"first Linear output (`{first_linear['path']}`)", ", ".join(first_linear["output_dtypes"]),
                        "matmuls run in the autocast dtype" if self.autocast else ""])

@@ -104,6 +104,7 @@ __all__ = [
     "write_csv",
     "categorize",
     "exposed_communication",
+    "merge_rank_metrics",
     "records_from_trace",
     "short_name",
     "softmax_matmul_flop_ratio",
@@ -427,6 +428,7 @@ class TraceRecords:
     unattributed_kernels: int = 0  # GPU activities with no launch record in the trace (left out)
     unattributed_us: float = 0.0  # their total duration
     timeline: GpuTimeline | None = None  # busy and idle time of the GPU over the active steps (CUDA only)
+    communication: dict[str, tuple[float, float]] | None = None  # exposed_communication() of the activities (CUDA)
 
 
 @dataclass
@@ -634,13 +636,21 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
         records.append((e.get("name", "?"), phase, float(e.get("dur", 0)), stage,
                         _optimizer_category(optim_iv, phase, launch[0], launch[1])))
         intervals.append((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?"), phase))
-    return TraceRecords(records, n_steps, wall, "cuda", missing, missing_us, gpu_timeline(intervals, n_steps))
+    return TraceRecords(records, n_steps, wall, "cuda", missing, missing_us, gpu_timeline(intervals, n_steps),
+                        exposed_communication(intervals, n_steps))
 
 
 def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None = None) -> dict[str, float]:
     """Every ``kernels/...`` scalar of a trace: :meth:`KernelSummary.metrics` plus the step wall time, the busy
-    share and (CUDA) the GPU timeline. Shares are fractions in [0, 1]."""
+    share, the communication time per scope and (CUDA) the GPU timeline and the exposed communication time.
+    Shares are fractions in [0, 1]."""
     metrics = summary.metrics(head_dim)
+    for scope in ("step", *PHASES):
+        comm_us = summary.category_us.get(scope, {}).get("communication", 0.0)
+        if comm_us > 0:
+            metrics[f"kernels/communication_ms_{scope}"] = comm_us / 1e3
+        if tr.communication and scope in tr.communication:
+            metrics[f"kernels/communication_exposed_ms_{scope}"] = tr.communication[scope][1] / 1e3
     if tr.step_wall_us > 0:
         metrics["kernels/step_wall_ms"] = tr.step_wall_us / 1e3
         metrics["kernels/busy_share"] = summary.total_us / tr.step_wall_us
@@ -670,6 +680,27 @@ class TraceAnalysis:
         """``{"step" or phase: Markdown table of its top kernels}`` for the scopes that have kernels."""
         return {scope: kernel_table_markdown(self.summary, scope, top_k)
                 for scope in ("step", *PHASES) if self.summary.rows.get(scope)}
+
+
+def merge_rank_metrics(per_rank: dict[int, dict[str, float]]) -> dict[str, float]:
+    """What rank 0 logs from the ``kernels/...`` scalars of every profiling rank (rank -> :func:`trace_metrics`).
+
+    The lowest profiling rank's scalars as they are (rank 0's when it profiles), and with several profiling ranks
+    the maximum over them of the step's communication time and exposed communication time
+    (``kernels/communication_ms_step_max``, ``kernels/communication_exposed_ms_step_max``: the rank that waited
+    longest on collectives) and the profiling rank with the most kernel time (``kernels/busiest_rank``).
+    """
+    if not per_rank:
+        return {}
+    out = dict(per_rank[min(per_rank)])
+    if len(per_rank) > 1:
+        for key in ("kernels/communication_ms_step", "kernels/communication_exposed_ms_step"):
+            values = [m[key] for m in per_rank.values() if key in m]
+            if values:
+                out[f"{key}_max"] = max(values)
+        out["kernels/busiest_rank"] = float(max(sorted(per_rank),
+                                                key=lambda r: per_rank[r].get("kernels/total_ms_per_step", 0.0)))
+    return out
 
 
 def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None, top_k: int = 15,

@@ -4,14 +4,52 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lmtrain.analysis.tables import markdown_table
 
-__all__ = ["phase_statistics", "summary_text", "tokens_in_batch"]
+__all__ = ["MARKS", "RANK_FIELDS", "clock_name", "cross_rank_metrics", "phase_statistics", "phase_times",
+           "step_metrics", "summary_text", "throughput", "tokens_in_batch"]
+
+#: Marks ``CudaSyncTimer`` takes in one batch, in the order Lightning's hooks fire them.
+MARKS = ("start", "before_backward", "after_backward", "before_opt", "end")
+
+
+def phase_times(batches: Sequence[dict[str, Any]], elapsed_ms: Callable[[Any, Any], float]
+                ) -> tuple[dict[str, float], set[str]]:
+    """Phase times in ms of one step from the marks of its batches (several under gradient accumulation).
+
+    Args:
+        batches: per batch, mark name (:data:`MARKS`) -> a time stamp (seconds, or a CUDA event).
+        elapsed_ms: ms between two stamps.
+
+    Returns:
+        ``(times, seen)``: ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` summed over the
+        batches, and the keys that some batch had (forward runs to the backward, else to the optimizer step,
+        else to the batch end).
+    """
+    start_k, bwd0_k, bwd1_k, opt0_k, end_k = MARKS
+    times = {"forward_ms": 0.0, "backward_ms": 0.0, "optimizer_ms": 0.0, "step_ms": 0.0}
+    seen: set[str] = set()
+    for marks in batches:
+        start, end = marks.get(start_k), marks.get(end_k)
+        if start is None or end is None:
+            continue
+        bwd0, bwd1, opt0 = marks.get(bwd0_k), marks.get(bwd1_k), marks.get(opt0_k)
+        times["step_ms"] += elapsed_ms(start, end)
+        forward_end = bwd0 if bwd0 is not None else (opt0 if opt0 is not None else end)
+        times["forward_ms"] += elapsed_ms(start, forward_end)
+        seen.update(("step_ms", "forward_ms"))
+        if bwd0 is not None and bwd1 is not None:
+            times["backward_ms"] += elapsed_ms(bwd0, bwd1)
+            seen.add("backward_ms")
+        if opt0 is not None:
+            times["optimizer_ms"] += elapsed_ms(opt0, end)
+            seen.add("optimizer_ms")
+    return times, seen
 
 
 def phase_statistics(rows: Sequence[dict[str, Any]], phases: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -93,3 +131,81 @@ def tokens_in_batch(batch: Any) -> int | None:
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim == 2:
         return math.prod(batch[0].shape)
     return None
+
+
+#: What each rank contributes to a logging step of ``CudaSyncTimer`` on several ranks, in this order.
+RANK_FIELDS = ("forward_ms", "backward_ms", "optimizer_ms", "step_ms", "tokens", "flops")
+
+
+def cross_rank_metrics(per_rank: Sequence[Sequence[float]]) -> tuple[dict[str, float], float, float | None,
+                                                                     float | None]:
+    """The cross-rank tags of one step from each rank's :data:`RANK_FIELDS` values (NaN: the rank has none).
+
+    Returns:
+        ``(metrics, slowest_step_ms, tokens_all_ranks, flops_per_rank)``: ``metrics`` holds
+        ``time/step_ms_slowest``, ``time/step_ms_fastest``, ``time/slowest_rank`` (lowest rank on ties),
+        ``time/straggler_ratio`` (slowest / fastest) and ``time/{forward,backward,optimizer}_ms_max`` (each phase's
+        maximum over the ranks that have it); the token count is the sum over ranks, the FLOPs the mean per
+        rank; either is None when a rank could not count it.
+    """
+    steps = [row[3] for row in per_rank]
+    slowest = max(range(len(steps)), key=lambda r: (steps[r], -r))
+    fastest = min(steps)
+    metrics = {"time/step_ms_slowest": steps[slowest], "time/step_ms_fastest": fastest,
+               "time/slowest_rank": float(slowest)}
+    if fastest > 0:
+        metrics["time/straggler_ratio"] = steps[slowest] / fastest
+    for i, key in enumerate(RANK_FIELDS[:3]):
+        values = [row[i] for row in per_rank if not math.isnan(row[i])]
+        if values:
+            metrics[f"time/{key}_max"] = max(values)
+    tokens = [row[4] for row in per_rank]
+    flops = [row[5] for row in per_rank]
+    total_tokens = None if any(math.isnan(t) for t in tokens) else sum(tokens)
+    mean_flops = None if any(math.isnan(f) for f in flops) else sum(flops) / len(flops)
+    return metrics, steps[slowest], total_tokens, mean_flops
+
+
+def throughput(step_ms: float, tokens: float | None, flops: float | None,
+               peak_flops: float | None) -> tuple[float | None, float | None]:
+    """``(tokens per second, MFU before clipping)`` of a step of ``step_ms``: ``tokens`` over the step time, and
+    ``flops`` (model FLOPs of one device) / (step time x ``peak_flops`` of one device); None where unknown."""
+    seconds = step_ms / 1000.0
+    if seconds <= 0:
+        return None, None
+    tps = tokens / seconds if tokens else None
+    mfu = flops / seconds / peak_flops if flops and peak_flops else None
+    return tps, mfu
+
+
+def step_metrics(row: dict[str, float], per_rank: Sequence[Sequence[float]] | None, tokens: float | None,
+                 flops: float | None, peak_flops: float | None) -> tuple[dict[str, float], float | None]:
+    """Every scalar ``CudaSyncTimer`` logs for one step, and the MFU before clipping (None: not computed).
+
+    Args:
+        row: this rank's phase times, ``step`` -> index and phase key -> ms.
+        per_rank: every rank's :data:`RANK_FIELDS` values (several ranks), or None (one process): then tokens/s
+            and MFU use this rank's step time, tokens and FLOPs; else the slowest rank's step time, the tokens of
+            all ranks and the mean FLOPs of one rank (see :func:`cross_rank_metrics`).
+        tokens: this rank's tokens in the step (None: not countable).
+        flops: this rank's model FLOPs in the step (None: unknown).
+        peak_flops: peak FLOP/s of one device (None: no MFU).
+    """
+    metrics = {f"time/{k}": v for k, v in row.items() if k != "step"}
+    wait_ms = row["step_ms"]
+    if per_rank is not None:
+        ranks, wait_ms, tokens, flops = cross_rank_metrics(per_rank)
+        metrics.update(ranks)
+    tokens_per_s, raw = throughput(wait_ms, tokens, flops, peak_flops)
+    if tokens_per_s is not None:
+        metrics["throughput/tokens_per_s"] = tokens_per_s
+    if raw is not None:
+        metrics["throughput/mfu"] = min(1.0, raw)
+    return metrics, raw
+
+
+def clock_name(cuda: bool, sync: str) -> str:
+    """The clock ``CudaSyncTimer`` reads, for its summary."""
+    if cuda:
+        return "CUDA events" if sync == "events" else "torch.cuda.synchronize + time.perf_counter"
+    return "time.perf_counter (host, no CUDA)"

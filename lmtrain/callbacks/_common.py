@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -49,9 +53,82 @@ def log_image(trainer: pl.Trainer, tag: str, image: Any, step: int = 0) -> None:
             writer.add_figure(tag, image, global_step=step, close=False)
 
 
+_LOG_DIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def world_size(trainer: pl.Trainer) -> int:
+    """``trainer.world_size`` (1 for a stand-in trainer without one, as in unit tests)."""
+    return getattr(trainer, "world_size", 1)
+
+
 def log_dir(trainer: pl.Trainer) -> str | None:
-    """Folder where the first logger writes (where callbacks put their files), or the trainer's root."""
-    return trainer.log_dir or trainer.default_root_dir
+    """Folder where the first logger writes (where callbacks put their files), or the trainer's root.
+
+    ``trainer.log_dir`` broadcasts rank 0's folder, a collective: on several ranks the folder is read once per
+    trainer (every lmtrain callback asks in ``setup``, which runs on every rank) and kept, so that a call made by
+    one rank alone later (a file written by a profiling rank, an OOM dump) cannot hang.
+    """
+    if world_size(trainer) <= 1:
+        return trainer.log_dir or trainer.default_root_dir
+    try:
+        if trainer not in _LOG_DIRS:
+            _LOG_DIRS[trainer] = trainer.log_dir or trainer.default_root_dir
+        return _LOG_DIRS[trainer]
+    except TypeError:  # a stand-in trainer (unit tests) that cannot be weakly referenced
+        return trainer.log_dir or trainer.default_root_dir
+
+
+# -- several ranks ------------------------------------------------------------------------------------------
+
+
+def gather_values(trainer: pl.Trainer, values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` in rank order (``trainer.strategy.all_gather`` of one float64 vector).
+
+    A collective: every rank must call it on the same steps, in the same order, with as many values (NaN for a
+    value a rank does not have). Callbacks call it on their logging steps only: with NCCL the vector goes
+    through the GPU, which waits for the host. One process: ``[list(values)]``, no communication.
+    """
+    if world_size(trainer) <= 1:
+        return [list(values)]
+    local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(local)  # (world_size, len(values))
+    return gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
+
+
+def gather_objects(trainer: pl.Trainer, obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` in rank order (``torch.distributed.all_gather_object``); a collective
+    like :func:`gather_values`. One process (or no process group): ``[obj]``."""
+    import torch.distributed as dist
+
+    if world_size(trainer) <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_ranks(owner: str, ranks: Any, world_size: int) -> list[int]:
+    """The sorted ranks of a callback's ``ranks`` argument, or :class:`LmtrainError` naming
+    ``callbacks.<owner>.ranks``: a non-empty list of distinct integers in [0, world_size)."""
+    ok = (isinstance(ranks, (list, tuple)) and len(ranks) > 0
+          and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in ranks)
+          and len(set(ranks)) == len(ranks))
+    if not ok:
+        raise LmtrainError(f"callbacks.{owner}.ranks",
+                           f"must be a non-empty list of distinct ranks in 0..{world_size - 1}, got {ranks!r}.",
+                           f"use e.g. [0], or any of 0..{world_size - 1} (the run has {world_size} rank(s)).")
+    return sorted(ranks)
+
+
+def request_cupti_teardown() -> bool:
+    """Ask Kineto to tear CUPTI down when the profiler stops (``TEARDOWN_CUPTI=1``), unless the variable is set.
+
+    Returns whether this call set it. Kineto reads the variable when a trace stops, so it must be set before.
+    """
+    if "TEARDOWN_CUPTI" in os.environ:
+        return False
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    return True
 
 
 class WarnOnce:

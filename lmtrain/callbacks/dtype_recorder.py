@@ -32,11 +32,17 @@ class DtypeRecorder:
         self.calls: dict[str, ModuleCall] = {}
         self.order: list[str] = []
         self.kept: dict[str, tuple[tuple, dict, Any]] = {}  # path -> (args, kwargs, output), depth <= 1
+        # parameter path -> its dtype while its module ran (under FSDP2: the all-gathered compute dtype)
+        self.param_compute: dict[str, torch.dtype] = {}
         self.paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def install(self) -> None:
         for path, module in self.root.named_modules():
+            if path == "" and callable(getattr(module, "training_step", None)):
+                # A LightningModule: under DDP its training_step runs as the root's forward (Lightning redirects
+                # the wrapped module's forward); that call is the step, not the model's forward pass.
+                continue
             self._handles.append(module.register_forward_hook(self._hook(path), with_kwargs=True))
 
     def remove(self) -> None:
@@ -63,7 +69,10 @@ class DtypeRecorder:
             call = self.calls.get(path)
             if call is None:
                 call = self.calls[path] = ModuleCall(type=type(module).__name__, module_path=type(module).__module__)
-                call.param_dtypes = sorted({p.dtype for p in module.parameters(recurse=False)}, key=str)
+                own = list(module.named_parameters(recurse=False))
+                call.param_dtypes = sorted({p.dtype for _, p in own}, key=str)
+                for name, p in own:
+                    self.param_compute[f"{path}.{name}" if path else name] = p.dtype
                 self.order.append(path)
             call.calls += 1
             for t in tensors((args, kwargs)):

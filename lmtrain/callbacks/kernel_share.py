@@ -1,16 +1,10 @@
 """KernelShare: where the GPU time goes, per kernel, per category and per phase, from ``torch.profiler``.
 
-The callback profiles a window of training steps and hands the trace to ``lmtrain.analysis.kernels``, which
-turns it into the tables of Nsight Systems' "CUDA GPU Kernel Summary" (every kernel, memcpy and memset with
-its calls, time and share), grouped into categories and split by phase (forward, backward, optimizer); CPU
-operator self time without CUDA. That module's docstring explains how kernels are joined to phases and
-categories; ``python -m lmtrain analyze kernels TRACE.json`` runs the same analysis on a saved trace.
-
-While the window is open each batch's phases are ``record_function`` ranges ``forward``, ``backward`` and
-``optimizer`` (the hooks of ``StepPhases``) and ``lmtrain.annotate``'s profiler ranges are on; the device is
-synchronised when the active steps start and before they end, so the trace holds exactly their kernels.
-
-Every metric the callback logs, with its unit, is listed in the docstring of :class:`KernelShare`.
+The callback profiles a window of training steps (``record_function`` ranges ``forward``, ``backward``,
+``optimizer`` from ``StepPhases``' hooks, ``lmtrain.annotate``'s profiler ranges on) and hands the trace to
+``lmtrain.analysis.kernels`` (whose docstring explains how kernels are joined to phases and categories; ``python
+-m lmtrain analyze kernels TRACE.json`` runs the same analysis offline). Every metric it logs, with its unit, is
+listed in the docstring of :class:`KernelShare`.
 """
 
 from __future__ import annotations
@@ -34,32 +28,23 @@ from lmtrain.callbacks._common import (
     StepWindow,
     WarnOnce,
     check_int,
+    check_ranks,
+    gather_objects,
     log_dir,
     log_image,
     log_scalars,
     log_text,
+    request_cupti_teardown,
 )
 
 __all__ = ["KernelShare", "request_cupti_teardown"]
 
 
 def __getattr__(name: str) -> Any:
-    # The analysis names (categorize, summarize, records_from_trace ...) lived here before they moved to
-    # lmtrain.analysis.kernels; old imports keep working.
+    # The analysis names lived here before they moved to lmtrain.analysis.kernels; old imports keep working.
     if name in analysis.__all__:
         return getattr(analysis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def request_cupti_teardown() -> bool:
-    """Ask Kineto to tear CUPTI down when the profiler stops (``TEARDOWN_CUPTI=1``), unless the variable is set.
-
-    Returns whether this call set it. Kineto reads the variable when a trace stops, so it must be set before.
-    """
-    if "TEARDOWN_CUPTI" in os.environ:
-        return False
-    os.environ["TEARDOWN_CUPTI"] = "1"
-    return True
 
 
 class KernelShare(Callback):
@@ -109,6 +94,15 @@ class KernelShare(Callback):
         kernels/gpu_idle_ms_per_step                ms: span minus busy: gaps in which the GPU waited for work
                                                     (host-bound launches, synchronisations)
         kernels/gpu_idle_share                      fraction: gpu_idle_ms_per_step / gpu_span_ms_per_step
+        kernels/communication_ms_{scope}            ms per step: collective time (NCCL; on CPU gloo/c10d op self
+                                                    time) in ``step`` or a phase, where there is some
+        kernels/communication_exposed_ms_{scope}    ms per step: the part no compute kernel overlaps (CUDA only)
+        kernels/communication[_exposed]_ms_step_max ms: maximum of the two above over the profiling ranks
+        kernels/busiest_rank                        the profiling rank with the most kernel time (these two
+                                                    with several profiling ranks only)
+
+    Several ranks: the ``ranks`` profile; at the window's last step every rank takes part in one gather of the
+    results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
 
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
     backend) are not logged. Also logged: text ``kernels/report`` (Markdown answering the usual
@@ -133,25 +127,16 @@ class KernelShare(Callback):
             variable is already set (``torch.compile`` with CUDA graphs sets it to ``0``: tearing down and
             re-attaching CUPTI can crash CUDA graph replays on older CUDA versions). The variable stays set
             for the rest of the process, so later profiler sessions release CUPTI too.
+        ranks: the ranks that profile (default ``[0]``); with ``export_trace`` on several ranks each writes
+            ``kernel_trace_rank{r}.json.gz``.
     """
 
-    def __init__(
-        self,
-        wait: int = 5,
-        warmup: int = 2,
-        active: int = 3,
-        top_k: int = 15,
-        export_trace: bool = False,
-        chart: bool = True,
-        head_dim: int | None = None,
-        record_shapes: bool = False,
-        release_cupti: bool = True,
-    ) -> None:
+    def __init__(self, wait: int = 5, warmup: int = 2, active: int = 3, top_k: int = 15, export_trace: bool = False,
+                 chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
+                 release_cupti: bool = True, ranks: list[int] | None = None) -> None:
         super().__init__()
-        self.wait = wait
-        self.warmup = warmup
-        self.active = active
-        self.top_k = top_k
+        self.ranks = [0] if ranks is None else ranks
+        self.wait, self.warmup, self.active, self.top_k = wait, warmup, active, top_k
         self.export_trace = export_trace
         self.chart = chart
         self.head_dim = head_dim
@@ -166,7 +151,8 @@ class KernelShare(Callback):
         self._open: list[torch.profiler.record_function] = []
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._phases = StepPhases()
-        self._window_steps = 0  # steps ended since the profiler started
+        self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
+        self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
         self._first_active: int | None = None
         self._cuda = False
         self._trace_path: str | None = None
@@ -177,7 +163,7 @@ class KernelShare(Callback):
         self.report: str | None = None
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` runs under the profiler (warm-up and active steps): slower than the others."""
+        """Step ``step`` runs under the profiler (warm-up and active steps; on every rank): slower than others."""
         return self._window.contains(step)
 
     @override
@@ -188,8 +174,10 @@ class KernelShare(Callback):
             check_int("KernelShare", name, getattr(self, name), low)
         check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
                   fix="leave it unset to take the model's config.head_dim.")
+        check_ranks("KernelShare", self.ranks, trainer.world_size)
         self._reset()
         self._window = StepWindow(self.wait, self.warmup + self.active)
+        log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -220,9 +208,8 @@ class KernelShare(Callback):
 
     def _open_range(self, name: str) -> None:
         self._close_ranges()
-        rf = torch.profiler.record_function(name)
-        rf.__enter__()
-        self._open.append(rf)
+        self._open.append(torch.profiler.record_function(name))
+        self._open[-1].__enter__()
 
     def _close_ranges(self) -> None:
         while self._open:
@@ -234,10 +221,12 @@ class KernelShare(Callback):
         self._phases.batch_start(trainer)
         if self._done:
             return
-        if self._prof is None and self._phases.enters(self._window):
+        if not self._running and self._phases.enters(self._window):
             if self._phases.step != self.wait:  # resumed inside the window: its warm-up would be cut short
                 return
-            self._start(pl_module)
+            self._running = True
+            if trainer.global_rank in self.ranks:
+                self._start(pl_module)
         if self._prof is not None:
             self._open_range("forward")
 
@@ -264,7 +253,7 @@ class KernelShare(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         ended = self._phases.batch_end(trainer)
-        if self._done or self._prof is None:
+        if self._done or not self._running:
             return
         self._close_ranges()
         if not ended:
@@ -272,12 +261,13 @@ class KernelShare(Callback):
         self._window_steps += 1
         if self._window_steps == self.warmup + 1:
             self._first_active = self._phases.step
-        if self._cuda and self._window_steps in (self.warmup, self.warmup + self.active):
-            # Let the GPU finish this step's kernels before the active steps start / the trace closes, so the
-            # trace holds exactly the active steps' kernels.
-            torch.cuda.synchronize(pl_module.device)
-        self._prof.step()
-        if self._trace_path is not None:  # the schedule's active steps are over
+        if self._prof is not None:
+            if self._cuda and self._window_steps in (self.warmup, self.warmup + self.active):
+                # Let the GPU finish this step's kernels before the active steps start / the trace closes, so
+                # the trace holds exactly the active steps' kernels.
+                torch.cuda.synchronize(pl_module.device)
+            self._prof.step()
+        if self._window_steps == self.warmup + self.active:  # the same step on every rank
             self._finish(trainer, pl_module)
 
     def _start(self, pl_module: pl.LightningModule) -> None:
@@ -306,45 +296,54 @@ class KernelShare(Callback):
         self._prof.start()
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        path = self._trace_path
-        self._close_ranges()
-        if self._prof is not None:
-            prof, self._prof = self._prof, None
-            prof.stop()
-        if self._ranges_on:
-            disable_ranges(nvtx=False, profiler=True)
-            self._ranges_on = False
         self._done = True
+        self._close_ranges()
         try:
-            trace = analysis.load_trace(path)
-            self._report(trainer, pl_module, trace, path)
+            if self._prof is not None:
+                prof, self._prof = self._prof, None
+                prof.stop()
+            path = self._trace_path
+            found = self._analyze(trainer, pl_module, path) if path is not None else None
+            self._report(trainer, found)
         finally:
             self._stop()
 
-    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trace: dict, path: str) -> None:
-        """Analyse the trace (``lmtrain.analysis.kernels``) and log what it found at the window's last step."""
+    def _analyze(self, trainer: pl.Trainer, pl_module: pl.LightningModule, path: str) -> dict | None:
+        """Analyse this rank's trace (``lmtrain.analysis.kernels``); what rank 0 needs to log it, picklable."""
         head_dim = self.head_dim or getattr(getattr(pl_module, "config", None), "head_dim", None)
-        step = self._phases.step  # the window's last step
         found = analysis.analyze_trace(
-            trace, "cuda" if self._cuda else "cpu", head_dim=head_dim if isinstance(head_dim, int) else None,
-            top_k=self.top_k, device_name=torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
-            precision=str(trainer.precision), batches=f"{self._first_active}..{step}")
+            analysis.load_trace(path), "cuda" if self._cuda else "cpu",
+            head_dim=head_dim if isinstance(head_dim, int) else None, top_k=self.top_k,
+            device_name=torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
+            precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}")
         if self._cuda and not found.records.records:
             self._warn("KernelShare: the profiler recorded no CUDA kernels (CUPTI unavailable?); nothing reported.")
-            return
+            return None
         self.summary, self.timeline, self.report = found.summary, found.records.timeline, found.report
-        log_scalars(trainer, found.metrics, step)
-        log_text(trainer, "kernels/report", self.report, step)
-        for scope, table in found.tables(self.top_k).items():
+        out_dir = log_dir(trainer)
+        if out_dir and self.export_trace:
+            os.makedirs(out_dir, exist_ok=True)
+            name = f"kernel_trace{'' if trainer.world_size == 1 else f'_rank{trainer.global_rank}'}.json.gz"
+            with open(path, "rb") as src, gzip.open(os.path.join(out_dir, name), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        return {"metrics": found.metrics, "report": found.report, "tables": found.tables(self.top_k),
+                "summary": found.summary, "cuda": found.cuda}
+
+    def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
+        """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""
+        per_rank = {r: f for r, f in enumerate(gather_objects(trainer, found)) if f is not None}
+        if trainer.global_rank != 0 or not per_rank:
+            return
+        step, first = self._phases.step, per_rank[min(per_rank)]  # the window's last step; the lowest profiler
+        log_scalars(trainer, analysis.merge_rank_metrics({r: f["metrics"] for r, f in per_rank.items()}), step)
+        log_text(trainer, "kernels/report", first["report"], step)
+        for scope, table in first["tables"].items():
             log_text(trainer, f"kernels/table_{scope}", table, step)
         out_dir = log_dir(trainer)
-        if out_dir and trainer.global_rank == 0:
+        if out_dir:
             os.makedirs(out_dir, exist_ok=True)
-            analysis.write_csv(found.summary, os.path.join(out_dir, "kernel_table.csv"))
-            if self.export_trace:
-                with open(path, "rb") as src, gzip.open(os.path.join(out_dir, "kernel_trace.json.gz"), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+            analysis.write_csv(first["summary"], os.path.join(out_dir, "kernel_table.csv"))
         if self.chart:
-            fig = analysis.category_chart(found.summary, cuda=self._cuda)
+            fig = analysis.category_chart(first["summary"], cuda=first["cuda"])
             if fig is not None:
                 log_image(trainer, "kernels/categories", fig, step)

@@ -14,38 +14,31 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lmtrain.analysis.memory import (  # noqa: F401 (re-exported: the analysis names stay importable from here)
-    GIB,
-    MEMORY_VIZ_URL,
-    MIB,
-    LiveAllocation,
-    PhaseMark,
-    device_trace,
-    informative_frame,
-    live_at_end,
-    live_at_peak,
-    live_by_category_table,
-    memory_by_category,
-    memory_curve,
-    oom_summary,
-    peak_report,
-    render_timeline,
-    tensor_labels,
-    top_allocations_table,
-)
+from lmtrain.analysis import memory as analysis
+from lmtrain.analysis.memory import GIB, MEMORY_VIZ_URL
 from lmtrain.callbacks._common import (
     StepPhases,
     StepWindow,
     WarnOnce,
     check_int,
+    check_ranks,
+    gather_values,
     log_dir,
     log_image,
     log_scalars,
     log_text,
+    world_size,
 )
+
+
+def __getattr__(name: str) -> Any:
+    # The analysis names lived here before they moved to lmtrain.analysis.memory; old imports keep working.
+    if not name.startswith("_") and hasattr(analysis, name):
+        return getattr(analysis, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class AllocatorHistory:
@@ -103,7 +96,7 @@ class MemorySnapshot(pl.Callback):
     capture, for the whole run), and a CUDA out-of-memory error dumps the snapshot
     (``memory_snapshot_oom_step<k>.pickle``) and prints a one-screen summary of what was live by
     category (parameters, gradients, optimizer state, activations and other), also logged as text
-    ``memory/oom_summary``; the error is then re-raised by Lightning as usual.
+    ``memory/analysis.oom_summary``; the error is then re-raised by Lightning as usual.
 
     Without CUDA there is nothing to measure: one warning, and no memory metrics.
 
@@ -115,7 +108,15 @@ class MemorySnapshot(pl.Callback):
     - ``memory/peak_after_optimizer_gib``: ... to the end of the step (steps with an optimizer step).
     - ``memory/allocated_gib``: allocated by tensors at the end of the step.
     - ``memory/reserved_gib``: held by PyTorch's caching allocator at the end of the step.
-    - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/oom_summary`` (text).
+    - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/analysis.oom_summary`` (text).
+
+    Several ranks: the values above are rank 0's; every rank's peak of the logged step (the step's highest
+    allocated memory) is gathered (one small ``all_gather`` on logged steps) and rank 0 also logs
+    ``memory/peak_gib_max`` (GiB, the highest over the ranks) and ``memory/peak_gib_rank{r}`` (GiB, each rank).
+    Allocation history (window and ``on_oom``) is recorded on the ``ranks`` only; each writes its own files, with
+    the rank in the name (``memory_snapshot_rank{r}_steps_<a>-<b>.pickle``, ``memory_timeline_rank{r}_...png``,
+    ``memory_snapshot_oom_rank{r}_step<k>.pickle``); the TensorBoard image and texts come from rank 0 when it
+    records.
 
     Args:
         start_step: first step of the history window, on Lightning's ``global_step`` axis (see
@@ -127,18 +128,13 @@ class MemorySnapshot(pl.Callback):
         top_n: rows of the top-allocation table.
         on_oom: record from the start and dump the snapshot and a summary on CUDA out-of-memory.
         log_every_n_steps: log the per-step scalars of every n-th step.
+        ranks: the ranks that record allocation history (default ``[0]``).
     """
 
-    def __init__(
-        self,
-        start_step: int | None = 5,
-        num_steps: int = 1,
-        max_entries: int = 1_000_000,
-        top_n: int = 10,
-        on_oom: bool = False,
-        log_every_n_steps: int = 1,
-    ) -> None:
+    def __init__(self, start_step: int | None = 5, num_steps: int = 1, max_entries: int = 1_000_000, top_n: int = 10,
+                 on_oom: bool = False, log_every_n_steps: int = 1, ranks: list[int] | None = None) -> None:
         super().__init__()
+        self.ranks = [0] if ranks is None else ranks
         self.start_step = start_step
         self.num_steps = num_steps
         self.max_entries = max_entries
@@ -156,9 +152,11 @@ class MemorySnapshot(pl.Callback):
         self._measure = False  # this step's peaks are read and logged
         self._window_first: int | None = None  # first step of the window in this fit
         self._window_done = False
-        self._marks: list[PhaseMark] = []
+        self._marks: list[analysis.PhaseMark] = []
         self._labels_before: dict[int, str] = {}
         self._values: dict[str, float] = {}
+        self._records = True  # this rank records allocation history (it is in ``ranks``)
+        self._rank = ""  # file-name part: "" on one process, "rank<r>_" on several
 
     def in_window(self, step: int) -> bool:
         """Step ``step`` lies in the allocation-history window (every allocation pays for a stack capture)."""
@@ -174,6 +172,10 @@ class MemorySnapshot(pl.Callback):
                   fix="use start_step >= 0, or None for the per-step peaks alone.")
         for name in ("num_steps", "max_entries", "top_n", "log_every_n_steps"):
             check_int("MemorySnapshot", name, getattr(self, name), 1)
+        check_ranks("MemorySnapshot", self.ranks, world_size(trainer))
+        log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
+        self._records = trainer.global_rank in self.ranks
+        self._rank = "" if world_size(trainer) == 1 else f"rank{trainer.global_rank}_"
         self._device = trainer.strategy.root_device
         self._cuda = self._device.type == "cuda"
         self._window = StepWindow(self.start_step, self.num_steps)
@@ -183,12 +185,12 @@ class MemorySnapshot(pl.Callback):
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
             return
-        if self.on_oom:
+        if self.on_oom and self._records:
             self._start_recording()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._cuda and self.start_step is not None and not self._window_done:
+        if stage == "fit" and self._cuda and self._records and self.start_step is not None and not self._window_done:
             self._warn(f"MemorySnapshot: training stopped after {self._phases.batches_seen} batches, before the end of "
                        f"the snapshot window ({self._window.describe()}; last step run: {self._phases.step}); no "
                        "snapshot was written. Lower start_step or train for more steps.")
@@ -215,7 +217,7 @@ class MemorySnapshot(pl.Callback):
             self._values[f"memory/peak_after_{phase}_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB
         if self._window.contains(self._phases.step):
             now = time.time_ns() // 1000
-            self._marks.append(PhaseMark(self._phases.step, phase or "forward", self._phase_start_us, now))
+            self._marks.append(analysis.PhaseMark(self._phases.step, phase or "forward", self._phase_start_us, now))
             self._phase_start_us = now
 
     @override
@@ -233,8 +235,9 @@ class MemorySnapshot(pl.Callback):
         if self._phases.enters(self._window) and not self._window_done:
             self._marks, self._window_first = [], step
             # Tensors that exist before the recording starts have no trace entry: name them now.
-            self._labels_before = tensor_labels(pl_module, trainer.optimizers)
-            self._start_recording()
+            self._labels_before = analysis.tensor_labels(pl_module, trainer.optimizers)
+            if self._records:
+                self._start_recording()
         self._phase_start_us = time.time_ns() // 1000
 
     @override
@@ -274,6 +277,10 @@ class MemorySnapshot(pl.Callback):
                 self._values["memory/peak_after_optimizer_gib"] = peak
             self._values["memory/allocated_gib"] = stats.get("allocated_bytes.all.current", 0) / GIB
             self._values["memory/reserved_gib"] = stats.get("reserved_bytes.all.current", 0) / GIB
+            if world_size(trainer) > 1:  # every rank measures the same steps
+                peaks = [row[0] for row in gather_values(trainer, [peak])]
+                self._values["memory/peak_gib_max"] = max(peaks)
+                self._values.update({f"memory/peak_gib_rank{r}": v for r, v in enumerate(peaks)})
             log_scalars(trainer, self._values, step=step)
         if self._recording and self._phases.leaves(self._window) and not self._window_done:
             self._finish_window(trainer, pl_module)
@@ -283,54 +290,53 @@ class MemorySnapshot(pl.Callback):
         snapshot = AllocatorHistory.snapshot()
         if not self.on_oom:
             self._stop_recording()
-        if not rank_zero_only.rank == 0:
-            return
         first, last = self._window_first, self._phases.step
         folder = Path(log_dir(trainer) or ".")
-        pickle_path = AllocatorHistory.dump(snapshot, folder / f"memory_snapshot_steps_{first}-{last}.pickle")
+        name = f"memory_snapshot_{self._rank}steps_{first}-{last}.pickle"
+        pickle_path = AllocatorHistory.dump(snapshot, folder / name)
         self.files.append(pickle_path)
         device = self._device.index if self._device.index is not None else torch.cuda.current_device()
         title = f"{_model_name(pl_module)}: active memory, steps {first}-{last}"
-        fig = render_timeline(snapshot, device, self._marks, title=title)
-        png_path = folder / f"memory_timeline_steps_{first}-{last}.png"
+        fig = analysis.render_timeline(snapshot, device, self._marks, title=title)
+        png_path = folder / f"memory_timeline_{self._rank}steps_{first}-{last}.png"
         fig.savefig(png_path, dpi=110)
         self.files.append(png_path)
         log_image(trainer, "memory/timeline", fig, step=last)
-        text = peak_report(snapshot, device, self.top_n, self._marks, self._labels_before,
-                           tensor_labels(pl_module, trainer.optimizers), where=f"steps {first}-{last}",
+        text = analysis.peak_report(snapshot, device, self.top_n, self._marks, self._labels_before,
+                           analysis.tensor_labels(pl_module, trainer.optimizers), where=f"steps {first}-{last}",
                            snapshot_name=pickle_path.name)
         log_text(trainer, "memory/top_allocations", text, step=last)
-        rank_zero_info(f"MemorySnapshot: wrote {pickle_path} (open at {MEMORY_VIZ_URL}) and {png_path}.")
+        message = f"MemorySnapshot: wrote {pickle_path} (open at {MEMORY_VIZ_URL}) and {png_path}."
+        print(message, file=sys.stderr) if self._rank else rank_zero_info(message)
 
     # -- out of memory --------------------------------------------------------------------------
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
-            if self._cuda and self.on_oom and isinstance(exception, torch.OutOfMemoryError):
+            if self._recording and self.on_oom and isinstance(exception, torch.OutOfMemoryError):
                 self._dump_oom(trainer, pl_module)
         finally:
             self._stop_recording()  # Lightning skips teardown after an exception; it re-raises the error
 
     def _dump_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        snapshot = AllocatorHistory.snapshot()
-        if rank_zero_only.rank != 0:
-            return
+        snapshot = AllocatorHistory.snapshot()  # on whichever rank ran out (it records: see ``ranks``)
         folder = Path(log_dir(trainer) or ".")
-        path = AllocatorHistory.dump(snapshot, folder / f"memory_snapshot_oom_step{self._phases.step}.pickle")
+        name = f"memory_snapshot_oom_{self._rank}step{self._phases.step}.pickle"
+        path = AllocatorHistory.dump(snapshot, folder / name)
         self.files.append(path)
         device = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        categories = memory_by_category(pl_module, trainer.optimizers, torch.cuda.memory_allocated(self._device),
-                                        self._device)
-        live = live_at_end(snapshot, device)
+        categories = analysis.memory_by_category(pl_module, trainer.optimizers,
+                                                 torch.cuda.memory_allocated(self._device), self._device)
+        live = analysis.live_at_end(snapshot, device)
         free, total = torch.cuda.mem_get_info(self._device)
-        text = oom_summary(categories, step=self._phases.step, phase=self._phases.phase or "between batches",
-                           reserved=torch.cuda.memory_reserved(self._device), device_total=total, device_free=free,
-                           top=top_allocations_table(live, min(self.top_n, 5), self._marks, self._labels_before,
-                                                     tensor_labels(pl_module, trainer.optimizers)),
-                           snapshot_name=str(path))
+        top = analysis.top_allocations_table(live, min(self.top_n, 5), self._marks, self._labels_before,
+                                             analysis.tensor_labels(pl_module, trainer.optimizers))
+        text = analysis.oom_summary(categories, step=self._phases.step, phase=self._phases.phase or "between batches",
+                                    reserved=torch.cuda.memory_reserved(self._device), device_total=total,
+                                    device_free=free, top=top, snapshot_name=str(path))
         print(text, file=sys.stderr)
-        log_text(trainer, "memory/oom_summary", text, step=self._phases.step)
+        log_text(trainer, "memory/analysis.oom_summary", text, step=self._phases.step)
 
 
 

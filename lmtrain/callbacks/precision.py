@@ -218,6 +218,12 @@ class PrecisionInspector(Callback):
             self._ref["note"] = (f"no fp32 reference: parameters are stored in "
                                  f"{', '.join(sorted(dtype_name(d) for d in storage))}.")
             return
+        gathered = {d for d in rec.param_compute.values() if d.is_floating_point}
+        if gathered and gathered != {torch.float32}:
+            self._ref["note"] = (f"no fp32 reference: the modules computed with "
+                                 f"{', '.join(sorted(dtype_name(d) for d in gathered))} parameters (FSDP2 "
+                                 "all-gathers the fp32 master weights in its MixedPrecisionPolicy's param_dtype).")
+            return
         if path is None or path not in rec.kept:
             self._ref["note"] = "no fp32 reference: the logits module's inputs were not kept (set logits_module)."
             return
@@ -255,7 +261,8 @@ class PrecisionInspector(Callback):
         report = PrecisionReport(
             precision=str(trainer.precision), device_type=pl_module.device.type, autocast=autocast,
             autocast_dtype=dtype_name(ac_dtype) if autocast else None, compute_dtype=dtype_name(compute),
-            step=self._phases.step, parameters=parameter_entries(pl_module), modules=rec.module_entries(compute),
+            step=self._phases.step, parameters=parameter_entries(pl_module, rec.param_compute),
+            modules=rec.module_entries(compute),
             logits_module=path if path != "" else "(root)",
             logits_dtype=dtype_name(logits.dtype) if logits is not None else None,
             loss_dtype=dtype_name(self._loss_dtype) if self._loss_dtype is not None else None,

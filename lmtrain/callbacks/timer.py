@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
@@ -11,11 +12,20 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lmtrain.analysis.timing import phase_statistics, summary_text, tokens_in_batch
+from lmtrain.analysis.timing import (
+    MARKS,
+    clock_name,
+    phase_statistics,
+    phase_times,
+    step_metrics,
+    summary_text,
+    tokens_in_batch,
+)
 from lmtrain.callbacks._common import (
     StepPhases,
     WarnOnce,
     check_int,
+    gather_values,
     log_scalars,
     log_text,
     windows_holding,
@@ -28,8 +38,7 @@ SyncMode = Literal["events", "synchronize"]
 #: Phase keys of :attr:`CudaSyncTimer.step_times` and :meth:`CudaSyncTimer.summary`, in display order.
 PHASES = ("forward_ms", "backward_ms", "optimizer_ms", "step_ms")
 
-# Marks taken in one batch, in the order Lightning's hooks fire them.
-_START, _BEFORE_BWD, _AFTER_BWD, _BEFORE_OPT, _END = "start", "before_backward", "after_backward", "before_opt", "end"
+_START, _BEFORE_BWD, _AFTER_BWD, _BEFORE_OPT, _END = MARKS  # marks of one batch, in the order the hooks fire
 
 
 @dataclass
@@ -73,9 +82,21 @@ class CudaSyncTimer(pl.Callback):
 
     - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds.
     - ``time/warmup_step_ms``: milliseconds per warm-up step.
-    - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens).
-    - ``throughput/mfu``: model FLOPs utilisation in [0, 1], from ``pl_module.flops_per_batch`` and the
-      peak FLOP/s of the device and precision (``lmtrain.flops.PEAK_FLOPS``) or ``peak_flops``.
+    - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens); on
+      several ranks the tokens of all ranks over the slowest rank's step time.
+    - ``throughput/mfu``: model FLOPs utilisation per device in [0, 1], from ``pl_module.flops_per_batch`` and
+      the peak FLOP/s of one device and precision (``lmtrain.flops.PEAK_FLOPS``) or ``peak_flops``; on several
+      ranks the mean model FLOPs of one rank / (slowest rank's step time x peak of one device).
+
+    On several ranks the ``time/*_ms`` tags above are rank 0's own; every logged step's times of all ranks are
+    gathered (one small ``all_gather``; in events mode at the next step's start, on every rank), and rank 0 logs:
+
+    - ``time/step_ms_slowest``, ``time/step_ms_fastest``: ms, the slowest (what the run waits on) and fastest
+      rank's step time.
+    - ``time/straggler_ratio``: slowest / fastest step time (ratio, >= 1).
+    - ``time/slowest_rank``: the rank with the slowest step (lowest on ties).
+    - ``time/forward_ms_max``, ``time/backward_ms_max``, ``time/optimizer_ms_max``: ms, each phase's maximum
+      over the ranks.
     - ``time/summary`` (text, at the end): per-phase mean ± std, median, min and max in ms, and the
       same in the ``Model  Params  Forward (s)  Backward (s)`` format of the reference profiling study's
       timing tables; then the steps excluded as inside other callbacks' windows, with their own statistics.
@@ -95,14 +116,8 @@ class CudaSyncTimer(pl.Callback):
         print_summary: print the summary tables at the end of training.
     """
 
-    def __init__(
-        self,
-        warmup_steps: int = 5,
-        sync: SyncMode = "events",
-        peak_flops: float | None = None,
-        log_every_n_steps: int = 1,
-        print_summary: bool = True,
-    ) -> None:
+    def __init__(self, warmup_steps: int = 5, sync: SyncMode = "events", peak_flops: float | None = None,
+                 log_every_n_steps: int = 1, print_summary: bool = True) -> None:
         super().__init__()
         self.warmup_steps = warmup_steps
         self.sync = sync
@@ -134,18 +149,17 @@ class CudaSyncTimer(pl.Callback):
                                "use events or synchronize.")
         check_int("CudaSyncTimer", "warmup_steps", self.warmup_steps, 0)
         check_int("CudaSyncTimer", "log_every_n_steps", self.log_every_n_steps, 1)
-        if self.peak_flops is not None and (isinstance(self.peak_flops, bool)
-                                            or not isinstance(self.peak_flops, (int, float)) or self.peak_flops <= 0):
+        peak = self.peak_flops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
             raise LmtrainError("callbacks.CudaSyncTimer.peak_flops", f"{self.peak_flops!r} is not a positive number.",
                                "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
-        self.step_times, self.excluded_steps, self.warmup_times = [], {}, []
+        self.step_times, self.excluded_steps, self.warmup_times, self._summarised = [], {}, [], False
         self._pending, self._current, self._batch = [], None, None
-        self._summarised = False
         self._phases.reset()
         self._cuda = trainer.strategy.root_device.type == "cuda"
         if not self._cuda:
             rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
-        self._peak = self.peak_flops
+        self._peak = peak
         if self._peak is None:
             if self._cuda:
                 name = torch.cuda.get_device_name(trainer.strategy.root_device)
@@ -197,7 +211,9 @@ class CudaSyncTimer(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._collect(trainer, block=False)  # the previous steps' events, read now that they have passed
+        # The previous steps' events, read now that they have passed. On several ranks a logged step is read
+        # (and gathered) here on every rank alike, whether or not its events have completed.
+        self._collect(trainer, block=trainer.world_size > 1 and any(map(self._logs, self._pending)))
         index = self._phases.batch_start(trainer)
         if self._current is None:
             self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps)
@@ -243,6 +259,10 @@ class CudaSyncTimer(pl.Callback):
 
     # -- reading and logging --------------------------------------------------------------------
 
+    def _logs(self, step: _Step) -> bool:
+        """The step's values are logged (and, on several ranks, gathered)."""
+        return not step.warmup and step.index % self.log_every_n_steps == 0
+
     def _collect(self, trainer: pl.Trainer, block: bool) -> None:
         """Read finished steps. Non-blocking reads only take steps whose last event has completed,
         but at most one step stays unread, so memory and logging lag stay bounded."""
@@ -257,23 +277,8 @@ class CudaSyncTimer(pl.Callback):
             self._record(trainer, step)
 
     def _record(self, trainer: pl.Trainer, step: _Step) -> None:
-        times = {k: 0.0 for k in PHASES}
-        seen: set[str] = set()
+        times, seen = phase_times(step.batches, _elapsed_ms)
         for marks in step.batches:
-            start, end = marks.get(_START), marks.get(_END)
-            if start is None or end is None:
-                continue
-            bwd0, bwd1, opt0 = marks.get(_BEFORE_BWD), marks.get(_AFTER_BWD), marks.get(_BEFORE_OPT)
-            times["step_ms"] += _elapsed_ms(start, end)
-            forward_end = bwd0 if bwd0 is not None else (opt0 if opt0 is not None else end)
-            times["forward_ms"] += _elapsed_ms(start, forward_end)
-            seen.update(("step_ms", "forward_ms"))
-            if bwd0 is not None and bwd1 is not None:
-                times["backward_ms"] += _elapsed_ms(bwd0, bwd1)
-                seen.add("backward_ms")
-            if opt0 is not None:
-                times["optimizer_ms"] += _elapsed_ms(opt0, end)
-                seen.add("optimizer_ms")
             self._event_pool.extend(m for m in marks.values() if isinstance(m, torch.cuda.Event))
         if "step_ms" not in seen:
             return
@@ -292,17 +297,15 @@ class CudaSyncTimer(pl.Callback):
             self.excluded_steps[step.index] = windows
         if not log_now:
             return
-        metrics = {f"time/{k}": v for k, v in row.items() if k != "step"}
-        seconds = step_ms / 1000.0
-        if step.tokens and seconds > 0:
-            metrics["throughput/tokens_per_s"] = step.tokens / seconds
-        if step.flops and self._peak and seconds > 0:
-            raw = step.flops / seconds / self._peak
-            if raw > 1.0:
-                self._warn(f"CudaSyncTimer: MFU {raw:.2f} > 1 means the peak FLOP/s ({self._peak:.3g}) or the "
-                           "measured time is wrong; throughput/mfu is clipped to 1.")
-            metrics["throughput/mfu"] = min(1.0, raw)
-        elif step.flops is None:
+        per_rank = None
+        if trainer.world_size > 1:  # every rank gets here on the same steps (see _logs and on_train_batch_start)
+            mine = [times[k] if k in seen else math.nan for k in PHASES]
+            per_rank = gather_values(trainer, mine + [math.nan if v is None else v for v in (step.tokens, step.flops)])
+        metrics, raw = step_metrics(row, per_rank, step.tokens, step.flops, self._peak)
+        if raw is not None and raw > 1.0:
+            self._warn(f"CudaSyncTimer: MFU {raw:.2f} > 1 means the peak FLOP/s ({self._peak:.3g}) or the "
+                       "measured time is wrong; throughput/mfu is clipped to 1.")
+        if step.flops is None:
             self._warn("CudaSyncTimer: the module has no flops_per_batch; throughput/mfu is not logged.")
         log_scalars(trainer, metrics, step=step.index)
 
@@ -335,8 +338,7 @@ class CudaSyncTimer(pl.Callback):
 
     def summary_text(self) -> str:
         """The summary as Markdown (see ``lmtrain.analysis.timing.summary_text``)."""
-        clock = "CUDA events" if self._cuda and self.sync == "events" else (
-            "torch.cuda.synchronize + time.perf_counter" if self._cuda else "time.perf_counter (host, no CUDA)")
+        clock = clock_name(self._cuda, self.sync)
         excluded = [{**row, "windows": self.excluded_steps[row["step"]]} for row in self._rows(True)]
         return summary_text(self._rows(False), excluded, self.warmup_times, clock,
                             self._model_row or ("model", 0), PHASES)
