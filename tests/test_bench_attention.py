@@ -132,3 +132,14 @@ def test_launch_grid_is_the_small_models_attention():
     cells = bench.plan_cells(parser.parse_args(["--grid", "launch", "--backends", "flash_triton", "sdpa_cudnn"]))
     assert {(c.batch, c.heads, c.head_dim) for c in cells} == {(1, 12, 64)}
     assert [(c.seq_len, c.backend) for c in cells][:2] == [(128, "flash_triton"), (128, "sdpa_cudnn")]
+
+
+def test_cpu_smoke_run_skips_long_sequences_and_caps_repetitions(tmp_path, monkeypatch):
+    """On the CPU, N above CPU_MAX_N is not timed and each measurement takes at most CPU_REP timed runs."""
+    monkeypatch.setattr(bench, "CPU_MAX_N", 40)
+    args = _args(tmp_path, "--backends", "sdpa", "--rep", "50", "--warmup", "9")
+    assert bench.run(args) == 0
+    assert (args.warmup, args.rep) == (bench.CPU_WARMUP, bench.CPU_REP)
+    status = {int(r["seq_len"]): (r["status"], r["reason"]) for r in _rows(tmp_path)}
+    assert status[32] == ("ok", "")
+    assert status[48][0] == "n/a" and "CPU smoke run" in status[48][1]

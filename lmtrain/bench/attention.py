@@ -94,6 +94,8 @@ GRIDS: dict[str, dict] = {
 }
 #: Former grid names.
 GRID_ALIASES = {"seeds": "study"}
+#: The CPU smoke run (``--allow-cpu``): longest N timed, and the most warm-up and timed runs per measurement.
+CPU_MAX_N, CPU_WARMUP, CPU_REP = 512, 1, 3
 HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
 # backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -157,7 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flash-pytorch-max-n", type=int, default=1024,
                         help="skip flash_pytorch above this N: its Python tile loop takes seconds per call")
     parser.add_argument("--out", type=Path, help="CSV path; the JSON goes beside it with suffix .json")
-    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (tiny smoke runs only)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help=f"run on the CPU as a smoke run: N up to {CPU_MAX_N}, at most {CPU_WARMUP} warm-up and "
+                             f"{CPU_REP} timed runs per measurement (a minute or two on 2 cores)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,12 +418,18 @@ def run(args: argparse.Namespace) -> int:
               "Run it on a GPU machine, or pass --allow-cpu for a tiny smoke run.", file=sys.stderr)
         return 2
     cells = plan_cells(args)
+    if device.type == "cpu":  # a smoke run: small cells, few repetitions
+        args.warmup, args.rep = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP)
+        for cell in cells:
+            if cell.seq_len > CPU_MAX_N:
+                cell.status, cell.reason = "n/a", f"CPU smoke run: N above {CPU_MAX_N} is not timed"
     meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args)}
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     for i, cell in enumerate(cells, 1):
         try:
-            run_cell(cell, device, args)
+            if cell.status != "n/a":
+                run_cell(cell, device, args)
         except KeyboardInterrupt:
             raise KeyboardInterrupt("stopped by Ctrl-C; " + (f"the cells finished so far are in {args.out}."
                                                               if args.out else "no --out was given.")) from None
