@@ -31,15 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmtrain.callbacks._common import markdown_table
-from lmtrain.callbacks.precision import (
-    DtypeRecorder,
-    PrecisionReport,
-    dtype_name,
-    grad_entries,
-    optimizer_entries,
-    parameter_entries,
-)
+from lmtrain.analysis.dtypes import PrecisionReport, dtype_name, grad_entries, optimizer_entries, parameter_entries
+from lmtrain.analysis.tables import markdown_table
+from lmtrain.callbacks.dtype_recorder import DtypeRecorder
 from lmtrain.errors import LmtrainError
 
 #: (accumulator dtype, addend dtype, convert the addend to the accumulator's dtype before each addition)
