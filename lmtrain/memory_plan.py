@@ -460,6 +460,12 @@ def max_fitting(
         b, t = (x, seq_len) if batch_size is None else (batch_size, x)
         return estimate_memory(cfg, b, t, precision, mode).peak <= budget_bytes
 
+    return _largest(fits, limit)
+
+
+def _largest(fits: Any, limit: int) -> int:
+    """The largest x in [1, limit] with ``fits(x)`` (``fits`` grows false with x), or 0 when ``fits(1)`` is false:
+    doubling, then bisection."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -723,13 +729,4 @@ def max_fitting_distributed(
                                            gradient_as_bucket_view=gradient_as_bucket_view)
         return plan.peak <= budget_bytes
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:  # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return _largest(fits, limit)

@@ -14,10 +14,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from fitting import cpu_fit
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmtrain.config import ModelConfig
-from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.model import TransformerLM
 from lmtrain.module import InBackwardAdamW, LMModule
@@ -36,14 +36,7 @@ def small_module(**kwargs: Any) -> LMModule:
 
 
 def fit(module: LMModule, steps: int, callbacks: list[pl.Callback] | None = None, **trainer_kwargs: Any) -> pl.Trainer:
-    data = LMDataModule(batch_size=BATCH, context_length=CONTEXT, vocab_size=VOCAB, train_batches=50, val_batches=1)
-    trainer = pl.Trainer(**{
-        "accelerator": "cpu", "devices": 1, "max_steps": steps, "logger": False, "enable_checkpointing": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
-        "callbacks": callbacks or [], **trainer_kwargs,
-    })
-    trainer.fit(module, data)
-    return trainer
+    return cpu_fit(module, steps, batch=BATCH, context=CONTEXT, vocab=VOCAB, callbacks=callbacks, **trainer_kwargs)
 
 
 class GradsAfterBackward(pl.Callback):

@@ -1,0 +1,22 @@
+"""One short CPU fit of an ``LMModule`` on random ids, for tests: no logger, checkpoints, bar or validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lmtrain.data import LMDataModule
+
+
+def cpu_fit(module: pl.LightningModule, steps: int, *, batch: int, context: int, vocab: int,
+            callbacks: list[pl.Callback] | None = None, **trainer_kwargs: Any) -> pl.Trainer:
+    """Fit ``module`` for ``steps`` optimizer steps on synthetic windows; returns the trainer."""
+    data = LMDataModule(batch_size=batch, context_length=context, vocab_size=vocab, train_batches=50, val_batches=1)
+    trainer = pl.Trainer(**{
+        "accelerator": "cpu", "devices": 1, "max_steps": steps, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
+        "callbacks": callbacks or [], **trainer_kwargs,
+    })
+    trainer.fit(module, data)
+    return trainer
