@@ -183,7 +183,9 @@ class LMDataModule(pl.LightningDataModule):
     """Token windows for language-model training, in a seed-determined order that checkpoints keep.
 
     Args:
-        source: ``synthetic``, ``tokens`` or ``text`` (see the module docstring).
+        source: ``synthetic`` (uniformly random ids in [0, vocab_size), no I/O), ``tokens`` (a .npy or raw .bin
+            token file at ``path``, memory-mapped) or ``text`` (UTF-8 files at ``path``, one token per byte,
+            vocab 256; ``path: python-stdlib`` reads the Python standard library).
         path: the token file (``tokens``), or a text file / folder / ``python-stdlib`` (``text``).
         batch_size: sequences per batch on each rank (the global batch is ``batch_size * world_size``).
         context_length: tokens per input sequence (windows hold one more, for the targets). Linked to
