@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.test_callback_memory import fake_cuda  # noqa: F401 (a fixture)
+from test_callback_memory import fake_cuda  # noqa: F401 (a fixture)
 
 STEPS = 6
 BATCH = 4
@@ -86,7 +85,7 @@ def _fit(strategy: str, tmp_path: Path) -> dict[int, dict]:
 
 
 def _rank0_scalars(tmp_path: Path) -> dict[str, list[tuple[int, float]]]:
-    from tests.tb import scalars
+    from tb import scalars
 
     files = sorted(tmp_path.rglob("events.out.tfevents.*"))
     # Rank 0 alone writes TensorBoard: one folder of event files (Lightning's logger is a no-op on rank 1).
@@ -233,9 +232,10 @@ def test_dtensor_parameters_report_master_and_compute_dtypes(tmp_path: Path) -> 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_memory_snapshot_on_rank_of_two(fake_cuda, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:  # noqa: F811
     """MemorySnapshot as rank ``rank`` of 2 (fake allocator, the gather stubbed with the other rank's peak 6 GiB)."""
+    from test_callback_memory import run_step
+
     import lmtrain.callbacks.memory as memory_module
     from lmtrain.callbacks.memory import MemorySnapshot
-    from tests.test_callback_memory import run_step
 
     alloc, trainer = fake_cuda
     trainer.world_size, trainer.global_rank = 2, rank
