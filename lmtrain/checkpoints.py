@@ -60,18 +60,24 @@ class CheckpointOnSignal(pl.Callback):
     after an exception) and replace the previous ones meanwhile: Lightning installs its own SIGTERM handler
     just before, which would raise ``SystemExit`` after the step instead of letting the loop stop. The
     previous handlers come back afterwards.
-    Under DDP the ranks agree on stopping at the same step (one boolean all-reduce per step, only when there
-    is more than one rank). The process then leaves ``fit`` normally: exit status 0.
+    On several ranks they agree on the step to stop at with one boolean all-reduce, which makes the host wait
+    for the GPU; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
+    ``log_every_n_steps``, where Lightning reads the logged values anyway) and on the last step, not every step.
+    The process then leaves ``fit`` normally: exit status 0.
 
     Args:
         signals: names of the signals to catch.
         save_on_train_end: also write ``last.ckpt`` when training ends, if the newest checkpoint is older
             than the final step (a ModelCheckpoint every N steps misses the last steps otherwise).
+        agree_every_n_steps: on several ranks, how often (in optimizer steps) the ranks check whether any of
+            them was signalled; None: ``trainer.log_every_n_steps``.
     """
 
-    def __init__(self, signals: tuple[str, ...] = ("SIGINT", "SIGTERM"), save_on_train_end: bool = True) -> None:
+    def __init__(self, signals: tuple[str, ...] = ("SIGINT", "SIGTERM"), save_on_train_end: bool = True,
+                 agree_every_n_steps: int | None = None) -> None:
         self.signals = tuple(signals)
         self.save_on_train_end = save_on_train_end
+        self.agree_every_n_steps = agree_every_n_steps
         self.received: str | None = None
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
@@ -145,6 +151,9 @@ class CheckpointOnSignal(pl.Callback):
             return
         stop = self.received is not None
         if trainer.world_size > 1:
+            every = self.agree_every_n_steps or max(1, int(trainer.log_every_n_steps))
+            if trainer.global_step % every and not self._final_step(trainer):
+                return  # every rank skips the same steps: the collective below stays matched
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled
         if stop:
             self._save_last(trainer, self.received or "a signal on another rank")
