@@ -43,6 +43,7 @@ import triton.language as tl
 from lmtrain.kernels._flash_shared import (
     _INTERPRET,
     _LOG2E,
+    _NO_SPECIALIZE,
     _TUNE_KEY,
     _keep,
     _key_range,
@@ -55,7 +56,6 @@ from lmtrain.kernels._flash_shared import (
 
 _HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
-_NO_SPECIALIZE = ["H", "N_Q", "N_K", "N_KEY"]
 
 
 def _ws_configs(blocks: list[tuple[int, int, int, int, bool]]) -> list[triton.Config]:
