@@ -8,15 +8,14 @@ other rank writes events.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocs import ROOT, own_job_env
 from tb import scalars as read_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 OVERLAY = """
 trainer:
@@ -43,7 +42,7 @@ def _fit(cwd: Path, devices: int, batch_size: int) -> list[float]:
     cwd.mkdir()
     losses = cwd / "losses.json"
     (cwd / "overlay.yaml").write_text(OVERLAY.replace("PATH", str(losses)))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**own_job_env(ROOT / "tests"), "CUDA_VISIBLE_DEVICES": ""}
     args = [sys.executable, "-m", "lmtrain", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config",
             "overlay.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
             "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.max_steps", str(STEPS),

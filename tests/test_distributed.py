@@ -10,13 +10,13 @@ world size, trains on the same global batches.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocs import own_job_env
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -114,10 +114,7 @@ def run_fit(strategy: str, out: Path) -> None:
 
 def _fit(strategy: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{strategy}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get(
-        "PYTHONPATH", "")]))
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(name, None)  # a run of its own, not a rank of some outer job
+    env = own_job_env()
     proc = subprocess.run([sys.executable, __file__, strategy, str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
