@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +18,7 @@ from lmtrain.attention import needs_gpu
 from lmtrain.config import DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
+from lmtrain.graphs import GraphedOptimizer, WholeStepGraph, eager_requested, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
 
@@ -75,7 +77,21 @@ class LMModule(pl.LightningModule):
             the backward pass); no effect on a CPU.
         loss_chunk_tokens: output head and cross-entropy over this many tokens at a time (0: all at once), so the
             (tokens x vocabulary) logits never exist whole; same loss and gradients.
+        cuda_graphs: capture the whole training step (forward, backward, optimizer update) as one CUDA graph
+            after ``cuda_graph_warmup`` eager steps and replay it for every later step (``lmtrain.graphs``,
+            ``docs/speed.md``): one launch per step instead of one per kernel. Needs a CUDA device, step mode
+            ``train``, batches of one shape (another shape runs eagerly) and no host work inside the step: refused
+            (``LmtrainError``) with gradient accumulation, ``trainer.gradient_clip_val``, ``16-mixed``, several
+            devices and ``activation_checkpointing: offload``. The optimizer is AdamW with ``capturable=True`` and
+            the learning rate a device tensor; checkpoints are those of an eager run. Callbacks see a replayed step
+            as one phase, ``cuda graph``: ``CudaSyncTimer`` times the whole step only, and a callback that needs
+            the step's module hooks (``PrecisionInspector``; ``NVTXRanges`` at depth ``block`` and deeper) gets
+            an eager step in its window.
+        cuda_graph_warmup: eager steps of each fit before the capture (compilation, autotuning, optimizer state).
     """
+
+    #: How ``cuda_graphs`` captures and replays a step (``lmtrain.graphs``); tests put the CPU stand-in here.
+    graph_class: type[WholeStepGraph] = WholeStepGraph
 
     def __init__(
         self,
@@ -105,6 +121,8 @@ class LMModule(pl.LightningModule):
         optimizer_in_backward: bool = ModelConfig.optimizer_in_backward,
         optimizer_overlap: bool = ModelConfig.optimizer_overlap,
         loss_chunk_tokens: int = ModelConfig.loss_chunk_tokens,
+        cuda_graphs: bool = False,
+        cuda_graph_warmup: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -125,9 +143,17 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
+        if cuda_graphs and step_mode != "train":
+            raise LmtrainError("model.cuda_graphs", f"captures a whole training step, but step_mode={step_mode!r}.",
+                               "use step_mode: train with cuda_graphs, or set cuda_graphs: false.")
+        if isinstance(cuda_graph_warmup, bool) or not isinstance(cuda_graph_warmup, int) or cuda_graph_warmup < 1:
+            raise LmtrainError("model.cuda_graph_warmup", f"must be a whole number >= 1, got {cuda_graph_warmup!r}.",
+                               "use 3 (compilation, autotuning and the optimizer state need eager steps first).")
         self.step_mode = step_mode
-        # Forward-only and forward+backward steps must not step the optimizer: optimise by hand.
-        self.automatic_optimization = step_mode == "train"
+        self.cuda_graphs = bool(cuda_graphs)
+        # Forward-only and forward+backward steps must not step the optimizer, and a graphed step runs the whole
+        # step itself: optimise by hand.
+        self.automatic_optimization = step_mode == "train" and not self.cuda_graphs
         self.model: TransformerLM | torch.nn.Module | None = None
         self.val_loss = torchmetrics.MeanMetric()
         self._tokens_per_batch: tuple[int, int] | None = None
@@ -136,6 +162,11 @@ class LMModule(pl.LightningModule):
         self._bar_loss: torch.Tensor | None = None
         self._batches_without_step = 0
         self._in_backward: InBackwardAdamW | None = None
+        # CUDA graph of the whole step (cuda_graphs): eager steps run since the last capture reset, the step
+        # index of the capture.
+        self._graph: WholeStepGraph | None = None
+        self._eager_steps = 0
+        self._capture_step: int | None = None
         # Whether the weights came from training or a checkpoint; validate/test warn when neither.
         self._weights_known = False
         self.register_load_state_dict_post_hook(LMModule._mark_weights_loaded)
@@ -175,7 +206,8 @@ class LMModule(pl.LightningModule):
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         self._tokens_per_batch = tuple(inputs.shape)
-        if self.config.loss_chunk_tokens:
+        if self.config.loss_chunk_tokens or self.hparams.compile:
+            # Through the model's forward: chunked, or compiled together with the model (fused into its kernels).
             return self.model(inputs, targets)
         logits = self.model(inputs)  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -213,6 +245,8 @@ class LMModule(pl.LightningModule):
             self.log("loss", self._bar_loss, prog_bar=True, logger=False)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.cuda_graphs:
+            return self._graphed_training_step(batch)
         if self.step_mode == "forward":
             with torch.no_grad():
                 loss = self.loss(batch)
@@ -230,11 +264,121 @@ class LMModule(pl.LightningModule):
             return loss.detach()
         return loss
 
+    # -- CUDA graph of the whole step (cuda_graphs) -------------------------------------------------
+
+    def replays_graph(self, step: int) -> bool:
+        """Step ``step`` of this fit runs as a CUDA graph replay (the capture step included).
+
+        Asked by the callbacks (``lmtrain.callbacks._common.StepPhases``) at each batch start, before the step
+        runs; the step itself decides the same way. False without ``cuda_graphs``, during the eager warm-up and
+        for steps in which a callback asks for an eager step (``needs_eager_step``).
+        """
+        if not self.cuda_graphs or self._eager_steps < self.hparams.cuda_graph_warmup:
+            return False
+        return self._trainer is None or not eager_requested(self.trainer, step)
+
+    def in_window(self, step: int) -> bool:
+        """Under ``cuda_graphs``, step ``step`` is an eager warm-up step or the step that captured the graph.
+
+        ``CudaSyncTimer`` keeps such steps out of its statistics (and reports them apart), so that its summary
+        describes the replayed steps only.
+        """
+        return self.cuda_graphs and (self._capture_step is None or step <= self._capture_step)
+
+    def _graphed_training_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """One training step under ``cuda_graphs``: eager (warm-up, requested, odd shape) or a graph replay."""
+        optimizer = self.optimizers()
+        schedule = self.lr_schedulers()
+        graphed: GraphedOptimizer = optimizer.optimizer
+        step = self.trainer.global_step
+        self.log("train/lr", torch.tensor(self._scheduled_lr(schedule)))
+        if self._graph is None:
+            self._graph = self.graph_class()
+        graph = self._graph
+        replay = self.replays_graph(step) and (not graph.ready or graph.matches(batch))
+        if self.replays_graph(step) and not replay:
+            rank_zero_warn(f"model.cuda_graphs: a batch of shape {tuple(batch.shape)} differs from the captured "
+                           f"{tuple(graph.static_batch.shape)}; such batches run eagerly.")
+        if replay:
+            if not graph.ready:
+                self._capture(graph, graphed.inner, batch)
+            self._tokens_per_batch = (batch.shape[0], batch.shape[1] - 1)
+            graphed.replaying = True
+            try:
+                optimizer.step(closure=lambda: graph.replay(batch))
+            finally:
+                graphed.replaying = False
+            graphed.inner.zero_grad(set_to_none=True)  # as after an eager step (a host-side no-op after a replay)
+            loss = graph.static_loss.clone()  # the next replay overwrites the static output
+        else:
+            graphed.inner.zero_grad(set_to_none=True)  # never accumulate onto the graph's gradient buffers
+            if isinstance(graphed.inner, InBackwardAdamW):
+                loss = optimizer.step(closure=lambda: self._eager_forward_backward(batch))
+            else:
+                loss = self._eager_forward_backward(batch)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self._eager_steps += 1
+            loss = loss.detach()
+        schedule.step()
+        self._log_train_loss(loss)
+        return loss
+
+    def _eager_forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        return loss
+
+    def _capture(self, graph: WholeStepGraph, inner: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+        """Capture the whole step: forward, backward and ``inner``'s update (inside the backward pass for an
+        in-backward optimizer), with autocast's weight cache off (each cast is a kernel of the graph)."""
+
+        def forward_backward(b: torch.Tensor) -> torch.Tensor:
+            loss = self.loss(b)
+            loss.backward()
+            return loss
+
+        def whole_step(b: torch.Tensor) -> torch.Tensor:
+            # Host work: at the capture, the backward pass then writes fresh gradient buffers (no accumulation),
+            # which is what every replay does.
+            inner.zero_grad(set_to_none=True)
+            if isinstance(inner, InBackwardAdamW):
+                return inner.step(closure=lambda: forward_backward(b))
+            loss = forward_backward(b)
+            inner.step()
+            return loss
+
+        def prepare(b: torch.Tensor) -> None:  # a forward and backward pass without an update
+            forward_backward(b)
+            inner.zero_grad(set_to_none=True)
+
+        inner.zero_grad(set_to_none=True)
+        device = batch.device.type
+        autocast = torch.is_autocast_enabled(device) if device == "cuda" else False
+        context = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False) if autocast
+                   else contextlib.nullcontext())
+        with context:
+            graph.capture(whole_step, batch, prepare=prepare)
+        # The graph keeps its gradient buffers in its own pool; eager steps start from no gradients.
+        inner.zero_grad(set_to_none=True)
+        self._capture_step = self.trainer.global_step
+
+    def _scheduled_lr(self, schedule: Any) -> float:
+        """The rate this step's update uses, from the schedule on the host (the groups' ``lr`` is a device
+        tensor under ``cuda_graphs``: reading it would wait for the GPU)."""
+        hp = self.hparams
+        return float(hp.lr * schedule.lr_lambdas[0](schedule.last_epoch))
+
+    def on_train_start(self) -> None:
+        # A fit captures its own graph (after its own warm-up: compilation and autotuning happen per process).
+        if self.cuda_graphs:
+            self._graph, self._eager_steps, self._capture_step = None, 0, None
+
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         self._weights_known = True
         # Without optimizer steps Lightning's global_step stays 0 and trainer.max_steps would never end a
         # forward or forward_backward run: count the batches instead.
-        if self.automatic_optimization:
+        if self.step_mode == "train":
             return
         self._batches_without_step += 1
         max_steps = self.trainer.max_steps
@@ -248,6 +392,13 @@ class LMModule(pl.LightningModule):
         # gradients at the activation peak (12.7 GiB more for the 2.7B model than a plain loop).
         optimizer.zero_grad(set_to_none=True)
 
+    def configure_callbacks(self) -> list[pl.Callback]:
+        # The earliest hook of a fit, before Lightning checks the loop configuration (with cuda_graphs the module
+        # optimises by hand, and Lightning's own refusal would not name the option): check the trainer here.
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            self.check_trainer(self.trainer)
+        return []
+
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.check_trainer(self.trainer)
@@ -258,6 +409,8 @@ class LMModule(pl.LightningModule):
         Called from ``setup("fit")``; a command line can call it before ``fit`` to stop before anything is
         written.
         """
+        if self.cuda_graphs:
+            self._check_graph_trainer(trainer)
         if not self.config.optimizer_in_backward:
             return
         field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
@@ -275,6 +428,32 @@ class LMModule(pl.LightningModule):
                                "scaler could unscale or skip them (trainer.precision=16-mixed).",
                                "use trainer.precision: bf16-mixed (no loss scaling) or "
                                "model.optimizer_in_backward: false.")
+
+    def _check_graph_trainer(self, trainer: pl.Trainer) -> None:
+        field, why = "model.cuda_graphs", "replays the whole step as one graph, so"
+        off = "or set model.cuda_graphs: false."
+        device = trainer.strategy.root_device
+        if self.graph_class.needs_cuda and device.type != "cuda":
+            raise LmtrainError(field, f"needs a CUDA device; this run trains on {device.type}.",
+                               "train on a GPU (trainer.accelerator: gpu) " + off)
+        if getattr(trainer, "world_size", 1) > 1:
+            raise LmtrainError(field, f"captures the step of one device; this run has {trainer.world_size} "
+                               "devices (their gradient communication is not captured).",
+                               "use trainer.devices: 1 " + off)
+        if trainer.accumulate_grad_batches > 1:
+            raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
+                               f"{trainer.accumulate_grad_batches} batches.",
+                               "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
+        if trainer.gradient_clip_val:
+            raise LmtrainError(field, f"{why} clipping by the gradient norm (trainer.gradient_clip_val="
+                               f"{trainer.gradient_clip_val}) would happen after the update, outside the graph.",
+                               "unset trainer.gradient_clip_val " + off)
+        if str(trainer.precision) == "16-mixed":
+            raise LmtrainError(field, f"{why} the loss scaler's host-side checks (trainer.precision=16-mixed) "
+                               "cannot run inside it.", "use trainer.precision: bf16-mixed " + off)
+        if "offload" in (self.config.activation_checkpointing, self.config.checkpoint_rest):
+            raise LmtrainError(field, f"{why} it cannot copy saved tensors to freshly pinned host memory "
+                               "(activation_checkpointing: offload).", "use full or selective checkpointing " + off)
 
     def teardown(self, stage: str) -> None:
         # The in-backward optimizer's hooks live on the parameters: remove them with the fit that made them.
@@ -348,14 +527,21 @@ class LMModule(pl.LightningModule):
         on_cuda = all(p.is_cuda for p in self.parameters())  # fused AdamW is CUDA-only; CPU uses foreach
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         fused = bool(hp.fused_adamw and on_cuda)
+        # A captured step keeps AdamW's step count on the device and reads the rate from a device tensor.
+        capturable = self.cuda_graphs and on_cuda
         if self.config.optimizer_in_backward:
             if self._in_backward is not None:  # configured again: the old hooks must not update as well
                 self._in_backward.remove_hooks()
             optimizer = InBackwardAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
-                                        overlap=self.config.optimizer_overlap)
+                                        overlap=self.config.optimizer_overlap, capturable=capturable)
             self._in_backward = optimizer
         else:
-            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
+                                          capturable=capturable)
+        if capturable:
+            lr_as_tensors(optimizer, self.device)
+        if self.cuda_graphs:
+            optimizer = GraphedOptimizer(optimizer)
         total = hp.decay_steps or self._total_steps()
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, int(total), hp.min_lr_ratio)
@@ -397,10 +583,12 @@ class InBackwardAdamW(torch.optim.Optimizer):
         eps: AdamW epsilon.
         fused: use the fused CUDA AdamW kernel per parameter.
         overlap: run the updates on a second CUDA stream.
+        capturable: AdamW with ``capturable=True`` (step counts on the device), for a step captured as a CUDA
+            graph; the groups' ``lr`` may then be device tensors.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
-                 fused: bool = False, overlap: bool = False) -> None:
+                 fused: bool = False, overlap: bool = False, capturable: bool = False) -> None:
         super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
         self._fused = fused
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
@@ -409,12 +597,16 @@ class InBackwardAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self._group_of[p] = group
                 self._adamw[p] = torch.optim.AdamW([p], lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                                   weight_decay=group["weight_decay"], fused=fused)
+                                                   weight_decay=group["weight_decay"], fused=fused,
+                                                   capturable=capturable)
         self._share_state()
         self._stepping = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._adamw]
         cuda = overlap and any(p.is_cuda for p in self._adamw)
         self._stream = torch.cuda.Stream(device=next(iter(self._adamw)).device) if cuda else None
+        # Gradients the side stream reads while a CUDA graph is being captured, kept until the step's end
+        # (record_stream cannot mark a tensor during a capture).
+        self._held: list[torch.Tensor] = []
 
     def _share_state(self) -> None:
         # AdamW fills its state dict in place on the first step, so one dict object serves both optimizers.
@@ -442,7 +634,10 @@ class InBackwardAdamW(torch.optim.Optimizer):
         with torch.cuda.stream(self._stream):
             adamw.step()
         # The compute stream may reuse the gradient's memory only after the side stream has read it.
-        param.grad.record_stream(self._stream)
+        if torch.cuda.is_current_stream_capturing():
+            self._held.append(param.grad)
+        else:
+            param.grad.record_stream(self._stream)
         param.grad = None
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -458,11 +653,15 @@ class InBackwardAdamW(torch.optim.Optimizer):
         if self._stream is not None:
             # The next forward pass reads the updated parameters.
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._held.clear()  # after the join: the side stream is done with them
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._share_state()  # load_state_dict replaced self.state's dicts
+        # load_state_dict replaced self.state's dicts and the param groups' dicts: the schedule now sets ``lr``
+        # in the new groups, which each update must read.
+        self._share_state()
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (no more in-backward updates)."""

@@ -113,6 +113,9 @@ __all__ = [
 
 #: Phases of a training step, in order; ``outside`` holds kernels launched outside the three ranges.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
+#: The one phase of a step replayed as a CUDA graph (``lmtrain.callbacks._common.StepPhases.GRAPH``): its kernels
+#: run from one graph launch, with no forward/backward/optimizer boundary in between.
+GRAPH_PHASE = "cuda graph"
 #: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
 PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer")
 #: Kernel categories, in report order.
@@ -291,9 +294,9 @@ class KernelSummary:
     def metrics(self, head_dim: int | None = None) -> dict[str, float]:
         """The ``kernels/...`` scalars of the class docstring that this summary defines."""
         out: dict[str, float] = {"kernels/total_ms_per_step": self.total_us / 1e3}
-        for phase in PHASES:
+        for phase in (*PHASES, GRAPH_PHASE):
             if self.phase_us.get(phase, 0.0) > 0:
-                out[f"kernels/{phase}_ms_per_step"] = self.phase_us[phase] / 1e3
+                out[f"kernels/{phase.replace(' ', '_')}_ms_per_step"] = self.phase_us[phase] / 1e3
         for category in CATEGORIES:
             value = self.share(category)
             if value is not None:

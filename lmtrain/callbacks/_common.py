@@ -219,9 +219,16 @@ class StepPhases:
     backward; includes ``zero_grad``), ``backward`` (-> ``on_after_backward``), ``after backward`` (->
     ``on_before_optimizer_step`` or batch end), ``optimizer`` (``on_before_optimizer_step`` -> batch end:
     the optimizer step, gradient clipping, the LR scheduler).
+
+    A step that the module replays as a CUDA graph (``LMModule(cuda_graphs=True)``; the module's
+    ``replays_graph(step)`` says so at the batch start) has one phase, ``cuda graph``, from start to end:
+    forward, backward and update run inside one graph launch, with no boundary the host could mark.
+    :attr:`graphed` tells the callbacks; ``on_before_optimizer_step`` still fires (the step is an
+    optimizer step) but leaves the phase as it is.
     """
 
     FORWARD, BACKWARD, AFTER_BACKWARD, OPTIMIZER = "forward", "backward", "after backward", "optimizer"
+    GRAPH = "cuda graph"
 
     def __init__(self) -> None:
         self.reset()
@@ -236,6 +243,7 @@ class StepPhases:
         self.steps_started = 0  # steps started in this fit
         self.batches_seen = 0  # training batches started in this fit
         self.previous_step: int | None = None  # the step before the current one in this fit
+        self.graphed = False  # the step in progress is a CUDA graph replay
         self._open = False
 
     def batch_start(self, trainer: pl.Trainer) -> int:
@@ -248,10 +256,12 @@ class StepPhases:
             self.micro_batch = 0
             self.steps_started += 1
             self._open = True
+            replays = getattr(trainer.lightning_module, "replays_graph", None)
+            self.graphed = bool(callable(replays) and replays(self.step))
         else:
             self.micro_batch += 1
         self.batches_seen += 1
-        self.phase, self.stepped, self.ended = self.FORWARD, False, False
+        self.phase, self.stepped, self.ended = self.GRAPH if self.graphed else self.FORWARD, False, False
         return self.step
 
     def before_backward(self) -> None:
@@ -261,7 +271,7 @@ class StepPhases:
         self.phase = self.AFTER_BACKWARD
 
     def before_optimizer_step(self) -> None:
-        self.phase, self.stepped = self.OPTIMIZER, True
+        self.phase, self.stepped = self.GRAPH if self.graphed else self.OPTIMIZER, True
 
     def batch_end(self, trainer: pl.Trainer) -> bool:
         """A training batch ends (``on_train_batch_end``); returns whether it ended its step."""
@@ -295,8 +305,9 @@ def windows_holding(trainer: pl.Trainer, step: int, exclude: object = None) -> l
     """Class names of the trainer's callbacks whose measurement window holds ``step``.
 
     The mechanism is public and duck-typed: any callback with a method ``in_window(step: int) -> bool``
-    takes part (all lmtrain callbacks have one). ``CudaSyncTimer`` uses it to keep steps slowed by another
-    callback's measurement out of its summary.
+    takes part (all lmtrain callbacks have one), and so does the LightningModule (``LMModule``'s window is the
+    step that captures its CUDA graph). ``CudaSyncTimer`` uses it to keep steps slowed by another callback's
+    measurement out of its summary.
 
     Args:
         trainer: the trainer (its public ``callbacks`` list is read).
@@ -304,7 +315,7 @@ def windows_holding(trainer: pl.Trainer, step: int, exclude: object = None) -> l
         exclude: a callback to leave out (the one asking).
     """
     names = []
-    for cb in trainer.callbacks:
+    for cb in [*trainer.callbacks, getattr(trainer, "lightning_module", None)]:
         in_window = getattr(cb, "in_window", None)
         if cb is not exclude and callable(in_window) and in_window(step):
             names.append(type(cb).__name__)

@@ -66,6 +66,8 @@ class KernelShare(Callback):
 
         kernels/total_ms_per_step                   ms: kernel device time per step (memcpy / memset included)
         kernels/{phase}_ms_per_step                 ms: kernel time per step launched in that phase
+        kernels/cuda_graph_ms_per_step              ms: kernel time per step of steps replayed as a CUDA graph
+                                                    (``LMModule(cuda_graphs=True)``: one phase, no boundaries)
         kernels/{category}_share_step               fraction in [0, 1]: category's share of the step's kernel
                                                     time, for gemm, attention, softmax, elementwise,
                                                     reduction, optimizer, communication, copy, other
@@ -228,7 +230,7 @@ class KernelShare(Callback):
             if trainer.global_rank in self.ranks:
                 self._start(pl_module)
         if self._prof is not None:
-            self._open_range("forward")
+            self._open_range(self._phases.phase)  # forward, or "cuda graph" for a replayed step
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -246,7 +248,7 @@ class KernelShare(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         self._phases.before_optimizer_step()
-        if self._prof is not None:
+        if self._prof is not None and not self._phases.graphed:
             self._open_range("optimizer")
 
     @override

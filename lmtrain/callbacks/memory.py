@@ -254,7 +254,7 @@ class MemorySnapshot(pl.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._cuda:
+        if self._cuda and not self._phases.graphed:  # a replayed step is one phase, start to end
             self._boundary()
         self._phases.before_optimizer_step()
 
@@ -272,7 +272,8 @@ class MemorySnapshot(pl.Callback):
         if self._measure:
             stats = torch.cuda.memory_stats(self._device)  # one read for the peak, allocated and reserved
             peak = stats.get("allocated_bytes.all.peak", 0) / GIB
-            self._values.setdefault("memory/peak_after_forward_gib", peak)  # a step without backward
+            if not self._phases.graphed:  # a replay has no forward boundary
+                self._values.setdefault("memory/peak_after_forward_gib", peak)  # a step without backward
             if stepped:
                 self._values["memory/peak_after_optimizer_gib"] = peak
             self._values["memory/allocated_gib"] = stats.get("allocated_bytes.all.current", 0) / GIB

@@ -115,6 +115,11 @@ class NVTXRanges(pl.Callback):
         """Step ``step`` has this callback's ranges (and, at depth ``block`` and deeper, its module hooks)."""
         return self._window.contains(step)
 
+    def needs_eager_step(self, step: int) -> bool:
+        """At depth ``block`` and deeper the ranges come from module hooks and dispatched operations, which a CUDA
+        graph replay (``LMModule(cuda_graphs=True)``) does not run: the window's steps run eagerly."""
+        return self._depth_at_least("block") and self._window.contains(step)
+
     # -- setup / teardown -----------------------------------------------------------------------
 
     @override
@@ -229,7 +234,7 @@ class NVTXRanges(pl.Callback):
         self._open(STEP_RANGE)
         self._open(f"{STEP_RANGE}/{step}", nvtx_kind="start")
         if self._depth_at_least("phase"):
-            self._open("forward")
+            self._open(self._phases.phase)  # forward, or "cuda graph" for a replayed step
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -247,7 +252,7 @@ class NVTXRanges(pl.Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._phases.before_optimizer_step()
-        if self._in_window and self._depth_at_least("phase"):
+        if self._in_window and self._depth_at_least("phase") and not self._phases.graphed:
             self._close("forward")  # a step without backward (not in lmtrain's modes, but cheap to handle)
             self._open("optimizer")
 

@@ -109,6 +109,11 @@ class PrecisionInspector(Callback):
         """Step ``step`` is the inspected one (hooks, fp32 reference forward: slower than the others)."""
         return self._window.contains(step)
 
+    def needs_eager_step(self, step: int) -> bool:
+        """The inspected step records dtypes through module hooks, which a CUDA graph replay
+        (``LMModule(cuda_graphs=True)``) does not run: it runs eagerly."""
+        return self.in_window(step)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

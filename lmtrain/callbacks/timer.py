@@ -50,6 +50,7 @@ class _Step:
     batches: list[dict[str, Any]] = field(default_factory=list)  # mark name -> CUDA event or seconds
     tokens: int | None = 0
     flops: float | None = 0.0
+    graphed: bool = False  # replayed as a CUDA graph: only the whole step has marks
 
 
 class CudaSyncTimer(pl.Callback):
@@ -80,7 +81,9 @@ class CudaSyncTimer(pl.Callback):
 
     Metrics (TensorBoard scalars at the step they belong to; every ``log_every_n_steps`` steps):
 
-    - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds.
+    - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds. A step
+      replayed as a CUDA graph (``LMModule(cuda_graphs=True)``) has ``time/step_ms`` only, and the step that
+      captures the graph is reported apart like a step in another callback's window.
     - ``time/warmup_step_ms``: milliseconds per warm-up step.
     - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens); on
       several ranks the tokens of all ranks over the slowest rank's step time.
@@ -216,7 +219,12 @@ class CudaSyncTimer(pl.Callback):
         self._collect(trainer, block=trainer.world_size > 1 and any(map(self._logs, self._pending)))
         index = self._phases.batch_start(trainer)
         if self._current is None:
-            self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps)
+            self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps,
+                                  graphed=self._phases.graphed)
+            if self._phases.graphed:
+                self._warn("CudaSyncTimer: steps replayed as a CUDA graph (model.cuda_graphs) have time/step_ms only: "
+                           "forward, backward and the update run inside one graph launch, with no boundary to mark. "
+                           "The eager warm-up steps before the capture still have every phase.")
         self._batch = {}
         self._current.batches.append(self._batch)
         tokens = tokens_in_batch(batch)
@@ -238,7 +246,8 @@ class CudaSyncTimer(pl.Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._phases.before_optimizer_step()
-        self._mark(_BEFORE_OPT)
+        if not self._phases.graphed:  # a replay has run its update already
+            self._mark(_BEFORE_OPT)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -278,6 +287,8 @@ class CudaSyncTimer(pl.Callback):
 
     def _record(self, trainer: pl.Trainer, step: _Step) -> None:
         times, seen = phase_times(step.batches, _elapsed_ms)
+        if step.graphed:
+            seen &= {"step_ms"}
         for marks in step.batches:
             self._event_pool.extend(m for m in marks.values() if isinstance(m, torch.cuda.Event))
         if "step_ms" not in seen:

@@ -1,0 +1,141 @@
+"""``LMModule(cuda_graphs=True)`` on a CPU, with ``EmulatedStepGraph`` standing in for the CUDA graph.
+
+The stand-in runs the captured step function at each "replay", so these tests check everything around the graph:
+when the module captures, that a replayed step updates exactly once and counts as an optimizer step (global_step,
+schedule, logged rate), that eager and graphed runs train identically, and how the callbacks see replayed steps.
+The real capture runs in ``tests/test_graphs_gpu.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lmtrain.callbacks import CudaSyncTimer, PrecisionInspector
+from lmtrain.errors import LmtrainError
+from lmtrain.graphs import EmulatedStepGraph, GraphedOptimizer
+from lmtrain.module import LMModule
+from tests.fitting import cpu_fit
+
+TINY = dict(size="tiny", vocab_size=97, context_length=16, warmup_steps=2, decay_steps=8, lr=3e-3)
+
+
+class Emulated(LMModule):
+    graph_class = EmulatedStepGraph
+
+
+class Record(pl.Callback):
+    """Loss, logged rate and global_step at every batch end."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.steps.append(trainer.global_step)
+        self.lrs.append(float(trainer.callback_metrics["train/lr"]))
+
+
+def _fit(module: LMModule, steps: int = 8, callbacks: list[pl.Callback] | None = None, **kw: Any) -> Record:
+    torch.manual_seed(0)
+    record = Record()
+    cpu_fit(module, steps, batch=3, context=16, vocab=97, callbacks=[record, *(callbacks or [])], **kw)
+    return record
+
+
+def _pair(**options: Any) -> tuple[LMModule, LMModule, Record, Record]:
+    torch.manual_seed(1)
+    eager = LMModule(**TINY, **options)
+    torch.manual_seed(1)
+    graphed = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=2, **options)
+    return eager, graphed, _fit(eager), _fit(graphed)
+
+
+@pytest.mark.parametrize("options", [{}, {"optimizer_in_backward": True}], ids=["adamw", "in-backward"])
+def test_graphed_steps_train_exactly_like_eager_steps(options: dict[str, Any]) -> None:
+    eager, graphed, a, b = _pair(**options)
+    assert graphed._graph.captures == 1 and graphed._capture_step == 2
+    assert b.steps == a.steps == list(range(1, 9))  # each replay is one optimizer step for Lightning
+    assert b.lrs == pytest.approx(a.lrs, rel=1e-12)  # the schedule steps once per step, warm-up and cosine
+    assert len(set(a.lrs)) > 4
+    assert b.losses == pytest.approx(a.losses, rel=1e-6, abs=1e-7)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
+    # no gradients left behind by the captured step's buffers
+    assert all(p.grad is None for p in graphed.parameters())
+
+
+def test_graphed_optimizer_checkpoints_are_the_inner_optimizers() -> None:
+    _, graphed, _, _ = _pair()
+    opt = graphed.trainer.optimizers[0]
+    assert isinstance(opt, GraphedOptimizer)
+    state = opt.state_dict()
+    assert state == opt.inner.state_dict() and len(state["state"]) == len(list(graphed.parameters()))
+    fresh = torch.optim.AdamW([{"params": g["params"]} for g in opt.inner.param_groups], lr=1.0)
+    wrapped = GraphedOptimizer(fresh)
+    wrapped.load_state_dict(state)
+    assert wrapped.param_groups is fresh.param_groups and wrapped.param_groups[0]["lr"] == state["param_groups"][0]["lr"]
+
+
+def test_timer_reports_replayed_steps_as_whole_steps_only() -> None:
+    timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
+    module = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=3)
+    _fit(module, steps=7, callbacks=[timer])
+    by_step = {row["step"]: row for row in timer.step_times}
+    assert set(by_step[1]) == {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"}  # eager warm-up
+    assert set(by_step[5]) == {"step", "step_ms"}  # replayed
+    # the eager steps and the capture step are reported apart, as the module's window
+    assert {s: w for s, w in timer.excluded_steps.items()} == {s: ["Emulated"] for s in range(4)}
+    assert timer.summary()["step_ms"]["count"] == 3 and "forward_ms" not in timer.summary()
+
+
+def test_precision_inspector_gets_an_eager_step_inside_a_graphed_run() -> None:
+    inspector = PrecisionInspector(step=5, reference=False)
+    module = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=2)
+    _fit(module, steps=7, callbacks=[inspector])
+    assert module.replays_graph(4) and not module.replays_graph(5)
+    assert inspector.result is not None and inspector.result.modules  # hooks saw the step's modules
+    assert module._eager_steps == 3 and module._graph.captures == 1  # warm-up 2 + the inspected step
+
+
+@pytest.mark.parametrize("trainer_kwargs, text", [
+    ({"accumulate_grad_batches": 2}, "accumulate"),
+    ({"gradient_clip_val": 1.0}, "gradient_clip_val"),
+])
+def test_graph_refusals_name_the_option(trainer_kwargs: dict[str, Any], text: str) -> None:
+    with pytest.raises(LmtrainError, match=text) as info:
+        _fit(Emulated(**TINY, cuda_graphs=True), steps=2, **trainer_kwargs)
+    assert "model.cuda_graphs" in str(info.value)
+
+
+def test_graphs_refuse_a_cpu_and_offload_and_other_step_modes() -> None:
+    with pytest.raises(LmtrainError, match="needs a CUDA device"):
+        _fit(LMModule(**TINY, cuda_graphs=True), steps=2)
+    with pytest.raises(LmtrainError, match="offload"):
+        _fit(Emulated(**TINY, cuda_graphs=True, activation_checkpointing="offload"), steps=2)
+    with pytest.raises(LmtrainError, match="step_mode"):
+        LMModule(**TINY, cuda_graphs=True, step_mode="forward_backward")
+    with pytest.raises(LmtrainError, match="cuda_graph_warmup"):
+        LMModule(**TINY, cuda_graphs=True, cuda_graph_warmup=0)
+
+
+def test_in_backward_schedule_survives_load_state_dict() -> None:
+    """After a resume the schedule sets lr in the loaded param groups; each update must read those."""
+    from lmtrain.module import InBackwardAdamW
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = InBackwardAdamW([{"params": [w], "weight_decay": 0.0}], lr=1.0, betas=(0.9, 0.95), eps=1e-8)
+    opt.step(closure=lambda: (w * w).sum().backward())
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.0  # what a schedule does
+    before = w.detach().clone()
+    opt.step(closure=lambda: (w * w).sum().backward())
+    torch.testing.assert_close(w.detach(), before)  # lr 0: no change
+    opt.remove_hooks()
