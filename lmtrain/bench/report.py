@@ -29,13 +29,12 @@ from lmtrain.bench.sweep import (
     Cell,
     base_row,
     cell_config,
-    cells_from_values,
+    cells_of_study,
     command_line,
     finish_row,
     load_meta,
     load_results,
     run_sweep,
-    sweep_values,
 )
 from lmtrain.bench.tables import markdown_rows
 from lmtrain.flops import flops_per_step
@@ -72,7 +71,7 @@ def _study_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
 
 def study_cells(args: argparse.Namespace) -> dict[str, list[Cell]]:
     """Each requested study's cells, with the report's overrides applied."""
-    return {name: cells_from_values(sweep_values(_study_args(args, name), name)) for name in args.studies}
+    return {name: cells_of_study(_study_args(args, name), name)[0] for name in args.studies}
 
 
 def study_command(args: argparse.Namespace, name: str, results: Path) -> str:

@@ -1,9 +1,11 @@
 """Ready-made studies of ``python -m lmtrain bench model --study NAME``: sweep presets and their tables.
 
 Each study is a preset of the sweep flags of ``lmtrain.bench.sweep`` (flags given explicitly override it) and
-a function that turns the study's rows into the tables of the reference profiling study. Steps are kept
-modest (warm-up 3, 10 measured steps unless a study says otherwise) so that a study fits a short GPU
-session; raise ``--steps`` for tighter error bars.
+a function that turns the study's rows into the tables of the reference profiling study. A preset may list
+``variants``: partial presets (flag name -> values, like the preset's own) that each override the preset; the
+study's cells are then the union of the variants' products, the cells of one size and context adjacent, in
+variant order. Steps are kept modest (warm-up 3, 10 measured steps unless a study says otherwise) so that a
+study fits a short GPU session; raise ``--steps`` for tighter error bars.
 
     timing              all five sizes x contexts 128, 256, 512, 1024; forward and forward+backward; fp32
     warmup              small at context 512, warm-up 0, 1, 2, 5: mean, std and the first step
@@ -17,6 +19,11 @@ session; raise ``--steps`` for tighter error bars.
     long-context        2.7B bf16-mixed batch 4, train, contexts 2048 .. 32768 x checkpointing full / selective /
                         offload x optimizer in backward off/on x loss chunks 0/4096 x sdpa, flash_triton, stopping
                         each combination at its first OOM (docs/long_context.md)
+    speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
+                        20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap and the
+                        plain-PyTorch reference (torch.compile reduce-overhead): step time by the timer, by the
+                        cell's own CUDA events and per step of the pipeline, tokens/s, MFU, peak, speed-up vs
+                        eager, and each variant's losses against eager's
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmtrain.analysis.tables import markdown_table
-from lmtrain.bench.tables import fmt, fmt_ms, markdown_rows, status_text
+from lmtrain.bench.tables import fmt, fmt_ms, is_on, markdown_rows, status_text
 from lmtrain.config import STUDY_SIZES
 
 Rows = list[dict[str, Any]]
@@ -157,6 +164,81 @@ def render_attention(rows: Rows) -> str:
     return "\n".join(["### Attention backends (whole-model step, ms)", "", markdown_table(header, body)])
 
 
+def variant_name(row: dict[str, Any]) -> str:
+    """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
+    ``compile+graphs+overlap`` (``in-backward`` where the in-backward optimizer runs without overlap), and
+    ``plain ...`` for the plain-PyTorch reference loop."""
+    parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
+    if is_on(row.get("optimizer_overlap")):
+        parts.append("overlap")
+    elif is_on(row.get("optimizer_in_backward")):
+        parts.append("in-backward")
+    name = "+".join(parts) or "eager"
+    return f"plain {name}" if row.get("runner") == "plain" else name
+
+
+def _speed_groups(rows: Rows) -> dict[tuple, Rows]:
+    """Rows by what the variants share (size, context, batch, precision, attention, mode), in order of appearance."""
+    groups: dict[tuple, Rows] = {}
+    for r in rows:
+        key = tuple(r.get(k) for k in ("size", "context", "batch_size", "precision", "attention", "mode"))
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
+def _loss_differences(base: list[float], other: list[float]) -> tuple[int, float, float]:
+    """(steps compared, max |other - base|, max |other - base| / |base|) over the steps both have."""
+    pairs = list(zip(base, other, strict=False))
+    diffs = [abs(b - a) for a, b in pairs]
+    relative = [d / abs(a) for d, (a, _) in zip(diffs, pairs, strict=True) if a]
+    return len(pairs), max(diffs, default=0.0), max(relative, default=0.0)
+
+
+def render_speed(rows: Rows) -> str:
+    """Per size and context: each variant's step time three ways, throughput, memory and speed-up vs eager;
+    then each Lightning variant's losses against eager's (same weights and batches)."""
+    lines = ["### Step speed (ms per step)", "",
+             "step ms: CudaSyncTimer, mean ± std over the measured steps (plain rows: the loop's CUDA events). "
+             "events ms: the cell's own CUDA events at batch start and end. pipeline: first measured step's start "
+             "to last one's end, per step (gaps between steps included). tokens/s and MFU at the step-ms mean.", ""]
+    header = ["variant", "step ms", "events ms", "pipeline ms/step", "timer vs events", "tokens/s", "MFU", "peak GiB",
+              "vs eager"]
+    loss_body = []
+    for (size, context, batch, precision, attention, mode), group in _speed_groups(rows).items():
+        eager = next((r for r in group if variant_name(r) == "eager"), None)
+        body = []
+        for r in group:
+            pct = r.get("timer_vs_events_pct")
+            body.append([variant_name(r), _step_or_status(r), fmt(r.get("events_step_ms_mean"), ".2f"),
+                         fmt(r.get("pipeline_step_ms"), ".2f"), fmt(pct, "+.1f") + ("%" if pct is not None else ""),
+                         fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".2f"),
+                         _speedup(eager, r) if r.get("status") == "ok" else "-"])
+            base = (eager or {}).get("losses")
+            if r is eager or r.get("runner") == "plain" or not base or not r.get("losses"):
+                continue
+            n, most, relative = _loss_differences(base, r["losses"])
+            loss_body.append([size, context, variant_name(r), n, fmt(most, ".2e"), fmt(relative, ".2e")])
+        lines += [f"`{size}`, context {context}, batch {batch}, {precision}, {attention}, {mode}", "",
+                  markdown_table(header, body), ""]
+    lines += ["### Losses vs eager", "",
+              "Each Lightning variant's training losses against the eager cell's of the same size and context, over "
+              "the steps both have (warm-up included; same initial weights and batches). The plain reference draws "
+              "its own batches and is left out.", "",
+              markdown_table(["size", "context", "variant", "steps", "max abs difference", "max relative difference"],
+                             loss_body)]
+    return "\n".join(lines)
+
+
+#: The speed study's (size, context) points and variants: each variant over each point.
+_SPEED_POINTS = [{"sizes": list(STUDY_SIZES), "contexts": [512]}, {"sizes": ["small"], "contexts": [128]}]
+_SPEED_VARIANTS = [
+    {"compile": ["off"]},
+    {"compile": ["on"]},
+    {"compile": ["on"], "cuda_graphs": ["on"]},
+    {"compile": ["on"], "cuda_graphs": ["on"], "optimizer_in_backward": ["on"], "optimizer_overlap": ["on"]},
+    {"runner": ["plain"], "compile": ["on"], "cuda_graphs": ["on"]},  # torch.compile(mode="reduce-overhead")
+]
+
 STUDIES: dict[str, Study] = {
     "timing": Study("timing", "Timing per size and context", {
         "sizes": list(STUDY_SIZES), "contexts": [128, 256, 512, 1024], "mode": ["forward", "forward_backward"],
@@ -182,6 +264,12 @@ STUDIES: dict[str, Study] = {
         "activation_checkpointing": ["full", "selective", "offload"], "optimizer_in_backward": ["off", "on"],
         "loss_chunk_tokens": [0, 4096], "stop_after_oom": True},
         lambda rows: _long_context(rows)),
+    "speed": Study("speed", "Step speed near the hardware limit", {
+        "precision": ["bf16-mixed"], "batch_size": [4], "mode": ["train"], "attention": ["sdpa"],
+        # Warm-up covers compilation and the CUDA-graph capture, which follows a few eager steps.
+        "warmup": [5], "steps": [20],
+        "variants": [{**point, **variant} for point in _SPEED_POINTS for variant in _SPEED_VARIANTS]},
+        render_speed),
 }
 
 

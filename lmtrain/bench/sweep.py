@@ -1,11 +1,14 @@
 """Sweep sizes x contexts x precisions x modes: step times, tokens/s, MFU, peak memory and the memory plan.
 
 Every cell of the sweep (one size, context, batch size, precision, attention backend, compile flag, step
-mode, warm-up and step count) trains the real ``LMModule`` on ``LMDataModule(source="synthetic")`` with a
-real ``Trainer.fit`` and ``lmtrain.callbacks.CudaSyncTimer``, so a number in the table means what it means
-in TensorBoard. Each cell runs in a fresh process: an out-of-memory cell is recorded as ``OOM``, a crash
-as ``error: <first line>``, a cell over ``--timeout`` as ``timeout``, and the sweep goes on; memory
-fragmentation of one cell never reaches the next.
+mode, warm-up and step count, plus memory and speed options) trains the real ``LMModule`` on
+``LMDataModule(source="synthetic")`` with a real ``Trainer.fit`` and ``lmtrain.callbacks.CudaSyncTimer``, so a
+number in the table means what it means in TensorBoard. Beside the timer, the benchmark's own callback
+``lmtrain.bench.step_events.StepEvents`` times every measured step and the pipeline of steps with its own CUDA
+events, and keeps every step's loss. A cell with ``runner="plain"`` trains the same model with the plain-PyTorch
+reference loop of ``lmtrain.bench.reference`` instead (no Lightning; GPU only). Each cell runs in a fresh
+process: an out-of-memory cell is recorded as ``OOM``, a crash as ``error: <first line>``, a cell over
+``--timeout`` as ``timeout``, and the sweep goes on; memory fragmentation of one cell never reaches the next.
 
 Processes: by default (``--launcher fork``) cells are forked from this process, which has imported torch
 and Lightning but never touched CUDA, so a cell starts in about a second instead of re-importing
@@ -19,8 +22,9 @@ Output: a Markdown table on stdout (one row per cell; columns ``MARKDOWN_COLUMNS
 ``CSV_COLUMNS``) with the same rows as JSON beside it (``.json``), TensorBoard logs under ``--logdir``.
 Rerunning with the same ``--out`` skips finished cells (matched on every cell parameter); ``--retry-failed``
 runs error and timeout cells again. Studies (``--study NAME``, see ``lmtrain.bench.studies``) preset the
-sweep flags and add their own tables; flags given explicitly override the preset. Defaults: warm-up 3 steps,
-10 measured steps, batch size 4, vocabulary 10000 (the course's benchmark setup), fp32, sdpa attention.
+sweep flags (a study with ``variants`` is the union of several presets) and add their own tables; flags given
+explicitly override the preset. Defaults: warm-up 3 steps, 10 measured steps, batch size 4, vocabulary 10000
+(the course's benchmark setup), fp32, sdpa attention.
 """
 
 from __future__ import annotations
@@ -51,21 +55,35 @@ DEFAULTS: dict[str, Any] = {
     "sizes": ["small"], "contexts": [512], "batch_size": [4], "precision": ["32-true"], "attention": ["sdpa"],
     "compile": ["off"], "mode": ["forward_backward"], "warmup": [3], "steps": [10], "vocab_size": 10_000,
     "activation_checkpointing": ["none"], "optimizer_in_backward": ["off"], "loss_chunk_tokens": [0],
+    "cuda_graphs": ["off"], "optimizer_overlap": ["off"], "runner": ["lightning"],
 }
 
 #: Memory options of a cell and their defaults: left out of a cell's key and name at their defaults, so results
 #: files written before the options existed still match.
 MEMORY_OPTIONS: dict[str, Any] = {"activation_checkpointing": "none", "optimizer_in_backward": False,
                                   "loss_chunk_tokens": 0}
+#: Speed options of a cell and their defaults, ``LMModule`` arguments like the memory options and, like them, left
+#: out of a cell's key and name at their defaults.
+SPEED_OPTIONS: dict[str, Any] = {"cuda_graphs": False, "optimizer_overlap": False}
+#: How a cell trains: ``lightning`` (``LMModule`` under ``Trainer.fit``) or ``plain`` (the plain-PyTorch reference
+#: loop of ``lmtrain.bench.reference``, GPU only).
+RUNNERS = ("lightning", "plain")
+#: Cell fields left out of a cell's key and name at their defaults (results files written before they existed still
+#: match).
+_OPTIONAL_FIELDS: dict[str, Any] = {**MEMORY_OPTIONS, **SPEED_OPTIONS, "runner": "lightning"}
+#: How a set optional field shows in a cell's name: ``_<short><value>`` (the value left out for True).
+_SHORT_NAMES = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib", "loss_chunk_tokens": "chunk",
+                "cuda_graphs": "graphs", "optimizer_overlap": "ovl", "runner": ""}
 
 #: Columns of the CSV and JSON rows.
 CSV_COLUMNS = [
     "size", "params", "context", "batch_size", "precision", "attention", "compile", "mode", "warmup", "steps",
-    "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "status", "error",
-    "forward_ms_mean", "forward_ms_std", "backward_ms_mean", "backward_ms_std", "optimizer_ms_mean",
-    "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median", "step_ms_min", "step_ms_max",
-    "first_step_ms", "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct",
-    "wall_s", "device", "device_memory_gib",
+    "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "cuda_graphs",
+    "optimizer_overlap", "runner", "status", "error", "forward_ms_mean", "forward_ms_std", "backward_ms_mean",
+    "backward_ms_std", "optimizer_ms_mean", "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median",
+    "step_ms_min", "step_ms_max", "first_step_ms", "events_step_ms_mean", "pipeline_step_ms", "timer_vs_events_pct",
+    "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct", "wall_s", "device",
+    "device_memory_gib",
 ]
 
 _DONE_STATUSES = ("ok", "OOM", "error", "timeout", "skipped")
@@ -73,7 +91,13 @@ _DONE_STATUSES = ("ok", "OOM", "error", "timeout", "skipped")
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of the sweep. ``size`` is a named size or a config YAML path."""
+    """One point of the sweep. ``size`` is a named size or a config YAML path.
+
+    The fields after ``vocab_size`` are ``LMModule`` options (memory: ``activation_checkpointing``,
+    ``optimizer_in_backward``, ``loss_chunk_tokens``; speed: ``cuda_graphs``, ``optimizer_overlap``, which needs
+    ``optimizer_in_backward``) and ``runner`` (``RUNNERS``). The row of every cell also holds ``losses``: the
+    training loss of each step, warm-up included.
+    """
 
     size: str
     context: int
@@ -88,15 +112,21 @@ class Cell:
     activation_checkpointing: str = "none"
     optimizer_in_backward: bool = False
     loss_chunk_tokens: int = 0
+    cuda_graphs: bool = False
+    optimizer_overlap: bool = False
+    runner: str = "lightning"
 
     def options(self) -> dict[str, Any]:
-        """The memory options that differ from their defaults (``MEMORY_OPTIONS``)."""
-        return {k: getattr(self, k) for k, default in MEMORY_OPTIONS.items() if getattr(self, k) != default}
+        """The ``LMModule`` options (``MEMORY_OPTIONS``, ``SPEED_OPTIONS``) that differ from their defaults."""
+        return {k: v for k, v in self._set_fields().items() if k != "runner"}
+
+    def _set_fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k, default in _OPTIONAL_FIELDS.items() if getattr(self, k) != default}
 
     def key(self) -> str:
-        """Identity of the cell in a results file (every parameter; memory options only where set)."""
+        """Identity of the cell in a results file (every parameter; options and runner only where set)."""
         return json.dumps({k: v for k, v in asdict(self).items()
-                           if k not in MEMORY_OPTIONS or getattr(self, k) != MEMORY_OPTIONS[k]}, sort_keys=True)
+                           if k not in _OPTIONAL_FIELDS or getattr(self, k) != _OPTIONAL_FIELDS[k]}, sort_keys=True)
 
     @property
     def label(self) -> str:
@@ -107,8 +137,7 @@ class Cell:
     def slug(self) -> str:
         """File-name-safe name of the cell."""
         c = "compiled" if self.compile else "eager"
-        short = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib", "loss_chunk_tokens": "chunk"}
-        options = "".join(f"_{short[k]}{'' if v is True else v}" for k, v in self.options().items())
+        options = "".join(f"_{_SHORT_NAMES[k]}{'' if v is True else v}" for k, v in self._set_fields().items())
         text = (f"{self.label}_T{self.context}_B{self.batch_size}_{self.precision}_{self.attention}_{c}_{self.mode}"
                 f"_w{self.warmup}_s{self.steps}{options}")
         return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in text)
@@ -160,7 +189,11 @@ def _make_timer(warmup: int) -> Any:
 
 
 def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[str, Any]:
-    """Run one cell in this process and return its measurements (raises on failure).
+    """Run one Lightning cell in this process and return its measurements (raises on failure).
+
+    The weights start from seed 0 and the batches are the synthetic data's, so cells that differ only in how
+    they compute a step see the same losses (up to rounding). Besides the timer, ``StepEvents`` times the
+    measured steps with its own clock and keeps every step's loss.
 
     ``on_result(row)``, when given, is called at the end of the last step (``on_train_end``), before
     Lightning's teardown: a cell process uses it to write its result and exit at once, skipping the copy of
@@ -171,6 +204,8 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
     import lightning.pytorch as pl
     import torch
 
+    from lmtrain.bench.clock import Clock
+    from lmtrain.bench.step_events import StepEvents
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
@@ -178,11 +213,13 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
     total = cell.warmup + cell.steps
     module = LMModule(**module_kwargs(cell))
     data = LMDataModule(source="synthetic", batch_size=cell.batch_size, context_length=cell.context,
                         vocab_size=module.config.vocab_size, train_batches=total, val_batches=1)
     timer = _make_timer(cell.warmup)
+    events = StepEvents(cell.warmup, Clock(cuda))
     logger: Any = False
     if logdir:
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -193,6 +230,7 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
     class _Collect(pl.Callback):  # after the timer in the callback list: its summary is complete here
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             result.update(_result_row(cell, timer, module))
+            result.update(events.columns(result.get("step_ms_mean")))
             for lg in trainer.loggers:
                 lg.finalize("success")
             if on_result is not None:
@@ -201,7 +239,7 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
     trainer = pl.Trainer(
         accelerator="auto", devices=1, precision=cell.precision, max_steps=total, max_epochs=1,
         limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, logger=logger, callbacks=[timer, _Collect()], log_every_n_steps=1,
+        enable_model_summary=False, logger=logger, callbacks=[timer, events, _Collect()], log_every_n_steps=1,
         default_root_dir=logdir or None,
     )
     trainer.fit(module, datamodule=data)
@@ -210,11 +248,6 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
 
 def _result_row(cell: Cell, timer: Any, module: Any) -> dict[str, Any]:
     """Times, throughput, MFU and memory peaks of a finished cell."""
-    import torch
-
-    from lmtrain.flops import flops_per_step, mfu, peak_flops
-
-    cuda = torch.cuda.is_available()
     stats = timer.summary()
     row: dict[str, Any] = {"status": "ok"}
     for phase in ("forward", "backward", "optimizer", "step"):
@@ -227,18 +260,58 @@ def _result_row(cell: Cell, timer: Any, module: Any) -> dict[str, Any]:
     first = timer.warmup_times[0] if timer.warmup_times else (timer.step_times[0].get("step_ms")
                                                              if timer.step_times else None)
     row["first_step_ms"] = first
+    row.update(_device_columns(cell, module.config, row.get("step_ms_mean")))
+    return row
+
+
+def _device_columns(cell: Cell, config: ModelConfig, step_ms: float | None) -> dict[str, Any]:
+    """The device, tokens/s and MFU at the mean step time ``step_ms``, and the memory peaks (CUDA) of a cell."""
+    import torch
+
+    from lmtrain.flops import flops_per_step, mfu, peak_flops
+
+    cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    row["device"] = device
-    step_ms = row.get("step_ms_mean")
+    row: dict[str, Any] = {"device": device}
     if step_ms:
-        tokens = cell.batch_size * cell.context
-        row["tokens_per_s"] = tokens / (step_ms / 1e3)
-        flops = flops_per_step(module.config, cell.batch_size, cell.context, mode=cell.mode)
+        row["tokens_per_s"] = cell.batch_size * cell.context / (step_ms / 1e3)
+        flops = flops_per_step(config, cell.batch_size, cell.context, mode=cell.mode)
         row["mfu"] = mfu(flops, step_ms / 1e3, peak_flops(device, cell.precision)) if cuda else None
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         row["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         row["device_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+    return row
+
+
+def measure_plain_cell(cell: Cell) -> dict[str, Any]:
+    """Run a ``runner="plain"`` cell in this process: the reference loop of ``lmtrain.bench.reference``.
+
+    The row has the Lightning cells' columns where they apply: step statistics from the loop's CUDA events
+    around each step, the first step, ``pipeline_step_ms``, tokens/s, MFU, memory peaks and ``losses``.
+
+    Raises:
+        LmtrainError: the cell asks for what the plain loop does not do (a step mode other than ``train``, a
+            memory or optimizer option), or no CUDA GPU is visible.
+    """
+    from lmtrain.analysis.timing import phase_statistics
+    from lmtrain.bench.reference import train_plain
+
+    asked = ([f"mode {cell.mode}"] if cell.mode != "train" else []) + sorted(
+        k for k in cell.options() if k != "cuda_graphs")
+    if asked:
+        raise LmtrainError("--runner", f"the plain reference loop times whole training steps without memory or "
+                           f"optimizer options; cell {cell.slug} asks for {', '.join(asked)}.",
+                           "give plain cells --mode train and leave those options at their defaults.")
+    config = cell_config(cell)
+    run = train_plain(config, cell.batch_size, cell.precision, compile=cell.compile, cuda_graphs=cell.cuda_graphs,
+                      warmup=cell.warmup, steps=cell.steps)
+    stats = phase_statistics([{"step_ms": ms} for ms in run.step_ms], ["step_ms"])["step_ms"]
+    row: dict[str, Any] = {"status": "ok", "step_ms_mean": stats["mean"], "step_ms_std": stats["std"],
+                           "step_ms_median": stats["median"], "step_ms_min": stats["min"], "step_ms_max": stats["max"],
+                           "first_step_ms": (run.warmup_ms or run.step_ms)[0], "pipeline_step_ms": run.pipeline_step_ms,
+                           "losses": run.losses}
+    row.update(_device_columns(cell, config, stats["mean"]))
     return row
 
 
@@ -249,7 +322,10 @@ def run_cell_in_child(payload: dict[str, Any]) -> dict[str, Any]:
     """
     from lmtrain.bench.runner import exit_with_result
 
-    return measure_cell(Cell(**payload["cell"]), payload.get("logdir"), on_result=exit_with_result)
+    cell = Cell(**payload["cell"])
+    if cell.runner == "plain":
+        exit_with_result(measure_plain_cell(cell))  # ends the process
+    return measure_cell(cell, payload.get("logdir"), on_result=exit_with_result)
 
 
 #: The function a cell's process runs (``module:function``); tests point it at a wrapper that injects failures.
@@ -474,6 +550,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-in-backward", type=_list(str), help="off, on or off,on (default off)")
     parser.add_argument("--loss-chunk-tokens", type=_list(int),
                         help="loss chunk sizes in tokens, 0 = whole (default 0)")
+    parser.add_argument("--cuda-graphs", type=_list(str),
+                        help="forward, backward and optimizer step captured as one CUDA graph and replayed (GPU "
+                             "only): off, on or off,on (default off)")
+    parser.add_argument("--optimizer-overlap", type=_list(str),
+                        help="in-backward optimizer updates on a second CUDA stream: off, on or off,on; on implies "
+                             "--optimizer-in-backward on (default off)")
+    parser.add_argument("--runner", type=_list(str),
+                        help="lightning (LMModule under Trainer.fit), plain (the plain-PyTorch reference loop of "
+                             "lmtrain.bench.reference, GPU only) or lightning,plain (default lightning)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/model.csv"),
                         help="results CSV (JSON beside it; rerun with the same path to resume)")
     parser.add_argument("--logdir", default="logs/bench", help="TensorBoard folder ('none': no logs)")
@@ -485,11 +570,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=float, help="launch no new cell after this many minutes")
 
 
-def sweep_values(args: argparse.Namespace, study: str | None = None) -> dict[str, Any]:
-    """Flag values: defaults, then the study's preset, then the flags given explicitly."""
+def sweep_values(args: argparse.Namespace, study: str | None = None,
+                 variant: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flag values: defaults, then the study's preset and one of its variants, then the flags given explicitly."""
     values = {**DEFAULTS, "stop_after_oom": False}
     if study is not None:
-        values.update(STUDIES[study].preset)
+        values.update({k: v for k, v in STUDIES[study].preset.items() if k != "variants"})
+    values.update(variant or {})
     for k in list(values):
         given = getattr(args, k, None)
         if given is not None:
@@ -497,17 +584,37 @@ def sweep_values(args: argparse.Namespace, study: str | None = None) -> dict[str
     return values
 
 
+def cells_of_study(args: argparse.Namespace, study: str | None = None) -> tuple[list[Cell], bool]:
+    """The cells of a study (or of the flags alone) and whether to stop after an OOM.
+
+    A study whose preset has ``variants`` (partial presets: flag values that override the preset's) has the
+    cells of each variant's product, once each, ordered so that the cells of one size and context are adjacent,
+    in variant order.
+    """
+    variants = (STUDIES[study].preset.get("variants") if study is not None else None) or [None]
+    cells: list[Cell] = []
+    stop = False
+    for variant in variants:
+        values = sweep_values(args, study, variant)
+        cells += cells_from_values(values)
+        stop = stop or bool(values["stop_after_oom"])
+    cells = list(dict.fromkeys(cells))
+    if len(variants) > 1:
+        sizes = list(dict.fromkeys(c.size for c in cells))
+        cells.sort(key=lambda c: (sizes.index(c.size), c.context))  # stable: variant order within a group
+    return cells, stop
+
+
 def plan_cells(args: argparse.Namespace) -> tuple[list[Cell], dict[str, list[Cell]], bool]:
     """All cells of a command line (the union of its studies), each study's cells, and stop-after-OOM."""
     if not args.study:
-        values = sweep_values(args)
-        return cells_from_values(values), {}, bool(values["stop_after_oom"])
+        cells, stop = cells_of_study(args)
+        return cells, {}, stop
     per_study = {}
     stop = False
     for name in dict.fromkeys(args.study):
-        values = sweep_values(args, name)
-        per_study[name] = cells_from_values(values)
-        stop = stop or bool(values["stop_after_oom"])
+        per_study[name], study_stop = cells_of_study(args, name)
+        stop = stop or study_stop
     union = list(dict.fromkeys(c for cells in per_study.values() for c in cells))
     return union, per_study, stop
 
@@ -530,7 +637,10 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
         if c not in ("on", "off"):
             raise LmtrainError("--compile", f"expected on or off, got {c!r}.", "use --compile off,on.")
     for flag, key, allowed in (("--optimizer-in-backward", "optimizer_in_backward", ("on", "off")),
-                               ("--activation-checkpointing", "activation_checkpointing", CHECKPOINTING_POLICIES)):
+                               ("--activation-checkpointing", "activation_checkpointing", CHECKPOINTING_POLICIES),
+                               ("--cuda-graphs", "cuda_graphs", ("on", "off")),
+                               ("--optimizer-overlap", "optimizer_overlap", ("on", "off")),
+                               ("--runner", "runner", RUNNERS)):
         for v in values[key]:
             if v not in allowed:
                 raise LmtrainError(flag, f"unknown value {v!r}.", f"use {', '.join(allowed)}.")
@@ -539,16 +649,18 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
     for a in values["attention"]:
         if a not in available_backends():
             raise LmtrainError("--attention", f"unknown backend {a!r}.", f"use {', '.join(available_backends())}.")
-    cells = [
+    # Overlap needs the in-backward optimizer: --optimizer-overlap on turns it on (duplicates are dropped).
+    cells = list(dict.fromkeys(
         Cell(size=s, context=t, batch_size=b, precision=p, attention=a, compile=c == "on", mode=m, warmup=w,
-             steps=n, vocab_size=values["vocab_size"], activation_checkpointing=ac, optimizer_in_backward=ib == "on",
-             loss_chunk_tokens=k)
+             steps=n, vocab_size=values["vocab_size"], activation_checkpointing=ac,
+             optimizer_in_backward=ib == "on" or o == "on", loss_chunk_tokens=k, cuda_graphs=g == "on",
+             optimizer_overlap=o == "on", runner=r)
         for s in sizes for p in values["precision"] for a in values["attention"] for c in values["compile"]
-        for m in values["mode"] for ac in values["activation_checkpointing"]
-        for ib in values["optimizer_in_backward"] for k in values["loss_chunk_tokens"]
-        for b in values["batch_size"] for t in sorted(values["contexts"])
-        for w in values["warmup"] for n in values["steps"]
-    ]
+        for g in values["cuda_graphs"] for m in values["mode"] for ac in values["activation_checkpointing"]
+        for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"]
+        for k in values["loss_chunk_tokens"] for b in values["batch_size"] for t in sorted(values["contexts"])
+        for w in values["warmup"] for n in values["steps"] for r in values["runner"]
+    ))
     for c in cells:
         if c.steps < 1 or c.warmup < 0 or c.context < 1 or c.batch_size < 1:
             raise LmtrainError("--steps", f"cell {c.slug} has steps={c.steps}, warmup={c.warmup}.",

@@ -9,8 +9,8 @@ from lmtrain.analysis.tables import markdown_table
 
 #: Columns of the Markdown table printed on stdout (one row per cell).
 MARKDOWN_COLUMNS = [
-    "size", "params", "context", "batch", "precision", "attention", "compile", "mode", "forward ms", "backward ms",
-    "optimizer ms", "step ms", "tokens/s", "MFU", "peak GiB", "estimate GiB", "status",
+    "size", "params", "context", "batch", "precision", "attention", "compile", "mode", "options", "forward ms",
+    "backward ms", "optimizer ms", "step ms", "tokens/s", "MFU", "peak GiB", "estimate GiB", "status",
 ]
 
 
@@ -28,6 +28,25 @@ def fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def is_on(value: Any) -> bool:
+    """Whether a row's on/off field is on (rows hold ``on``/``off`` or booleans, ``True``/``False`` after a CSV)."""
+    return value in (True, "True", "true", "on")
+
+
+def options_text(row: dict[str, Any]) -> str:
+    """The memory and speed options set in a row, and the plain runner, e.g. ``graphs, overlap`` (``-``: none)."""
+    parts = []
+    if row.get("activation_checkpointing") not in (None, "", "none"):
+        parts.append(f"checkpointing {row['activation_checkpointing']}")
+    if row.get("loss_chunk_tokens"):
+        parts.append(f"loss chunk {row['loss_chunk_tokens']}")
+    parts += [name for name, key in (("graphs", "cuda_graphs"), ("in-backward", "optimizer_in_backward"),
+                                     ("overlap", "optimizer_overlap")) if is_on(row.get(key))]
+    if row.get("runner") == "plain":
+        parts.append("plain loop")
+    return ", ".join(parts) or "-"
+
+
 def status_text(row: dict[str, Any]) -> str:
     """``ok``, ``OOM``, ``timeout`` or ``error: <first line>``."""
     status = row.get("status") or "?"
@@ -42,8 +61,9 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         body.append([
             r.get("size"), fmt(r.get("params"), ","), r.get("context"), r.get("batch_size"), r.get("precision"),
-            r.get("attention"), r.get("compile"), r.get("mode"), fmt_ms(r, "forward"), fmt_ms(r, "backward"),
-            fmt_ms(r, "optimizer"), fmt_ms(r, "step"), fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
-            fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"), status_text(r),
+            r.get("attention"), r.get("compile"), r.get("mode"), options_text(r), fmt_ms(r, "forward"),
+            fmt_ms(r, "backward"), fmt_ms(r, "optimizer"), fmt_ms(r, "step"), fmt(r.get("tokens_per_s"), ",.0f"),
+            fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"),
+            status_text(r),
         ])
     return markdown_table(MARKDOWN_COLUMNS, body)
