@@ -88,6 +88,14 @@ class LMModule(pl.LightningModule):
             the step's module hooks (``PrecisionInspector``; ``NVTXRanges`` at depth ``block`` and deeper) gets
             an eager step in its window.
         cuda_graph_warmup: eager steps of each fit before the capture (compilation, autotuning, optimizer state).
+        master_weights: keep the weights of the linear layers (blocks and output head) in bf16, the values autocast
+            would cast them to, with their fp32 master copies in the optimizer (``lmtrain.optim.MasterWeightAdamW``):
+            the forward pass casts no weight, gradients stay bf16 (the values the fp32 gradients would hold), and
+            one kernel per weight updates master and moments and writes the bf16 weight. The same arithmetic as
+            ``bf16-mixed`` with fp32 weights, with 12 fewer bytes of memory traffic per parameter and step. Needs
+            ``trainer.precision: bf16-mixed``; refused with gradient accumulation (it would sum in bf16), gradient
+            clipping, ``optimizer_in_backward`` and FSDP2. The model's own weights in a checkpoint are then bf16;
+            the fp32 masters are in the optimizer state (a resumed fit continues exactly).
     """
 
     #: How ``cuda_graphs`` captures and replays a step (``lmtrain.graphs``); tests put the CPU stand-in here.
@@ -123,6 +131,7 @@ class LMModule(pl.LightningModule):
         loss_chunk_tokens: int = ModelConfig.loss_chunk_tokens,
         cuda_graphs: bool = False,
         cuda_graph_warmup: int = 3,
+        master_weights: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -149,6 +158,10 @@ class LMModule(pl.LightningModule):
         if isinstance(cuda_graph_warmup, bool) or not isinstance(cuda_graph_warmup, int) or cuda_graph_warmup < 1:
             raise LmtrainError("model.cuda_graph_warmup", f"must be a whole number >= 1, got {cuda_graph_warmup!r}.",
                                "use 3 (compilation, autotuning and the optimizer state need eager steps first).")
+        if master_weights and self.config.optimizer_in_backward:
+            raise LmtrainError("model.master_weights", "is not available with model.optimizer_in_backward (each "
+                               "in-backward update is a plain AdamW).",
+                               "set one of model.master_weights and model.optimizer_in_backward to false.")
         self.step_mode = step_mode
         self.cuda_graphs = bool(cuda_graphs)
         # Forward-only and forward+backward steps must not step the optimizer, and a graphed step runs the whole
@@ -411,6 +424,8 @@ class LMModule(pl.LightningModule):
         """
         if self.cuda_graphs:
             self._check_graph_trainer(trainer)
+        if self.hparams.master_weights:
+            self._check_master_weights_trainer(trainer)
         if not self.config.optimizer_in_backward:
             return
         field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
@@ -428,6 +443,24 @@ class LMModule(pl.LightningModule):
                                "scaler could unscale or skip them (trainer.precision=16-mixed).",
                                "use trainer.precision: bf16-mixed (no loss scaling) or "
                                "model.optimizer_in_backward: false.")
+
+    def _check_master_weights_trainer(self, trainer: pl.Trainer) -> None:
+        field, off = "model.master_weights", "or set model.master_weights: false."
+        if str(trainer.precision) != "bf16-mixed":
+            raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
+                               f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
+                               "use trainer.precision: bf16-mixed " + off)
+        if self.device_mesh is not None:
+            raise LmtrainError(field, "is not available under FSDP2 (ModelParallelStrategy), which keeps its own "
+                               "master weights (MixedPrecisionPolicy).", "leave it false with this strategy.")
+        if trainer.accumulate_grad_batches > 1:
+            raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
+                               f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",
+                               "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
+        if trainer.gradient_clip_val:
+            raise LmtrainError(field, "keeps gradients in bf16, where the clipping norm would be computed "
+                               f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                               "unset trainer.gradient_clip_val " + off)
 
     def _check_graph_trainer(self, trainer: pl.Trainer) -> None:
         field, why = "model.cuda_graphs", "replays the whole step as one graph, so"
@@ -535,6 +568,14 @@ class LMModule(pl.LightningModule):
             optimizer = InBackwardAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
                                         overlap=self.config.optimizer_overlap, capturable=capturable)
             self._in_backward = optimizer
+        elif hp.master_weights:
+            from lmtrain.optim import MasterWeightAdamW
+
+            # The weights autocast casts: every linear layer's (the embedding table and the norm gains stay fp32).
+            embedding = self.model.embedding.weight
+            linear = [p for p in self.model.parameters() if p.ndim == 2 and p is not embedding]
+            optimizer = MasterWeightAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, bf16_params=linear,
+                                          fused=None if hp.fused_adamw else False, capturable=capturable)
         else:
             optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
                                           capturable=capturable)

@@ -20,7 +20,8 @@ from lmtrain.cli import main
 from lmtrain.config import STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 
-VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "plain compile+graphs"]
+VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "compile+graphs+master",
+            "plain compile+graphs"]
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +46,12 @@ def name(cell: bench.Cell) -> str:
 
 def test_speed_study_cells_variants_order_and_keys() -> None:
     cells, per_study = plan("--study", "speed")
-    assert cells == per_study["speed"] and len(cells) == 6 * 5
+    assert cells == per_study["speed"] and len(cells) == 6 * 6
     points = [(c.size, c.context) for c in cells]
     assert list(dict.fromkeys(points)) == [("small", 128), ("small", 512)] + [(s, 512) for s in STUDY_SIZES[1:]]
-    for i in range(0, len(cells), 5):  # each point: its five variants together, the plain reference last
-        group = cells[i:i + 5]
-        assert len(set(points[i:i + 5])) == 1 and [name(c) for c in group] == VARIANTS
+    for i in range(0, len(cells), 6):  # each point: its six variants together, the plain reference last
+        group = cells[i:i + 6]
+        assert len(set(points[i:i + 6])) == 1 and [name(c) for c in group] == VARIANTS
     assert {(c.precision, c.batch_size, c.mode, c.attention, c.warmup, c.steps) for c in cells} == {
         ("bf16-mixed", 4, "train", "sdpa", 5, 20)}
     overlap = [c for c in cells if c.optimizer_overlap]
@@ -58,24 +59,26 @@ def test_speed_study_cells_variants_order_and_keys() -> None:
     plain = [c for c in cells if c.runner == "plain"]
     assert len(plain) == 6 and all(c.compile and c.cuda_graphs and not c.optimizer_in_backward for c in plain)
     # A cell without the new fields keeps the key it had before they existed; set fields join the key.
-    eager = cells[5]
+    eager = cells[6]
     assert eager.key() == json.dumps({"size": "small", "context": 512, "batch_size": 4, "precision": "bf16-mixed",
                                       "attention": "sdpa", "compile": False, "mode": "train", "warmup": 5,
                                       "steps": 20, "vocab_size": 10_000}, sort_keys=True)
-    assert json.loads(cells[9].key())["runner"] == "plain" and json.loads(cells[7].key())["cuda_graphs"] is True
-    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in cells[5:10]] == [
+    assert json.loads(cells[11].key())["runner"] == "plain" and json.loads(cells[8].key())["cuda_graphs"] is True
+    assert json.loads(cells[10].key())["master_weights"] is True
+    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in cells[6:12]] == [
         "eager_train_w5_s20", "compiled_train_w5_s20", "compiled_train_w5_s20_graphs",
-        "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_plain"]
+        "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_mw",
+        "compiled_train_w5_s20_graphs_plain"]
 
 
 def test_speed_study_overrides_and_other_studies_unchanged() -> None:
     cells, _ = plan("--study", "speed", "--sizes", "medium", "--steps", "50")
     assert {(c.size, c.context) for c in cells} == {("medium", 128), ("medium", 512)}
-    assert len(cells) == 10 and {c.steps for c in cells} == {50}
+    assert len(cells) == 12 and {c.steps for c in cells} == {50}
     cells, _ = plan("--study", "speed", "--sizes", "small", "--contexts", "256")
     assert [name(c) for c in cells] == VARIANTS  # the two points collapse into one
     cells, per_study = plan("--study", "timing", "--study", "speed", "--sizes", "small")
-    assert len(per_study["timing"]) == 8 and len(cells) == 8 + 10
+    assert len(per_study["timing"]) == 8 and len(cells) == 8 + 12
     assert all(c.runner == "lightning" and not c.cuda_graphs for c in per_study["timing"])
     assert per_study["timing"][0].slug == "small_T128_B4_32-true_sdpa_eager_forward_w3_s10"
 
@@ -125,7 +128,7 @@ def test_render_speed_tables() -> None:
         speed_row(cells[2], 50.0, events_step_ms_mean=49.5, pipeline_step_ms=50.0, timer_vs_events_pct=1.01,
                   losses=[10.0, 9.0, 7.996]),
         speed_row(cells[3], None),
-        speed_row(cells[4], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
+        speed_row(cells[5], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
     ]
     text = re.sub(" +", " ", render_speed(rows))
     assert "`small`, context 512, batch 4, bf16-mixed, sdpa, train" in text

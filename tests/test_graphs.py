@@ -139,3 +139,33 @@ def test_in_backward_schedule_survives_load_state_dict() -> None:
     opt.step(closure=lambda: (w * w).sum().backward())
     torch.testing.assert_close(w.detach(), before)  # lr 0: no change
     opt.remove_hooks()
+
+
+# -- master_weights (bf16 linear weights, fp32 masters in the optimizer) ----------------------------------------
+
+
+def test_master_weights_train_like_bf16_mixed_on_cpu() -> None:
+    """bf16 weights + fp32 masters: the arithmetic of bf16-mixed with fp32 weights (autocast's casts, on a CPU)."""
+    torch.manual_seed(1)
+    plain = LMModule(**TINY)
+    torch.manual_seed(1)
+    master = LMModule(**TINY, master_weights=True)
+    a, b = _fit(plain, precision="bf16-mixed"), _fit(master, precision="bf16-mixed")
+    assert b.losses == pytest.approx(a.losses, rel=1e-5)
+    opt = master.trainer.optimizers[0]
+    for (name, p), q in zip(plain.named_parameters(), master.parameters()):
+        if q.dtype == torch.bfloat16:  # linear weights: bf16, their masters in the optimizer
+            torch.testing.assert_close(opt.state[q]["master"], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(q.detach(), p.detach().bfloat16(), rtol=1e-2, atol=1e-3, msg=name)
+        else:  # embedding table and norm gains stay fp32
+            assert "embedding" in name or q.ndim == 1
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_master_weights_refusals() -> None:
+    with pytest.raises(LmtrainError, match="bf16-mixed"):
+        _fit(LMModule(**TINY, master_weights=True), steps=2)
+    with pytest.raises(LmtrainError, match="accumulate"):
+        _fit(LMModule(**TINY, master_weights=True), steps=2, precision="bf16-mixed", accumulate_grad_batches=2)
+    with pytest.raises(LmtrainError, match="optimizer_in_backward"):
+        LMModule(**TINY, master_weights=True, optimizer_in_backward=True)

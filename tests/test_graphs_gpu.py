@@ -53,14 +53,16 @@ def _run(**options: Any) -> tuple[list[float], LMModule]:
     {},
     {"compile": True},
     {"optimizer_in_backward": True, "optimizer_overlap": True},
-], ids=["eager-kernels", "compiled", "in-backward-overlap"])
+    {"compile": True, "master_weights": True},
+], ids=["eager-kernels", "compiled", "in-backward-overlap", "compiled-master-weights"])
 def test_graphed_training_matches_eager_on_cuda(options: dict[str, Any]) -> None:
     eager, m_eager = _run(**options)
     graphed, m_graphed = _run(cuda_graphs=True, cuda_graph_warmup=3, **options)
-    assert m_graphed._graph.captures == 1 and m_graphed._capture_step == 3
-    assert m_graphed.trainer.global_step == 12
-    # bf16 kernels: the same arithmetic in the same order, up to atomics in some backward kernels
-    assert graphed == pytest.approx(eager, rel=2e-3)
+    assert (m_graphed._graph.captures, m_graphed._capture_step, m_graphed.trainer.global_step) == (1, 3, 12)
+    # bf16 kernels: the same arithmetic, up to summation order (capturable AdamW computes its bias correction
+    # on the device in fp32, the eager one on the host)
+    worst = max(abs(g - e) / abs(e) for g, e in zip(graphed, eager, strict=True))
+    assert worst < 2e-3, f"losses differ by up to {worst:.2e} (relative): eager {eager} graphed {graphed}"
     assert graphed[-1] < graphed[0]  # it trains
     for (name, p), q in zip(m_eager.named_parameters(), m_graphed.parameters()):
         torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3, msg=name)

@@ -166,13 +166,15 @@ def render_attention(rows: Rows) -> str:
 
 def variant_name(row: dict[str, Any]) -> str:
     """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
-    ``compile+graphs+overlap`` (``in-backward`` where the in-backward optimizer runs without overlap), and
+    ``compile+graphs+overlap``, ``compile+graphs+master`` (``in-backward`` where the in-backward optimizer runs without overlap), and
     ``plain ...`` for the plain-PyTorch reference loop."""
     parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
     if is_on(row.get("optimizer_overlap")):
         parts.append("overlap")
     elif is_on(row.get("optimizer_in_backward")):
         parts.append("in-backward")
+    if is_on(row.get("master_weights")):
+        parts.append("master")
     name = "+".join(parts) or "eager"
     return f"plain {name}" if row.get("runner") == "plain" else name
 
@@ -236,6 +238,7 @@ _SPEED_VARIANTS = [
     {"compile": ["on"]},
     {"compile": ["on"], "cuda_graphs": ["on"]},
     {"compile": ["on"], "cuda_graphs": ["on"], "optimizer_in_backward": ["on"], "optimizer_overlap": ["on"]},
+    {"compile": ["on"], "cuda_graphs": ["on"], "master_weights": ["on"]},
     {"runner": ["plain"], "compile": ["on"], "cuda_graphs": ["on"]},  # torch.compile(mode="reduce-overhead")
 ]
 

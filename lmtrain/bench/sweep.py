@@ -55,7 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "sizes": ["small"], "contexts": [512], "batch_size": [4], "precision": ["32-true"], "attention": ["sdpa"],
     "compile": ["off"], "mode": ["forward_backward"], "warmup": [3], "steps": [10], "vocab_size": 10_000,
     "activation_checkpointing": ["none"], "optimizer_in_backward": ["off"], "loss_chunk_tokens": [0],
-    "cuda_graphs": ["off"], "optimizer_overlap": ["off"], "runner": ["lightning"],
+    "cuda_graphs": ["off"], "optimizer_overlap": ["off"], "master_weights": ["off"], "runner": ["lightning"],
 }
 
 #: Memory options of a cell and their defaults: left out of a cell's key and name at their defaults, so results
@@ -64,7 +64,7 @@ MEMORY_OPTIONS: dict[str, Any] = {"activation_checkpointing": "none", "optimizer
                                   "loss_chunk_tokens": 0}
 #: Speed options of a cell and their defaults, ``LMModule`` arguments like the memory options and, like them, left
 #: out of a cell's key and name at their defaults.
-SPEED_OPTIONS: dict[str, Any] = {"cuda_graphs": False, "optimizer_overlap": False}
+SPEED_OPTIONS: dict[str, Any] = {"cuda_graphs": False, "optimizer_overlap": False, "master_weights": False}
 #: How a cell trains: ``lightning`` (``LMModule`` under ``Trainer.fit``) or ``plain`` (the plain-PyTorch reference
 #: loop of ``lmtrain.bench.reference``, GPU only).
 RUNNERS = ("lightning", "plain")
@@ -73,13 +73,13 @@ RUNNERS = ("lightning", "plain")
 _OPTIONAL_FIELDS: dict[str, Any] = {**MEMORY_OPTIONS, **SPEED_OPTIONS, "runner": "lightning"}
 #: How a set optional field shows in a cell's name: ``_<short><value>`` (the value left out for True).
 _SHORT_NAMES = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib", "loss_chunk_tokens": "chunk",
-                "cuda_graphs": "graphs", "optimizer_overlap": "ovl", "runner": ""}
+                "cuda_graphs": "graphs", "optimizer_overlap": "ovl", "master_weights": "mw", "runner": ""}
 
 #: Columns of the CSV and JSON rows.
 CSV_COLUMNS = [
     "size", "params", "context", "batch_size", "precision", "attention", "compile", "mode", "warmup", "steps",
     "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "cuda_graphs",
-    "optimizer_overlap", "runner", "status", "error", "forward_ms_mean", "forward_ms_std", "backward_ms_mean",
+    "optimizer_overlap", "master_weights", "runner", "status", "error", "forward_ms_mean", "forward_ms_std", "backward_ms_mean",
     "backward_ms_std", "optimizer_ms_mean", "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median",
     "step_ms_min", "step_ms_max", "first_step_ms", "events_step_ms_mean", "pipeline_step_ms", "timer_vs_events_pct",
     "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct", "wall_s", "device",
@@ -95,7 +95,7 @@ class Cell:
 
     The fields after ``vocab_size`` are ``LMModule`` options (memory: ``activation_checkpointing``,
     ``optimizer_in_backward``, ``loss_chunk_tokens``; speed: ``cuda_graphs``, ``optimizer_overlap``, which needs
-    ``optimizer_in_backward``) and ``runner`` (``RUNNERS``). The row of every cell also holds ``losses``: the
+    ``optimizer_in_backward``, and ``master_weights``) and ``runner`` (``RUNNERS``). The row of every cell also holds ``losses``: the
     training loss of each step, warm-up included.
     """
 
@@ -114,6 +114,7 @@ class Cell:
     loss_chunk_tokens: int = 0
     cuda_graphs: bool = False
     optimizer_overlap: bool = False
+    master_weights: bool = False
     runner: str = "lightning"
 
     def options(self) -> dict[str, Any]:
@@ -556,6 +557,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-overlap", type=_list(str),
                         help="in-backward optimizer updates on a second CUDA stream: off, on or off,on; on implies "
                              "--optimizer-in-backward on (default off)")
+    parser.add_argument("--master-weights", type=_list(str),
+                        help="linear-layer weights in bf16 with fp32 masters in the optimizer (bf16-mixed only; "
+                             "LMModule master_weights): off, on or off,on (default off)")
     parser.add_argument("--runner", type=_list(str),
                         help="lightning (LMModule under Trainer.fit), plain (the plain-PyTorch reference loop of "
                              "lmtrain.bench.reference, GPU only) or lightning,plain (default lightning)")
@@ -640,6 +644,7 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
                                ("--activation-checkpointing", "activation_checkpointing", CHECKPOINTING_POLICIES),
                                ("--cuda-graphs", "cuda_graphs", ("on", "off")),
                                ("--optimizer-overlap", "optimizer_overlap", ("on", "off")),
+                               ("--master-weights", "master_weights", ("on", "off")),
                                ("--runner", "runner", RUNNERS)):
         for v in values[key]:
             if v not in allowed:
@@ -654,10 +659,10 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
         Cell(size=s, context=t, batch_size=b, precision=p, attention=a, compile=c == "on", mode=m, warmup=w,
              steps=n, vocab_size=values["vocab_size"], activation_checkpointing=ac,
              optimizer_in_backward=ib == "on" or o == "on", loss_chunk_tokens=k, cuda_graphs=g == "on",
-             optimizer_overlap=o == "on", runner=r)
+             optimizer_overlap=o == "on", master_weights=mw == "on", runner=r)
         for s in sizes for p in values["precision"] for a in values["attention"] for c in values["compile"]
         for g in values["cuda_graphs"] for m in values["mode"] for ac in values["activation_checkpointing"]
-        for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"]
+        for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"] for mw in values["master_weights"]
         for k in values["loss_chunk_tokens"] for b in values["batch_size"] for t in sorted(values["contexts"])
         for w in values["warmup"] for n in values["steps"] for r in values["runner"]
     ))

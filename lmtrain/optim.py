@@ -1,0 +1,405 @@
+"""AdamW over fp32 master weights for a model whose matrix weights are stored in bf16.
+
+Under ``bf16-mixed`` (autocast to bf16) the weights are fp32 and every step moves, per matrix parameter:
+
+* forward: autocast casts the fp32 weight to bf16 (read 4 bytes, write 2): 6 bytes;
+* backward: the bf16 matmul's weight gradient is cast to fp32 into ``.grad`` (read 2, write 4): 6 bytes;
+* AdamW: reads param, grad, m, v and writes param, m, v, all fp32: 28 bytes;
+
+40 bytes in all (more with activation checkpointing, which casts the weights again). :class:`MasterWeightAdamW`
+keeps those weights in the model *in bf16*, holding exactly the values autocast would have cast to, and keeps the
+fp32 master copy in its own state. The forward pass then needs no cast (autocast leaves a bf16 tensor alone), the
+gradient stays bf16 (it is the output of a bf16 matmul, so it holds exactly the values the fp32 ``.grad`` would
+hold), and one fused update reads the bf16 gradient and the fp32 master, m and v and writes master, m, v and the
+bf16 weight: 2 + 12 + 12 + 2 = 28 bytes per parameter. Memory is unchanged: bf16 weight and gradient plus fp32
+master, m and v are 16 bytes per parameter, as fp32 weight, gradient, m and v are (and autocast's per-step bf16
+weight copies are gone).
+
+The update is ``torch.optim.AdamW``'s (decoupled weight decay) on the fp32 master, and the bf16 weight is the
+master rounded to nearest (ties to even), what ``.to(torch.bfloat16)`` and autocast do. So with one backward pass
+per step a run takes the same steps as under ``bf16-mixed`` with ``torch.optim.AdamW``. Not quite so where the
+gradient is touched in bf16 before the update: gradient accumulation over several backward passes sums in bf16,
+and gradient clipping computes the norm and scales the gradient in bf16.
+
+Which parameters to convert: exactly those that autocast casts to bf16, the weights of matrix products
+(``nn.Linear`` weights and biases). Parameters used in fp32 (norm gains, an embedding table read by
+``F.embedding``) stay fp32 and get an ordinary ``torch.optim.AdamW`` step; a weight used both ways (an embedding
+tied to the output head) must stay fp32.
+
+On a CUDA device each bf16 parameter is updated by one Triton kernel; elsewhere (CPU, Triton missing or run by its
+interpreter) by the same arithmetic in torch operations.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from lmtrain.kernels import triton_interpreted
+
+__all__ = ["MasterWeightAdamW"]
+
+_MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_BLOCK = 4096  # elements per program: 16 per thread at 8 warps (four 16-byte loads of each fp32 tensor)
+_NUM_WARPS = 8
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW whose bf16 parameters are updated through fp32 master weights held in the optimizer state.
+
+    Build the model in fp32 and pass the parameters to convert as ``bf16_params``: the constructor copies each
+    one's fp32 value into ``state[p]["master"]`` and only then makes the parameter bf16 in place
+    (``p.data = p.data.to(torch.bfloat16)``), so nothing is lost at initialisation::
+
+        model = TransformerLM(cfg)  # fp32
+        matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name]
+        optimizer = MasterWeightAdamW(groups, lr=3e-4, bf16_params=matrices)  # matrices are bf16 from here on
+
+    State of a bf16 parameter: ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, same shape) and ``step`` (a float32
+    scalar tensor on the parameter's device). Every other parameter must be fp32 and is stepped by a
+    ``torch.optim.AdamW`` inside this optimizer, whose state entries are this optimizer's (``exp_avg``,
+    ``exp_avg_sq``, ``step``). Both paths read ``lr``, ``betas``, ``eps`` and ``weight_decay`` from this
+    optimizer's param groups at every step, so a schedule that sets ``group["lr"]`` here drives both.
+    ``state_dict``/``load_state_dict`` save and restore everything, masters included.
+
+    The bf16 path reads no device value on the host in :meth:`step` (step counts and a tensor ``lr`` are read by
+    the kernel), so it can be captured in a CUDA graph whatever ``capturable`` says; ``capturable`` configures the
+    fp32 path's AdamW, and must be True for a captured step.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW`` (a group may set ``lr``, ``betas``,
+            ``eps``, ``weight_decay``). Every parameter must be fp32 when given.
+        lr: learning rate: a number, or a 0-dim tensor on the parameters' device (for a step captured in a CUDA
+            graph; the schedule then fills it in place).
+        betas: coefficients of the running averages of the gradient and its square, each in [0, 1).
+        eps: added to the denominator's square root, >= 0.
+        weight_decay: decoupled weight decay coefficient (the master is multiplied by ``1 - lr * weight_decay``).
+        bf16_params: the parameters (a subset of ``params``) to store in bf16 with an fp32 master; see above.
+        fused: None: a Triton kernel for the bf16 parameters on a CUDA device (torch operations elsewhere) and
+            the fused ``torch.optim.AdamW`` for the fp32 parameters when they are all on a CUDA device.
+            True: require the Triton kernel (CUDA parameters, Triton installed and not interpreted) and fuse the
+            fp32 AdamW. False: torch operations for both.
+        capturable: the fp32 path's AdamW keeps its step counts on the device (``capturable=True``), for a step
+            captured as a CUDA graph.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        bf16_params: Iterable[torch.Tensor] = (),
+        fused: bool | None = None,
+        capturable: bool = False,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        self._convert_ids = {id(p) for p in bf16_params}
+        self._master_ids: set[int] = set()
+        self._ready = False
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._ready = True
+        given = {id(p) for group in self.param_groups for p in group["params"]}
+        if not self._convert_ids <= given:
+            raise ValueError(f"{len(self._convert_ids - given)} of the bf16_params are not among the optimizer's "
+                             "parameters. Fix: pass every parameter in bf16_params in params (or its groups) too.")
+        self._use_triton = _check_fused(fused, [p for p in _all_params(self) if id(p) in self._master_ids])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._master_ids:
+                    self._make_master(p)
+        self._fp32_groups = [[p for p in g["params"] if id(p) not in self._master_ids] for g in self.param_groups]
+        fp32 = [p for ps in self._fp32_groups for p in ps]
+        self._capturable = capturable
+        self._inner: torch.optim.AdamW | None = None
+        if fp32:
+            inner_fused = fused is True or (fused is None and all(p.is_cuda for p in fp32))
+            self._inner = torch.optim.AdamW(
+                [dict(params=ps, **{k: v for k, v in g.items() if k != "params"})
+                 for g, ps in zip(self.param_groups, self._fp32_groups, strict=True) if ps],
+                lr=lr, fused=inner_fused or None, capturable=capturable)
+        self._inner_fused = bool(self._inner is not None and self._inner.defaults.get("fused"))
+        self._share_state()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group while constructing (``torch.optim.Optimizer`` calls this per group); refused afterwards."""
+        if self._ready:
+            raise NotImplementedError("MasterWeightAdamW cannot take new param groups after construction. Fix: "
+                                      "build a new optimizer with all the groups.")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            if id(p) in self._convert_ids:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} in bf16_params is {p.dtype}; its fp32 "
+                                     "value would be lost. Fix: build the model in fp32 and let the optimizer "
+                                     "convert it.")
+                self._master_ids.add(id(p))
+            elif p.dtype == torch.bfloat16:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is bf16 but not in bf16_params: it would "
+                                 "be updated in bf16. Fix: build the model in fp32 and list it in bf16_params (the "
+                                 "optimizer converts it and keeps an fp32 master).")
+            elif p.dtype != torch.float32:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is {p.dtype}. Fix: build the model in fp32 "
+                                 "(list the matrices to store in bf16 in bf16_params).")
+
+    @torch.no_grad()
+    def _make_master(self, p: torch.Tensor) -> None:
+        """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16."""
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["master"] = p.detach().clone(memory_format=torch.contiguous_format)
+        state["exp_avg"] = torch.zeros_like(state["master"])
+        state["exp_avg_sq"] = torch.zeros_like(state["master"])
+        grad, p.grad = p.grad, None
+        p.data = p.data.to(torch.bfloat16)
+        if grad is not None:
+            p.grad = grad.to(torch.bfloat16)
+
+    def _share_state(self) -> None:
+        # AdamW fills its state dicts in place on its first step, so one dict object serves both optimizers.
+        if self._inner is not None:
+            for ps in self._fp32_groups:
+                for p in ps:
+                    self._inner.state[p] = self.state[p]
+
+    # -- step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step of every parameter that has a gradient; ``closure`` (if given) computes them first."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._inner is not None:
+            inner_groups = iter(self._inner.param_groups)
+            for group, ps in zip(self.param_groups, self._fp32_groups, strict=True):
+                if ps:
+                    inner = next(inner_groups)
+                    for key in ("lr", "betas", "eps", "weight_decay"):
+                        inner[key] = group[key]
+            self._inner.step()
+        work = [(group, p) for group in self.param_groups for p in group["params"]
+                if id(p) in self._master_ids and p.grad is not None]
+        if not work:
+            return loss
+        for _, p in work:
+            if p.grad.dtype != torch.bfloat16:
+                raise ValueError(f"the gradient of a bf16 parameter of shape {tuple(p.shape)} is {p.grad.dtype}. "
+                                 "Fix: leave the gradients autograd makes (bf16), or cast them to bf16.")
+        torch._foreach_add_([self.state[p]["step"] for _, p in work], 1.0)  # one launch per device
+        for group, p in work:
+            beta1, beta2 = group["betas"]
+            args = (p, p.grad, self.state[p], group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            if self._use_triton and p.is_cuda and p.is_contiguous() and p.grad.is_contiguous():
+                _update_triton(*args)
+            else:
+                _update_torch(*args)
+        return loss
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (masters included); a bf16 parameter saved without one gets its bf16 value.
+
+        ``torch.optim.Optimizer.load_state_dict`` would cast every floating state tensor to its parameter's dtype,
+        bf16 here, so the bf16 parameters' states are set aside and placed by hand (fp32, on the parameter's
+        device). Tensor learning rates end up on their group's device; where the group's ``lr`` was a tensor
+        before, it keeps that tensor object (a captured CUDA graph reads its memory) with the loaded value.
+        """
+        params = _all_params(self)
+        old_lrs = [group["lr"] for group in self.param_groups]
+        saved = dict(state_dict)
+        saved_state = dict(saved["state"])
+        saved_params = [i for g in saved["param_groups"] for i in g["params"]]
+        if len(saved_params) != len(params):
+            raise ValueError(f"the saved state has {len(saved_params)} parameters, this optimizer "
+                             f"{len(params)}. Fix: load a state saved from the same parameters.")
+        masters = {p: saved_state.pop(i, {}) for i, p in zip(saved_params, params, strict=True)
+                   if id(p) in self._master_ids}
+        saved["state"] = saved_state
+        super().load_state_dict(saved)
+        for p, entry in masters.items():
+            self.state[p] = self._loaded_master_state(p, entry)
+        for group, old in zip(self.param_groups, old_lrs, strict=True):
+            if group["params"]:
+                group["lr"] = _lr_after_load(old, group["lr"], group["params"][0].device)
+        for ps in self._fp32_groups:
+            for p in ps:
+                step = self.state[p].get("step")
+                if (self._capturable or self._inner_fused) and isinstance(step, torch.Tensor):
+                    self.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
+        self._share_state()
+
+    @torch.no_grad()
+    def _loaded_master_state(self, p: torch.Tensor, entry: dict[str, Any]) -> dict[str, Any]:
+        def fp32(value: Any) -> torch.Tensor:
+            return torch.as_tensor(value).to(dtype=torch.float32, device=p.device, copy=True)
+
+        if "master" not in entry:
+            warnings.warn(f"the loaded optimizer state has no fp32 master for a bf16 parameter of shape "
+                          f"{tuple(p.shape)}; it starts from the parameter's bf16 value (the fp32 bits below bf16 "
+                          "precision are lost).", stacklevel=3)
+        state = {"step": fp32(entry.get("step", 0.0)).reshape(())}
+        state["master"] = fp32(entry["master"]) if "master" in entry else p.detach().float()
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = fp32(entry[key]) if key in entry else torch.zeros_like(state["master"])
+        for key in _MASTER_KEYS:
+            if state[key].shape != p.shape:
+                raise ValueError(f"the loaded {key} has shape {tuple(state[key].shape)}, its parameter "
+                                 f"{tuple(p.shape)}. Fix: load a state saved from the same model.")
+            state[key] = state[key].contiguous()
+        return state
+
+
+# -- the update -----------------------------------------------------------------------------------
+
+
+def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: float | torch.Tensor,
+                  beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The update in torch operations (CPU, no Triton, or a non-contiguous tensor); ``state["step"]`` counted.
+
+    With the step count on the CPU and a number (or CPU tensor) for ``lr``, the arithmetic is
+    ``torch.optim.AdamW``'s (single-tensor, not capturable) operation for operation. Otherwise the scalars stay
+    device tensors, read by the operations themselves (no host-device synchronisation).
+    """
+    master, exp_avg, exp_avg_sq, step = state["master"], state["exp_avg"], state["exp_avg_sq"], state["step"]
+    g = grad.float()
+    on_host = step.device.type == "cpu" and not (isinstance(lr, torch.Tensor) and lr.device.type != "cpu")
+    if on_host:
+        lr, t = float(lr), step.item()
+        master.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1, bias2_sqrt = 1 - beta1**t, (1 - beta2**t) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
+        master.addcdiv_(exp_avg, denom, value=-(lr / bias1))
+    else:
+        master.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        # 1 - beta**t as -expm1(t log beta): no cancellation in float32 (beta2 = 0.999 at t = 1 would lose 4 digits).
+        bias1 = -torch.expm1(step * math.log(beta1))
+        bias2_sqrt = (-torch.expm1(step * math.log(beta2))).sqrt()
+        neg_step_size = -lr / bias1
+        denom = (exp_avg_sq.sqrt() / (bias2_sqrt * neg_step_size)).add_(eps / neg_step_size)
+        master.addcdiv_(exp_avg, denom)
+    param.copy_(master)  # rounds to nearest, ties to even
+
+
+def _update_triton(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: float | torch.Tensor,
+                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The update as one Triton kernel over contiguous CUDA tensors; reads ``lr`` (if a tensor) and the step count
+    from device memory."""
+    n = param.numel()
+    if n == 0:
+        return
+    step = state["step"]
+    lr_on_device = isinstance(lr, torch.Tensor)
+    if lr_on_device and lr.device != param.device:
+        if lr.device.type != "cpu":
+            raise ValueError(f"lr is a tensor on {lr.device}, the parameters on {param.device}. Fix: keep lr on the "
+                             "parameters' device (or make it a number).")
+        lr, lr_on_device = float(lr), False
+    _kernel()[(-(-n // _BLOCK),)](
+        param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], step,
+        lr if lr_on_device else step, 0.0 if lr_on_device else float(lr), n,
+        1 - beta1, beta2, 1 - beta2, math.log(beta1), math.log(beta2), eps, weight_decay,
+        LR_ON_DEVICE=lr_on_device, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, defined on first use: importing this module needs no Triton."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def master_adamw_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, lr_ptr, lr,
+                            n_elements, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
+                            weight_decay, LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n_elements
+        if LR_ON_DEVICE:
+            lr = tl.load(lr_ptr).to(tl.float32)
+        t = tl.load(step_ptr)  # already counted for this step
+        step_size = tl.div_rn(lr, -libdevice.expm1(t * log_beta1))  # lr / (1 - beta1**t)
+        bias2_sqrt = tl.sqrt_rn(-libdevice.expm1(t * log_beta2))  # sqrt(1 - beta2**t)
+
+        g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        w = tl.load(master_ptr + offsets, mask=mask)
+        m = tl.load(exp_avg_ptr + offsets, mask=mask)
+        v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+        w = w * (1 - lr * weight_decay)
+        m = m + one_minus_beta1 * (g - m)  # lerp, as torch computes it for a weight below 1/2
+        v = v * beta2 + one_minus_beta2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+        w = w - step_size * tl.div_rn(m, denom)
+        tl.store(master_ptr + offsets, w, mask=mask)
+        tl.store(exp_avg_ptr + offsets, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+        tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+
+    return master_adamw_kernel
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr is a tensor of shape {tuple(lr.shape)}. Fix: use a number or a 0-dim tensor.")
+    elif not lr >= 0:
+        raise ValueError(f"lr={lr!r}. Fix: use a learning rate >= 0.")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"betas={tuple(betas)!r}. Fix: use two numbers in [0, 1), e.g. (0.9, 0.999).")
+    if not eps >= 0:
+        raise ValueError(f"eps={eps!r}. Fix: use eps >= 0, e.g. 1e-8.")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay={weight_decay!r}. Fix: use weight_decay >= 0.")
+
+
+def _triton_usable() -> bool:
+    return importlib.util.find_spec("triton") is not None and not triton_interpreted()
+
+
+def _check_fused(fused: bool | None, masters: list[torch.Tensor]) -> bool:
+    """Whether bf16 parameters on a CUDA device get the Triton kernel."""
+    if fused is False:
+        return False
+    if fused is None:
+        return _triton_usable()
+    if not all(p.is_cuda for p in masters):
+        raise ValueError("fused=True needs the bf16 parameters on a CUDA device. Fix: move the model to the GPU "
+                         "first, or leave fused=None.")
+    if not _triton_usable():
+        raise ValueError("fused=True needs Triton (installed, and not run by its interpreter, TRITON_INTERPRET=1). "
+                         "Fix: install Triton, or leave fused=None.")
+    return True
+
+
+def _lr_after_load(old: Any, new: Any, device: torch.device) -> Any:
+    """The group's ``lr`` after a load: the old tensor refilled, the loaded tensor moved, or the loaded number."""
+    if isinstance(old, torch.Tensor) and old.device == device:
+        with torch.no_grad():
+            old.copy_(new) if isinstance(new, torch.Tensor) else old.fill_(new)
+        return old
+    return new.to(device) if isinstance(new, torch.Tensor) else new

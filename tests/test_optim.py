@@ -1,0 +1,281 @@
+"""MasterWeightAdamW: the same steps as torch.optim.AdamW under bf16 autocast, checkpoints, the Triton kernel."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtrain.optim import MasterWeightAdamW
+
+VOCAB, DIM, HIDDEN = 11, 16, 24
+
+
+class Tiny(nn.Module):
+    """Embedding (fp32 under autocast), two bias-free linears (bf16 under autocast), a gain (fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, DIM)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, VOCAB))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(self.embedding(tokens)))) * self.gain
+
+    def groups(self) -> list[dict]:
+        return [{"params": [self.up.weight, self.down.weight, self.embedding.weight], "weight_decay": 0.1},
+                {"params": [self.gain], "weight_decay": 0.0}]
+
+    def matrices(self) -> list[nn.Parameter]:
+        return [self.up.weight, self.down.weight]
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (4, 9), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 3 if s < 3 else 0.5)
+
+
+def _master_model(fused: bool | None = None) -> tuple[Tiny, MasterWeightAdamW]:
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = MasterWeightAdamW(model.groups(), lr=3e-2, betas=(0.9, 0.95), bf16_params=model.matrices(),
+                                  fused=fused)
+    return model, optimizer
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, steps: range) -> None:
+    for step in steps:
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+
+def test_same_steps_as_adamw_under_bf16_autocast() -> None:
+    torch.manual_seed(0)
+    ref = Tiny()  # fp32 weights, cast by autocast
+    ref_opt = torch.optim.AdamW(ref.groups(), lr=3e-2, betas=(0.9, 0.95))
+    ref_sched = _schedule(ref_opt)
+    model, optimizer = _master_model()
+    sched = _schedule(optimizer)
+    assert all(p.dtype == torch.bfloat16 for p in model.matrices())
+    assert model.gain.dtype == model.embedding.weight.dtype == torch.float32
+    for m, r in zip(model.matrices(), ref.matrices(), strict=True):
+        assert torch.equal(optimizer.state[m]["master"], r.detach())  # the fp32 value, kept at conversion
+
+    for step in range(5):
+        _loss(ref, step).backward()
+        _loss(model, step).backward()
+        for m, r in zip(model.matrices(), ref.matrices(), strict=True):
+            assert m.grad.dtype == torch.bfloat16
+            r.grad = r.grad.bfloat16().float()  # bf16 matmul gradients: rounding changes nothing...
+            assert torch.equal(m.grad.float(), r.grad)  # ...and they are the bf16 weights' gradients
+        for opt, schedule in ((ref_opt, ref_sched), (optimizer, sched)):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            schedule.step()
+
+    for m, r in zip(model.matrices(), ref.matrices(), strict=True):
+        torch.testing.assert_close(optimizer.state[m]["master"], r.detach(), rtol=1e-6, atol=0)
+        assert torch.equal(m.detach(), r.detach().bfloat16())
+    assert torch.equal(model.gain.detach(), ref.gain.detach())
+    assert torch.equal(model.embedding.weight.detach(), ref.embedding.weight.detach())
+    assert optimizer.state[model.up.weight]["step"].item() == 5
+    assert optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_tensor_lr_on_cpu_gives_the_same_steps() -> None:
+    runs = []
+    for lr in (3e-2, torch.tensor(3e-2)):
+        torch.manual_seed(0)
+        model = Tiny()
+        optimizer = MasterWeightAdamW(model.groups(), lr=lr, bf16_params=model.matrices())
+        for step in range(3):
+            _loss(model, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(model)
+    for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):  # AdamW's tensor-lr arithmetic
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # differs in the last bit (float32, not double)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    model, optimizer = _master_model()
+    sched = _schedule(optimizer)
+    _train(model, optimizer, sched, range(3))
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), sched.state_dict()))
+    assert saved[1]["state"][0]["master"].dtype == torch.float32
+
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    resumed = Tiny()
+    resumed_opt = MasterWeightAdamW(resumed.groups(), lr=3e-2, betas=(0.9, 0.95), bf16_params=resumed.matrices())
+    resumed_sched = _schedule(resumed_opt)
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    resumed_sched.load_state_dict(saved[2])
+    _train(resumed, resumed_opt, resumed_sched, range(3, 5))
+
+    _train(model, optimizer, sched, range(3, 5))  # uninterrupted
+    for p, q in zip(resumed.parameters(), model.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+        s, t = resumed_opt.state[p], optimizer.state[q]
+        assert s.keys() == t.keys()
+        for key in s:
+            assert s[key].dtype == t[key].dtype and torch.equal(s[key], t[key]), key
+
+
+def test_missing_master_starts_from_the_bf16_value_with_a_warning() -> None:
+    model, optimizer = _master_model()
+    _train(model, optimizer, _schedule(optimizer), range(2))
+    saved = copy.deepcopy(optimizer.state_dict())
+    del saved["state"][0]["master"]
+    with pytest.warns(UserWarning, match="no fp32 master"):
+        optimizer.load_state_dict(saved)
+    state = optimizer.state[model.up.weight]
+    assert state["master"].dtype == torch.float32 and torch.equal(state["master"], model.up.weight.float())
+    assert torch.equal(state["exp_avg"], saved["state"][0]["exp_avg"])
+    assert torch.equal(optimizer.state[model.down.weight]["master"], saved["state"][1]["master"])
+
+
+def test_parameter_without_gradient_is_skipped() -> None:
+    model, optimizer = _master_model()
+    before = model.up.weight.detach().clone()
+    _loss(model, 0).backward()
+    model.up.weight.grad = None
+    optimizer.step()
+    assert torch.equal(model.up.weight, before)
+    assert optimizer.state[model.up.weight]["step"].item() == 0
+    assert optimizer.state[model.down.weight]["step"].item() == 1
+
+
+def test_clear_errors() -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match="betas"):
+        MasterWeightAdamW(model.parameters(), lr=1e-3, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr"):
+        MasterWeightAdamW(model.parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="not among"):
+        MasterWeightAdamW([model.gain], bf16_params=[model.up.weight])
+    with pytest.raises(ValueError, match="bf16_params"):
+        MasterWeightAdamW([nn.Parameter(torch.ones(3, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="fp32 value would be lost"):
+        bf16 = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        MasterWeightAdamW([bf16], bf16_params=[bf16])
+    with pytest.raises(ValueError, match="CUDA"):
+        MasterWeightAdamW(model.parameters(), bf16_params=[model.up.weight], fused=True)
+    optimizer = MasterWeightAdamW(model.parameters())
+    with pytest.raises(NotImplementedError):
+        optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+
+
+# -- GPU: the Triton kernel ---------------------------------------------------------------------------
+
+
+def _random_state(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
+    """Grad (bf16), master, exp_avg, exp_avg_sq: random, none zero."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def nonzero(*s: int) -> torch.Tensor:
+        x = torch.randn(*s, device="cuda", generator=gen)
+        return x + torch.where(x >= 0, 0.05, -0.05)
+
+    return (nonzero(*shape).bfloat16(), nonzero(*shape), nonzero(*shape) * 0.1,
+            torch.rand(*shape, device="cuda", generator=gen) * 0.01 + 1e-4)
+
+
+def _optimizer_with_state(shape, seed, lr, fused, weight_decay=0.1):
+    grad, master, exp_avg, exp_avg_sq = _random_state(shape, seed)
+    p = nn.Parameter(master.clone())
+    optimizer = MasterWeightAdamW([p], lr=lr, weight_decay=weight_decay, bf16_params=[p], fused=fused)
+    state = optimizer.state[p]
+    state["exp_avg"].copy_(exp_avg)
+    state["exp_avg_sq"].copy_(exp_avg_sq)
+    state["step"].fill_(4.0)
+    p.grad = grad
+    with torch.no_grad():
+        p.fill_(float("nan"))  # poisoned: the step must write every element
+    return p, optimizer
+
+
+def _assert_within_one_bf16_ulp(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert not a.isnan().any() and not b.isnan().any()
+    diff = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    assert diff.max().item() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(97, 1025), (2560, 80), (3,)])
+@pytest.mark.parametrize("lr_on_device", [False, True])
+def test_triton_kernel_matches_torch_operations(shape: tuple[int, ...], lr_on_device: bool) -> None:
+    lr = torch.tensor(1e-2, device="cuda") if lr_on_device else 1e-2
+    kernel_p, kernel_opt = _optimizer_with_state(shape, 7, lr, fused=True)
+    torch_p, torch_opt = _optimizer_with_state(shape, 7, lr, fused=False)
+    cpu_p, cpu_opt = _optimizer_with_state(shape, 7, 1e-2, fused=False)  # then moved: host scalars, AdamW's own
+    cpu_p.data = cpu_p.data.cpu()
+    cpu_p.grad = cpu_p.grad.cpu()
+    cpu_opt.state[cpu_p] = {k: v.cpu() for k, v in cpu_opt.state.pop(cpu_p).items()}
+    for optimizer in (kernel_opt, torch_opt, cpu_opt):
+        optimizer.step()
+    kernel, torch_ops, cpu = kernel_opt.state[kernel_p], torch_opt.state[torch_p], cpu_opt.state[cpu_p]
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        scale = kernel[key].abs().max().item()
+        torch.testing.assert_close(kernel[key], torch_ops[key], rtol=1e-6, atol=1e-6 * scale)
+        torch.testing.assert_close(kernel[key].cpu(), cpu[key], rtol=1e-6, atol=1e-6 * scale)
+    assert kernel["step"].item() == 5.0
+    assert torch.equal(kernel_p.detach(), kernel["master"].bfloat16())  # round to nearest even, as .to() does
+    _assert_within_one_bf16_ulp(kernel_p.detach(), torch_p.detach())
+
+
+@pytest.mark.gpu
+def test_captured_step_replays_equal_eager_steps() -> None:
+    def build():
+        torch.manual_seed(0)
+        model = Tiny().cuda()
+        lr = torch.tensor(1e-2, device="cuda")
+        return model, MasterWeightAdamW(model.groups(), lr=lr, bf16_params=model.matrices(), capturable=True)
+
+    def grads(step: int, model: Tiny) -> list[torch.Tensor]:
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        return [torch.randn(p.shape, device="cuda", generator=gen).to(p.dtype) for p in model.parameters()]
+
+    def set_grads(model: Tiny, values: list[torch.Tensor]) -> None:
+        for p, g in zip(model.parameters(), values, strict=True):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    eager, eager_opt = build()
+    graphed, graphed_opt = build()
+    for model, opt in ((eager, eager_opt), (graphed, graphed_opt)):  # warm-up: compile, AdamW state
+        set_grads(model, grads(0, model))
+        opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed_opt.step()
+    for step in (1, 2, 3):
+        lr = 1e-2 / step
+        for model, opt in ((eager, eager_opt), (graphed, graphed_opt)):
+            set_grads(model, grads(step, model))
+            opt.param_groups[0]["lr"].fill_(lr)
+            opt.param_groups[1]["lr"].fill_(lr)
+        eager_opt.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(eager.parameters(), graphed.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key, value in eager_opt.state[p].items():
+            assert torch.equal(value, graphed_opt.state[q][key]), key
+    assert graphed_opt.state[graphed.up.weight]["step"].item() == 4
