@@ -201,3 +201,24 @@ def test_exposed_communication_interval_arithmetic() -> None:
     halved = exposed_communication(intervals, steps=2)
     assert halved["step"] == (85.0, 50.0)
     assert exposed_communication([(0, 10, GEMM_K, "forward")]) == {}
+
+
+def test_kernels_of_a_cuda_graph_replay_belong_to_the_cuda_graph_phase() -> None:
+    """A replayed step: one ``cuda graph`` range around the graph launch; its kernels share the launch's correlation."""
+    from lmtrain.analysis.kernels import GRAPH_PHASE, summarize
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0.0, "dur": 100.0, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": GRAPH_PHASE, "ts": 1.0, "dur": 20.0, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 5.0, "dur": 3.0, "tid": 1,
+         "args": {"correlation": 42}},
+        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 10.0, "dur": 30.0, "args": {"correlation": 42}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add", "ts": 41.0, "dur": 9.0,
+         "args": {"correlation": 42}},
+    ]
+    tr = records_from_trace({"traceEvents": events}, "cuda")
+    assert [(name, phase, us) for name, phase, us, *_ in tr.records] == [
+        ("ampere_bf16_gemm", GRAPH_PHASE, 30.0), ("triton_poi_fused_add", GRAPH_PHASE, 9.0)]
+    metrics = summarize(tr.records, tr.steps).metrics()
+    assert metrics["kernels/cuda_graph_ms_per_step"] == pytest.approx(0.039)
+    assert "kernels/forward_ms_per_step" not in metrics

@@ -63,9 +63,11 @@ def test_graphed_training_matches_eager_on_cuda(options: dict[str, Any]) -> None
     # on the device in fp32, the eager one on the host)
     worst = max(abs(g - e) / abs(e) for g, e in zip(graphed, eager, strict=True))
     assert worst < 2e-3, f"losses differ by up to {worst:.2e} (relative): eager {eager} graphed {graphed}"
-    assert graphed[-1] < graphed[0]  # it trains
+    # Parameters: AdamW's update of an element with a gradient near zero is ~ +-lr whichever its sign, so single
+    # elements may differ by a few lr; whole tensors agree closely.
     for (name, p), q in zip(m_eager.named_parameters(), m_graphed.parameters()):
-        torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3, msg=name)
+        p, q = p.detach().float(), q.detach().float()
+        assert (q - p).norm() <= 1e-2 * p.norm(), name
 
 
 def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:

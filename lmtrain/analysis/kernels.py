@@ -117,7 +117,7 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
 #: run from one graph launch, with no forward/backward/optimizer boundary in between.
 GRAPH_PHASE = "cuda graph"
 #: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
-PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer")
+PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer", GRAPH_PHASE)
 #: Kernel categories, in report order.
 CATEGORIES: tuple[str, ...] = ("gemm", "attention", "softmax", "elementwise", "reduction", "optimizer",
                                "communication", "copy", "other")

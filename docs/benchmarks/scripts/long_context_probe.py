@@ -47,6 +47,7 @@ class Case:
     rest: str = "none"  # checkpoint_rest
     steps: int = 3
     warmup: int = 1
+    compile: bool = False  # LMModule compile (the warm-up step compiles)
 
 
 #: In order of importance: the baseline, the 16k candidates, 32k, then the comparisons at shorter contexts.
@@ -66,6 +67,10 @@ CASES = [
     Case("8k sdpa 24 full + 8 selective", 8192, "full", True, 4096, attention="sdpa", layers=24, rest="selective"),
     Case("8k sdpa 26 full + 6 selective", 8192, "full", True, 4096, attention="sdpa", layers=26, rest="selective"),
     Case("8k sdpa 29 full + 3 whole", 8192, "full", True, 4096, attention="sdpa", layers=29),
+    Case("8k sdpa 24 full + 8 selective, compiled", 8192, "full", True, 4096, attention="sdpa", layers=24,
+         rest="selective", compile=True),
+    Case("8k sdpa 26 full + 6 selective, compiled", 8192, "full", True, 4096, attention="sdpa", layers=26,
+         rest="selective", compile=True),
 ]
 
 #: --smoke: the same cases on the tiny model, contexts divided by this, sdpa attention, on the CPU.
@@ -90,7 +95,7 @@ def run_case(case: Case, smoke: bool) -> dict[str, Any]:
         warmup_steps=10, optimizer_in_backward=case.in_backward, optimizer_overlap=case.overlap,
         loss_chunk_tokens=case.chunk // SMOKE_DIVISOR if smoke else case.chunk,
         checkpoint_layers=None if case.layers is None else (min(case.layers, 3) if smoke else case.layers),
-        checkpoint_rest=case.rest,
+        checkpoint_rest=case.rest, compile=case.compile,
     )
     plan = estimate_memory(module.config, batch, context, "bf16-mixed", "train", device.type)
     capacity = device_capacity_bytes(80)
