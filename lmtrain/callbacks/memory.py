@@ -96,7 +96,7 @@ class MemorySnapshot(pl.Callback):
     capture, for the whole run), and a CUDA out-of-memory error dumps the snapshot
     (``memory_snapshot_oom_step<k>.pickle``) and prints a one-screen summary of what was live by
     category (parameters, gradients, optimizer state, activations and other), also logged as text
-    ``memory/analysis.oom_summary``; the error is then re-raised by Lightning as usual.
+    ``memory/oom_summary``; the error is then re-raised by Lightning as usual.
 
     Without CUDA there is nothing to measure: one warning, and no memory metrics.
 
@@ -108,7 +108,7 @@ class MemorySnapshot(pl.Callback):
     - ``memory/peak_after_optimizer_gib``: ... to the end of the step (steps with an optimizer step).
     - ``memory/allocated_gib``: allocated by tensors at the end of the step.
     - ``memory/reserved_gib``: held by PyTorch's caching allocator at the end of the step.
-    - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/analysis.oom_summary`` (text).
+    - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/oom_summary`` (text).
 
     Several ranks: the values above are rank 0's; every rank's peak of the logged step (the step's highest
     allocated memory) is gathered (one small ``all_gather`` on logged steps) and rank 0 also logs
@@ -337,7 +337,7 @@ class MemorySnapshot(pl.Callback):
                                     reserved=torch.cuda.memory_reserved(self._device), device_total=total,
                                     device_free=free, top=top, snapshot_name=str(path))
         print(text, file=sys.stderr)
-        log_text(trainer, "memory/analysis.oom_summary", text, step=self._phases.step)
+        log_text(trainer, "memory/oom_summary", text, step=self._phases.step)
 
 
 
