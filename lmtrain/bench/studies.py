@@ -20,8 +20,8 @@ study fits a short GPU session; raise ``--steps`` for tighter error bars.
                         offload x optimizer in backward off/on x loss chunks 0/4096 x sdpa, flash_triton, stopping
                         each combination at its first OOM (docs/long_context.md)
     speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
-                        20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap and the
-                        plain-PyTorch reference (torch.compile reduce-overhead): step time by the timer, by the
+                        20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap,
+                        compile+graphs+master and the plain-PyTorch reference (torch.compile reduce-overhead): step time by the timer, by the
                         cell's own CUDA events and per step of the pipeline, tokens/s, MFU, peak, speed-up vs
                         eager, and each variant's losses against eager's
 """
