@@ -169,3 +169,32 @@ def test_master_weights_refusals() -> None:
         _fit(LMModule(**TINY, master_weights=True), steps=2, precision="bf16-mixed", accumulate_grad_batches=2)
     with pytest.raises(LmtrainError, match="optimizer_in_backward"):
         LMModule(**TINY, master_weights=True, optimizer_in_backward=True)
+
+
+@pytest.mark.parametrize("options, precision", [
+    ({"cuda_graphs": True, "cuda_graph_warmup": 2}, "32-true"),
+    ({"master_weights": True}, "bf16-mixed"),
+], ids=["graphs", "master-weights"])
+def test_resume_continues_exactly(tmp_path: Any, options: dict[str, Any], precision: str) -> None:
+    """Stopped after 4 steps and resumed from the checkpoint to 8: the same weights as 8 steps in one fit."""
+    def module() -> LMModule:
+        torch.manual_seed(1)
+        return Emulated(**TINY, **options)
+
+    whole = module()
+    _fit(whole, steps=8, precision=precision)
+    first = module()
+    torch.manual_seed(0)  # as _fit does: the synthetic windows come from the same generator
+    trainer = cpu_fit(first, 4, batch=3, context=16, vocab=97, precision=precision)
+    path = tmp_path / "step4.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = module()
+    torch.manual_seed(0)
+    cpu_fit(resumed, 8, batch=3, context=16, vocab=97, precision=precision, ckpt_path=str(path))
+    assert resumed.trainer.global_step == 8
+    opt_w, opt_r = whole.trainer.optimizers[0], resumed.trainer.optimizers[0]
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        assert q.dtype == p.dtype, name
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
+        if "master" in opt_w.state[p]:
+            torch.testing.assert_close(opt_r.state[q]["master"], opt_w.state[p]["master"], rtol=1e-6, atol=1e-7)
