@@ -66,7 +66,7 @@ def test_graphed_steps_train_exactly_like_eager_steps(options: dict[str, Any]) -
     assert b.lrs == pytest.approx(a.lrs, rel=1e-12)  # the schedule steps once per step, warm-up and cosine
     assert len(set(a.lrs)) > 4
     assert b.losses == pytest.approx(a.losses, rel=1e-6, abs=1e-7)
-    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
     # no gradients left behind by the captured step's buffers
     assert all(p.grad is None for p in graphed.parameters())
@@ -81,7 +81,8 @@ def test_graphed_optimizer_checkpoints_are_the_inner_optimizers() -> None:
     fresh = torch.optim.AdamW([{"params": g["params"]} for g in opt.inner.param_groups], lr=1.0)
     wrapped = GraphedOptimizer(fresh)
     wrapped.load_state_dict(state)
-    assert wrapped.param_groups is fresh.param_groups and wrapped.param_groups[0]["lr"] == state["param_groups"][0]["lr"]
+    assert wrapped.param_groups is fresh.param_groups
+    assert wrapped.param_groups[0]["lr"] == state["param_groups"][0]["lr"]
 
 
 def test_timer_reports_replayed_steps_as_whole_steps_only() -> None:
@@ -153,7 +154,7 @@ def test_master_weights_train_like_bf16_mixed_on_cpu() -> None:
     a, b = _fit(plain, precision="bf16-mixed"), _fit(master, precision="bf16-mixed")
     assert b.losses == pytest.approx(a.losses, rel=1e-5)
     opt = master.trainer.optimizers[0]
-    for (name, p), q in zip(plain.named_parameters(), master.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), master.parameters(), strict=True):
         if q.dtype == torch.bfloat16:  # linear weights: bf16, their masters in the optimizer
             torch.testing.assert_close(opt.state[q]["master"], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
             torch.testing.assert_close(q.detach(), p.detach().bfloat16(), rtol=1e-2, atol=1e-3, msg=name)
@@ -193,7 +194,7 @@ def test_resume_continues_exactly(tmp_path: Any, options: dict[str, Any], precis
     cpu_fit(resumed, 8, batch=3, context=16, vocab=97, precision=precision, ckpt_path=str(path))
     assert resumed.trainer.global_step == 8
     opt_w, opt_r = whole.trainer.optimizers[0], resumed.trainer.optimizers[0]
-    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
         assert q.dtype == p.dtype, name
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
         if "master" in opt_w.state[p]:

@@ -65,7 +65,7 @@ def test_graphed_training_matches_eager_on_cuda(options: dict[str, Any]) -> None
     assert worst < 2e-3, f"losses differ by up to {worst:.2e} (relative): eager {eager} graphed {graphed}"
     # Parameters: AdamW's update of an element with a gradient near zero is ~ +-lr whichever its sign, so single
     # elements may differ by a few lr; whole tensors agree closely.
-    for (name, p), q in zip(m_eager.named_parameters(), m_graphed.parameters()):
+    for (name, p), q in zip(m_eager.named_parameters(), m_graphed.parameters(), strict=True):
         p, q = p.detach().float(), q.detach().float()
         assert (q - p).norm() <= 1e-2 * p.norm(), name
 

@@ -21,9 +21,9 @@ study fits a short GPU session; raise ``--steps`` for tighter error bars.
                         each combination at its first OOM (docs/long_context.md)
     speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
                         20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap,
-                        compile+graphs+master and the plain-PyTorch reference (torch.compile reduce-overhead): step time by the timer, by the
-                        cell's own CUDA events and per step of the pipeline, tokens/s, MFU, peak, speed-up vs
-                        eager, and each variant's losses against eager's
+                        compile+graphs+master and the plain-PyTorch reference (torch.compile reduce-overhead):
+                        step time by the timer, by the cell's own CUDA events and per step of the pipeline,
+                        tokens/s, MFU, peak, speed-up vs eager, and each variant's losses against eager's
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def render_attention(rows: Rows) -> str:
 
 def variant_name(row: dict[str, Any]) -> str:
     """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
-    ``compile+graphs+overlap``, ``compile+graphs+master`` (``in-backward`` where the in-backward optimizer runs without overlap), and
+    ``compile+graphs+overlap``, ``compile+graphs+master`` (``in-backward`` where the in-backward optimizer runs
+    without overlap), and
     ``plain ...`` for the plain-PyTorch reference loop."""
     parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
     if is_on(row.get("optimizer_overlap")):

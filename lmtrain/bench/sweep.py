@@ -79,7 +79,8 @@ _SHORT_NAMES = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib",
 CSV_COLUMNS = [
     "size", "params", "context", "batch_size", "precision", "attention", "compile", "mode", "warmup", "steps",
     "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "cuda_graphs",
-    "optimizer_overlap", "master_weights", "runner", "status", "error", "forward_ms_mean", "forward_ms_std", "backward_ms_mean",
+    "optimizer_overlap", "master_weights", "runner", "status", "error", "forward_ms_mean", "forward_ms_std",
+    "backward_ms_mean",
     "backward_ms_std", "optimizer_ms_mean", "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median",
     "step_ms_min", "step_ms_max", "first_step_ms", "events_step_ms_mean", "pipeline_step_ms", "timer_vs_events_pct",
     "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct", "wall_s", "device",
@@ -95,8 +96,8 @@ class Cell:
 
     The fields after ``vocab_size`` are ``LMModule`` options (memory: ``activation_checkpointing``,
     ``optimizer_in_backward``, ``loss_chunk_tokens``; speed: ``cuda_graphs``, ``optimizer_overlap``, which needs
-    ``optimizer_in_backward``, and ``master_weights``) and ``runner`` (``RUNNERS``). The row of every cell also holds ``losses``: the
-    training loss of each step, warm-up included.
+    ``optimizer_in_backward``, and ``master_weights``) and ``runner`` (``RUNNERS``). The row of every cell also
+    holds ``losses``: the training loss of each step, warm-up included.
     """
 
     size: str
@@ -662,7 +663,8 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
              optimizer_overlap=o == "on", master_weights=mw == "on", runner=r)
         for s in sizes for p in values["precision"] for a in values["attention"] for c in values["compile"]
         for g in values["cuda_graphs"] for m in values["mode"] for ac in values["activation_checkpointing"]
-        for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"] for mw in values["master_weights"]
+        for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"]
+        for mw in values["master_weights"]
         for k in values["loss_chunk_tokens"] for b in values["batch_size"] for t in sorted(values["contexts"])
         for w in values["warmup"] for n in values["steps"] for r in values["runner"]
     ))
