@@ -49,15 +49,7 @@ class StubTimer(pl.Callback):
         return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Cells inherit this; two OpenMP threads on a busy 2-core machine make tiny steps 50x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -24,13 +24,7 @@ VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "com
             "plain compile+graphs"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Two OpenMP threads on a busy 2-core machine make tiny steps much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def plan(*argv: str) -> tuple[list[bench.Cell], dict[str, list[bench.Cell]]]:

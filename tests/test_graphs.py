@@ -199,3 +199,16 @@ def test_resume_continues_exactly(tmp_path: Any, options: dict[str, Any], precis
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
         if "master" in opt_w.state[p]:
             torch.testing.assert_close(opt_r.state[q]["master"], opt_w.state[p]["master"], rtol=1e-6, atol=1e-7)
+
+
+def test_validation_between_graphed_steps() -> None:
+    """Validation passes (eager, no gradients) between replays leave the graphed training unchanged."""
+    torch.manual_seed(1)
+    eager = LMModule(**TINY)
+    torch.manual_seed(1)
+    graphed = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=2)
+    kw = dict(limit_val_batches=1, val_check_interval=3)
+    a, b = _fit(eager, **kw), _fit(graphed, **kw)
+    assert b.losses == pytest.approx(a.losses, rel=1e-6, abs=1e-7)
+    val = [t.callback_metrics["val/loss"] for t in (eager.trainer, graphed.trainer)]
+    torch.testing.assert_close(val[1], val[0], rtol=1e-6, atol=1e-7)
