@@ -13,12 +13,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from fitting import cpu_fit
 
 from lmtrain.callbacks import CudaSyncTimer, PrecisionInspector
 from lmtrain.errors import LmtrainError
 from lmtrain.graphs import EmulatedStepGraph, GraphedOptimizer
 from lmtrain.module import LMModule
-from fitting import cpu_fit
 
 TINY = dict(size="tiny", vocab_size=97, context_length=16, warmup_steps=2, decay_steps=8, lr=3e-3)
 
