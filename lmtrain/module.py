@@ -308,8 +308,9 @@ class LMModule(pl.LightningModule):
         if self._graph is None:
             self._graph = self.graph_class()
         graph = self._graph
-        replay = self.replays_graph(step) and (not graph.ready or graph.matches(batch))
-        if self.replays_graph(step) and not replay:
+        wanted = self.replays_graph(step)
+        replay = wanted and (not graph.ready or graph.matches(batch))
+        if wanted and not replay:
             rank_zero_warn(f"model.cuda_graphs: a batch of shape {tuple(batch.shape)} differs from the captured "
                            f"{tuple(graph.static_batch.shape)}; such batches run eagerly.")
         if replay:
@@ -324,7 +325,6 @@ class LMModule(pl.LightningModule):
             graphed.inner.zero_grad(set_to_none=True)  # as after an eager step (a host-side no-op after a replay)
             loss = graph.static_loss.clone()  # the next replay overwrites the static output
         else:
-            graphed.inner.zero_grad(set_to_none=True)  # never accumulate onto the graph's gradient buffers
             if isinstance(graphed.inner, InBackwardAdamW):
                 loss = optimizer.step(closure=lambda: self._eager_forward_backward(batch))
             else:
@@ -367,9 +367,8 @@ class LMModule(pl.LightningModule):
 
         inner.zero_grad(set_to_none=True)
         device = batch.device.type
-        autocast = torch.is_autocast_enabled(device) if device == "cuda" else False
-        context = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False) if autocast
-                   else contextlib.nullcontext())
+        context = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
+                   if torch.is_autocast_enabled(device) else contextlib.nullcontext())
         with context:
             graph.capture(whole_step, batch, prepare=prepare)
         # The graph keeps its gradient buffers in its own pool; eager steps start from no gradients.
