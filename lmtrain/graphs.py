@@ -92,10 +92,6 @@ class WholeStepGraph:
         self.graph.replay()
         return self.static_loss
 
-    def reset(self) -> None:
-        """Forget the capture (its memory pool is freed once nothing refers to the graph)."""
-        self.graph, self.static_batch, self.static_loss = None, None, None
-
 
 class EmulatedStepGraph(WholeStepGraph):
     """Stands in for :class:`WholeStepGraph` where there is no CUDA: "replays" by calling the step function.
