@@ -411,15 +411,11 @@ class LMModule(pl.LightningModule):
             self.check_trainer(self.trainer)
         return []
 
-    def setup(self, stage: str) -> None:
-        if stage == "fit":
-            self.check_trainer(self.trainer)
-
     def check_trainer(self, trainer: pl.Trainer) -> None:
         """Refuse trainer settings this module's options cannot work with (one ``LmtrainError``, field and fix).
 
-        Called from ``setup("fit")``; a command line can call it before ``fit`` to stop before anything is
-        written.
+        Called from ``configure_callbacks`` at the start of every fit, before Lightning's own configuration checks;
+        a command line can call it before ``fit`` to stop before anything is written.
         """
         if self.cuda_graphs:
             self._check_graph_trainer(trainer)
