@@ -288,6 +288,12 @@ def device_capacity_bytes(gpu_memory_gib: float | None = None, device: Any = Non
     else:
         raise LmtrainError("--gpu-memory-gib", "no CUDA device is visible to read its memory size from.",
                            "give the device's memory in GiB, e.g. --gpu-memory-gib 80 for an 80 GB H100.")
+    return usable_bytes(total)
+
+
+def usable_bytes(total: int) -> int:
+    """Of a device's ``total`` bytes, those a training step may plan for: less ``CUDA_CONTEXT_BYTES`` and
+    ``FRAGMENTATION_FRACTION`` of the total."""
     return int(total - CUDA_CONTEXT_BYTES - FRAGMENTATION_FRACTION * total)
 
 

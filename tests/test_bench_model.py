@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,33 @@ def test_memory_options_reach_the_cells_and_old_keys_still_match() -> None:
     assert "activation_checkpointing" not in json.loads(plain.key())  # results written before the options match
     with pytest.raises(LmtrainError, match="--activation-checkpointing"):
         bench.cells_from_values({**bench.DEFAULTS, "activation_checkpointing": ["most"]})
+
+
+def test_long_context_table_keeps_the_planners_record() -> None:
+    """The long-context study's table judges each plan against the usable memory and sums up the planner."""
+    from lmtrain.bench.studies import STUDIES
+    from lmtrain.memory_plan import usable_bytes
+
+    def row(context: int, plan: float, status: str, peak: float | None = None, ib: bool = True) -> dict:
+        r = {"context": context, "attention": "sdpa", "activation_checkpointing": "full", "optimizer_in_backward": ib,
+             "loss_chunk_tokens": 4096, "estimate_gib": plan, "status": status, "peak_gib": peak}
+        if peak is not None:
+            r.update(estimate_error_pct=100 * (plan - peak) / peak, step_ms_median=1000.0, tokens_per_s=8192.0,
+                     device_memory_gib=80.0)
+        return r
+
+    capacity = usable_bytes(80 * 1024**3) / 1024**3  # 75.0 GiB
+    assert abs(capacity - 75.0) < 1e-9
+    rows = [row(2048, 40.0, "ok", 39.0), row(4096, 50.0, "ok", 44.0), row(8192, 70.0, "OOM"),
+            row(16384, 90.0, "OOM", ib=False)]
+    text = re.sub(" +", " ", STUDIES["long-context"].render(rows))
+    assert "| +2.6% | yes | ok |" in text and "| +13.6% | yes | ok |" in text and "| no | OOM" in text
+    assert "over the 2 cells that ran: +2.6% .. +13.6%" in text
+    assert "1 cells outside +-10%: 4096 sdpa full in-backward chunk 4096" in text
+    assert "Usable memory 75.00 GiB" in text
+    assert "\"fits\" for 3 cells: 1 of them did not run: 8192 sdpa full in-backward chunk 4096 (OOM)" in text
+    assert "\"does not fit\" for 1: none of them ran" in text
+    good = re.sub(" +", " ", STUDIES["long-context"].render([row(2048, 40.0, "ok", 39.0),
+                                                            row(16384, 90.0, "ok", 88.0, ib=False)]))
+    assert "every one within +-10%." in good and "every one ran." in good
+    assert "1 ran anyway (the plan is conservative there): 16384 sdpa full no in-backward chunk 4096" in good

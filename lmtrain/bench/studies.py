@@ -18,7 +18,8 @@ study fits a short GPU session; raise ``--steps`` for tighter error bars.
                         .. 16384, stopping each backend at its first OOM
     long-context        2.7B bf16-mixed batch 4, train, contexts 2048 .. 32768 x checkpointing full / selective /
                         offload x optimizer in backward off/on x loss chunks 0/4096 x sdpa, flash_triton, stopping
-                        each combination at its first OOM (docs/long_context.md)
+                        each combination at its first OOM (warm-up 1, 2 steps); the plan and its error per cell,
+                        whether it said "fits", and the planner's record over the study (docs/long_context.md)
     speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
                         20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap,
                         compile+graphs+master and the plain-PyTorch reference (torch.compile reduce-overhead):
@@ -35,6 +36,7 @@ from typing import Any
 from lmtrain.analysis.tables import markdown_table
 from lmtrain.bench.tables import fmt, fmt_ms, is_on, markdown_rows, status_text
 from lmtrain.config import STUDY_SIZES
+from lmtrain.memory_plan import GIB, usable_bytes
 
 Rows = list[dict[str, Any]]
 
@@ -264,7 +266,7 @@ STUDIES: dict[str, Study] = {
         render_attention),
     "long-context": Study("long-context", "Long context on one GPU", {
         "sizes": ["2.7B"], "contexts": [2048, 4096, 8192, 16384, 32768], "precision": ["bf16-mixed"],
-        "batch_size": [4], "mode": ["train"], "attention": ["sdpa", "flash_triton"], "warmup": [1], "steps": [3],
+        "batch_size": [4], "mode": ["train"], "attention": ["sdpa", "flash_triton"], "warmup": [1], "steps": [2],
         "activation_checkpointing": ["full", "selective", "offload"], "optimizer_in_backward": ["off", "on"],
         "loss_chunk_tokens": [0, 4096], "stop_after_oom": True},
         lambda rows: _long_context(rows)),
@@ -278,14 +280,70 @@ STUDIES: dict[str, Study] = {
 
 
 def _long_context(rows: Rows) -> str:
-    """Per memory option: step time, tokens/s, measured peak and the plan."""
+    """Per memory option: step time, tokens/s, measured peak and the plan, then the planner's record.
+
+    "plan fits" judges the plan against the device's usable memory as ``estimate`` does
+    (``lmtrain.memory_plan.usable_bytes``: total less the CUDA context and the fragmentation allowance), the total
+    read from the cells' rows (``device_memory_gib``); without a GPU row it is left blank.
+    """
+    totals = [r["device_memory_gib"] for r in rows if r.get("device_memory_gib")]
+    capacity = usable_bytes(int(max(totals) * GIB)) / GIB if totals else None
     header = ["context", "attention", "checkpointing", "optimizer in backward", "loss chunk", "step ms", "tokens/s",
-              "peak GiB", "plan GiB", "status"]
-    body = [[r.get("context"), r.get("attention"), r.get("activation_checkpointing") or "none",
-             "on" if r.get("optimizer_in_backward") in (True, "True", "true", "on") else "off",
-             r.get("loss_chunk_tokens") or 0, fmt(r.get("step_ms_median"), ".0f"), fmt(r.get("tokens_per_s"), ",.0f"),
-             fmt(r.get("peak_gib"), ".2f"), fmt(r.get("estimate_gib"), ".2f"), status_text(r)] for r in rows]
-    return "\n".join(["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_table(header, body)])
+              "peak GiB", "plan GiB", "plan - peak", "plan fits", "status"]
+    body = []
+    for r in rows:
+        plan, error = r.get("estimate_gib"), r.get("estimate_error_pct")
+        body.append([r.get("context"), r.get("attention"), r.get("activation_checkpointing") or "none",
+                     "on" if is_on(r.get("optimizer_in_backward")) else "off", r.get("loss_chunk_tokens") or 0,
+                     fmt(r.get("step_ms_median"), ".0f"), fmt(r.get("tokens_per_s"), ",.0f"),
+                     fmt(r.get("peak_gib"), ".2f"), fmt(plan, ".2f"), fmt(error, "+.1f") + ("%" if error is not None
+                                                                                          else ""),
+                     _fits_text(plan, capacity), status_text(r)])
+    lines = ["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_table(header, body), ""]
+    lines += planner_record(rows, capacity)
+    return "\n".join(lines)
+
+
+def _fits_text(plan: float | None, capacity: float | None) -> str:
+    if plan is None or capacity is None:
+        return ""
+    return "yes" if plan <= capacity else "no"
+
+
+def planner_record(rows: Rows, capacity_gib: float | None, tolerance_pct: float = 10.0) -> list[str]:
+    """Sentences on the memory planner over a study's rows: its error on every cell that ran, and whether every
+    cell it judged to fit ``capacity_gib`` ran (and every one it judged not to fit ran out of memory)."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("estimate_error_pct") is not None]
+    lines = []
+    if ok:
+        errors = [r["estimate_error_pct"] for r in ok]
+        worst = max(ok, key=lambda r: abs(r["estimate_error_pct"]))
+        outside = [r for r in ok if abs(r["estimate_error_pct"]) > tolerance_pct]
+        lines.append(f"- Planner error (plan - peak) over the {len(ok)} cells that ran: {min(errors):+.1f}% .. "
+                     f"{max(errors):+.1f}%; largest {worst['estimate_error_pct']:+.1f}% ({_cell_name(worst)}); "
+                     + (f"{len(outside)} cells outside +-{tolerance_pct:g}%: "
+                        + "; ".join(_cell_name(r) for r in outside) + "." if outside
+                        else f"every one within +-{tolerance_pct:g}%."))
+    if capacity_gib is not None:
+        planned = [r for r in rows if r.get("estimate_gib") is not None and r.get("status") != "skipped"]
+        said_fits = [r for r in planned if r["estimate_gib"] <= capacity_gib]
+        failed = [r for r in said_fits if r.get("status") != "ok"]
+        said_not = [r for r in planned if r["estimate_gib"] > capacity_gib]
+        ran_anyway = [r for r in said_not if r.get("status") == "ok"]
+        lines.append(f"- Usable memory {capacity_gib:.2f} GiB. The planner said \"fits\" for {len(said_fits)} cells: "
+                     + (f"{len(failed)} of them did not run: " + "; ".join(
+                         f"{_cell_name(r)} ({status_text(r)})" for r in failed) + "." if failed else "every one ran.")
+                     + f" It said \"does not fit\" for {len(said_not)}: "
+                     + (f"{len(ran_anyway)} ran anyway (the plan is conservative there): "
+                        + "; ".join(_cell_name(r) for r in ran_anyway) + "." if ran_anyway
+                        else "none of them ran (out of memory, or skipped after a smaller context ran out)."))
+    return lines
+
+
+def _cell_name(r: dict[str, Any]) -> str:
+    ib = "in-backward" if is_on(r.get("optimizer_in_backward")) else "no in-backward"
+    chunk = f"chunk {r.get('loss_chunk_tokens')}" if r.get("loss_chunk_tokens") else "no chunk"
+    return f"{r.get('context')} {r.get('attention')} {r.get('activation_checkpointing')} {ib} {chunk}"
 
 
 def render_all(per_study: dict[str, Rows]) -> str:
