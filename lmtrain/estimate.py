@@ -137,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     max_t = largest(capacity, batch_size=batch)
     max_b = largest(capacity, seq_len=cfg.context_length)
     verdict = "fits" if fits(plan, capacity) else "does NOT fit"
-    print(f"{plan.peak_gib:.2f} GiB {verdict} in {capacity / GIB:.2f} GiB usable (device total less 1 GiB for the "
-          f"CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch at "
-          f"context {cfg.context_length}: {max_b}.")
+    needed = f" (peak {plan.peak_gib:.2f} GiB + {plan.cached / GIB:.2f} GiB of the whole loss's buffers, still " \
+        "cached after the loss; loss_chunk_tokens avoids them)" if plan.cached else ""
+    print(f"{plan.needed / GIB:.2f} GiB{needed} {verdict} in {capacity / GIB:.2f} GiB usable (device total less 1 GiB "
+          f"for the CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch "
+          f"at context {cfg.context_length}: {max_b}.")
     return 0

@@ -255,3 +255,20 @@ def test_long_context_table_keeps_the_planners_record() -> None:
                                                             row(16384, 90.0, "ok", 88.0, ib=False)]))
     assert "every one within +-10%." in good and "every one ran." in good
     assert "1 ran anyway (the plan is conservative there): 16384 sdpa full no in-backward chunk 4096" in good
+
+
+def test_resumed_rows_get_the_current_plan(tmp_path: Path) -> None:
+    """Stored measurements stay; their plan columns are the current planner's (the plan is analytic)."""
+    cell = bench.Cell("small", 64, 2, "bf16-mixed", "sdpa", False, "train", 1, 2, loss_chunk_tokens=0)
+    stale = {**bench.base_row(cell), "estimate_gib": 1.0, "estimate_needed_gib": 1.0, "status": "ok",
+             "peak_gib": 2.0}
+    out = tmp_path / "r.csv"
+    bench.save_results(out, [bench.finish_row(stale)], {"commands": ["earlier"]})
+    assert bench.load_results(out)[0]["estimate_error_pct"] == -50.0
+    [row] = bench.run_sweep([cell], out)  # nothing left to run
+    fresh = bench.base_row(cell)
+    assert row["estimate_gib"] == fresh["estimate_gib"] != 1.0 and row["peak_gib"] == 2.0
+    assert row["estimate_needed_gib"] >= row["estimate_gib"]
+    assert row["estimate_error_pct"] == pytest.approx(100 * (fresh["estimate_gib"] - 2.0) / 2.0)
+    assert bench.load_results(out)[0]["estimate_gib"] == fresh["estimate_gib"]
+    assert bench.load_meta(out)["commands"] == ["earlier"]

@@ -238,7 +238,7 @@ def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
     assert block == 262_400
     assert plan.components["root_unsharded"] == (2 * 256 * 128 + 128) * 2
     assert plan.details["block_unsharded_numel"] == block
-    assert plan.moment == "backward start"
+    assert plan.moment == "last layer backward"
     # Two blocks in flight plus one block's bf16 gradients and its fp32 reduce-scatter input.
     assert plan.components["fsdp_buffers"] == 2 * block * 2 + block * (2 + 4)
     # fp32 master weights: the shards stay 4 bytes per parameter.

@@ -118,11 +118,11 @@ def test_max_context_search_is_monotone_and_tight() -> None:
         budget = gib * GIB
         t = max_fitting(cfg, budget, batch_size=4, precision="bf16-mixed")
         assert t >= previous
-        assert estimate_memory(cfg, 4, t, "bf16-mixed").peak <= budget < estimate_memory(cfg, 4, t + 1,
-                                                                                           "bf16-mixed").peak
+        assert estimate_memory(cfg, 4, t, "bf16-mixed").needed <= budget < estimate_memory(
+            cfg, 4, t + 1, "bf16-mixed").needed
         previous = t
     b = max_fitting(cfg, 16 * GIB, seq_len=512, precision="32-true")
-    assert estimate_memory(cfg, b, 512).peak <= 16 * GIB < estimate_memory(cfg, b + 1, 512).peak
+    assert estimate_memory(cfg, b, 512).needed <= 16 * GIB < estimate_memory(cfg, b + 1, 512).needed
     assert max_fitting(cfg, 1024, batch_size=1) == 0  # the parameters alone do not fit
 
 

@@ -282,7 +282,8 @@ STUDIES: dict[str, Study] = {
 def _long_context(rows: Rows) -> str:
     """Per memory option: step time, tokens/s, measured peak and the plan, then the planner's record.
 
-    "plan fits" judges the plan against the device's usable memory as ``estimate`` does
+    "plan fits" judges what the plan says the step needs (``estimate_needed_gib``: the peak, and the whole loss's
+    buffers the allocator keeps cached after the loss) against the device's usable memory as ``estimate`` does
     (``lmtrain.memory_plan.usable_bytes``: total less the CUDA context and the fragmentation allowance), the total
     read from the cells' rows (``device_memory_gib``); without a GPU row it is left blank.
     """
@@ -298,10 +299,17 @@ def _long_context(rows: Rows) -> str:
                      fmt(r.get("step_ms_median"), ".0f"), fmt(r.get("tokens_per_s"), ",.0f"),
                      fmt(r.get("peak_gib"), ".2f"), fmt(plan, ".2f"), fmt(error, "+.1f") + ("%" if error is not None
                                                                                           else ""),
-                     _fits_text(plan, capacity), status_text(r)])
+                     _fits_text(_needed(r), capacity), status_text(r)])
     lines = ["### Long context (2.7B, bf16-mixed, batch 4)", "", markdown_table(header, body), ""]
     lines += planner_record(rows, capacity)
     return "\n".join(lines)
+
+
+def _needed(r: dict[str, Any]) -> float | None:
+    """What the plan says the device must hold (GiB): the peak and the cached loss buffers (rows written before
+    that column existed: the peak)."""
+    needed = r.get("estimate_needed_gib")
+    return needed if needed is not None else r.get("estimate_gib")
 
 
 def _fits_text(plan: float | None, capacity: float | None) -> str:
@@ -325,10 +333,10 @@ def planner_record(rows: Rows, capacity_gib: float | None, tolerance_pct: float 
                         + "; ".join(_cell_name(r) for r in outside) + "." if outside
                         else f"every one within +-{tolerance_pct:g}%."))
     if capacity_gib is not None:
-        planned = [r for r in rows if r.get("estimate_gib") is not None and r.get("status") != "skipped"]
-        said_fits = [r for r in planned if r["estimate_gib"] <= capacity_gib]
+        planned = [r for r in rows if _needed(r) is not None and r.get("status") != "skipped"]
+        said_fits = [r for r in planned if _needed(r) <= capacity_gib]
         failed = [r for r in said_fits if r.get("status") != "ok"]
-        said_not = [r for r in planned if r["estimate_gib"] > capacity_gib]
+        said_not = [r for r in planned if _needed(r) > capacity_gib]
         ran_anyway = [r for r in said_not if r.get("status") == "ok"]
         lines.append(f"- Usable memory {capacity_gib:.2f} GiB. The planner said \"fits\" for {len(said_fits)} cells: "
                      + (f"{len(failed)} of them did not run: " + "; ".join(

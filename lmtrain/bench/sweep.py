@@ -83,8 +83,8 @@ CSV_COLUMNS = [
     "backward_ms_mean",
     "backward_ms_std", "optimizer_ms_mean", "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median",
     "step_ms_min", "step_ms_max", "first_step_ms", "events_step_ms_mean", "pipeline_step_ms", "timer_vs_events_pct",
-    "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_error_pct", "wall_s", "device",
-    "device_memory_gib",
+    "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_needed_gib", "estimate_error_pct",
+    "wall_s", "device", "device_memory_gib",
 ]
 
 _DONE_STATUSES = ("ok", "OOM", "error", "timeout", "skipped")
@@ -369,13 +369,22 @@ def base_row(cell: Cell) -> dict[str, Any]:
         if cell.precision in PRECISIONS:
             plan = estimate_memory(cfg, cell.batch_size, cell.context, cell.precision, cell.mode)
             row["estimate_gib"] = plan.peak_gib
+            row["estimate_needed_gib"] = plan.needed / GIB
     except LmtrainError:
         pass
     return row
 
 
+def replanned(row: dict[str, Any], cell: Cell) -> dict[str, Any]:
+    """A stored row with the current memory planner's columns (the plan is analytic; the measurements stay)."""
+    fresh = base_row(cell)
+    row = {**row, **{k: fresh.get(k) for k in ("estimate_gib", "estimate_needed_gib")}}
+    return finish_row(row)
+
+
 def finish_row(row: dict[str, Any]) -> dict[str, Any]:
     """Add derived columns (estimate error) and the empty ones."""
+    row["estimate_error_pct"] = None
     if row.get("peak_gib") and row.get("estimate_gib"):
         row["estimate_error_pct"] = 100.0 * (row["estimate_gib"] - row["peak_gib"]) / row["peak_gib"]
     for col in CSV_COLUMNS:
@@ -481,6 +490,12 @@ def run_sweep(
         launcher = "spawn"
     unique = list(dict.fromkeys(cells))
     existing = {r["key"]: r for r in load_results(out) if r.get("key")}
+    stored = dict(existing)
+    for cell in unique:  # rows of an earlier run get the current planner's columns
+        if cell.key() in existing:
+            existing[cell.key()] = replanned(existing[cell.key()], cell)
+    if existing != stored:
+        save_results(out, list(existing.values()), load_meta(out))
     rerun = ("error", "timeout") if retry_failed else ()
     todo = [c for c in unique if c.key() not in existing or existing[c.key()].get("status") in rerun]
     meta = _merged_meta(out, meta, launcher) if todo else {}
