@@ -272,3 +272,32 @@ def test_resumed_rows_get_the_current_plan(tmp_path: Path) -> None:
     assert row["estimate_error_pct"] == pytest.approx(100 * (fresh["estimate_gib"] - 2.0) / 2.0)
     assert bench.load_results(out)[0]["estimate_gib"] == fresh["estimate_gib"]
     assert bench.load_meta(out)["commands"] == ["earlier"]
+
+
+def test_skip_unfit_records_cells_the_plan_rules_out_and_a_later_run_runs_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmtrain.memory_plan import GIB, usable_bytes
+
+    launched: list[int] = []
+
+    def fake_launch(cell: bench.Cell, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        launched.append(cell.context)
+        return {"status": "ok", "peak_gib": 0.5, "wall_s": 0.0}
+
+    monkeypatch.setattr(bench, "launch_cell", fake_launch)
+    small, big = (bench.base_row(bench.Cell(TINY, t, 2, "32-true", "sdpa", False, "train", 1, 2))
+                  ["estimate_needed_gib"] for t in (16, 4096))
+    # A device whose usable part lies between the two plans (usable = 0.95 total - 1 GiB).
+    gib = round(((small + big) / 2 + 1) / 0.95, 4)
+    assert small < usable_bytes(int(gib * GIB)) / GIB < big
+    out = tmp_path / "r.csv"
+    assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true",
+                 "--skip-unfit", str(gib)) == 0
+    assert launched == [16]
+    rows = {int(r["context"]): r for r in read_csv(out)}
+    assert rows[4096]["status"] == "skipped" and rows[4096]["error"].startswith("plan: needs")
+    assert f"GiB usable of {gib:g} GiB (--skip-unfit)" in rows[4096]["error"]
+    capsys.readouterr()
+    assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true") == 0  # without the flag
+    assert launched == [16, 4096]
+    assert {r["status"] for r in read_csv(out)} == {"ok"}

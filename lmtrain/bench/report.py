@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,10 @@ from lmtrain.bench.sweep import (
     cell_config,
     cells_of_study,
     command_line,
-    finish_row,
     load_meta,
     load_results,
     run_sweep,
+    with_current_plan,
 )
 from lmtrain.bench.tables import markdown_rows
 from lmtrain.flops import flops_per_step
@@ -110,22 +109,6 @@ def estimate_seconds(cells: list[Cell], probe: dict[str, Any], probe_cell: Cell,
         flops = flops_per_step(cell_config(cell), cell.batch_size, cell.context, cell.mode)
         total += overhead + (cell.warmup + cell.steps) * flops / speed + (COMPILE_SECONDS if cell.compile else 0.0)
     return total
-
-
-def with_current_plan(row: dict[str, Any]) -> dict[str, Any]:
-    """The row with the memory plan of this lmtrain version (analytic: re-evaluated, the peak is not re-measured).
-
-    A results file can hold cells measured by an earlier version; its plan column would otherwise show that
-    version's planner. Rows whose key is not a cell are returned unchanged.
-    """
-    try:
-        cell = Cell(**json.loads(row["key"]))
-    except (KeyError, TypeError, ValueError):
-        return row
-    estimate = base_row(cell).get("estimate_gib")
-    if estimate is None:
-        return row
-    return finish_row({**row, "estimate_gib": estimate, "estimate_error_pct": None})
 
 
 # -- plots ----------------------------------------------------------------------------------------------------

@@ -345,6 +345,10 @@ def planner_record(rows: Rows, capacity_gib: float | None, tolerance_pct: float 
                      + (f"{len(ran_anyway)} ran anyway (the plan is conservative there): "
                         + "; ".join(_cell_name(r) for r in ran_anyway) + "." if ran_anyway
                         else "none of them ran (out of memory, or skipped after a smaller context ran out)."))
+    unrun = [r for r in rows if r.get("status") == "skipped" and str(r.get("error") or "").startswith("plan: needs")]
+    if unrun:
+        lines.append(f"- {len(unrun)} cells were not run because their plan does not fit (`--skip-unfit`): "
+                     + "; ".join(_cell_name(r) for r in unrun) + ".")
     return lines
 
 

@@ -48,7 +48,7 @@ from lmtrain.bench.tables import markdown_rows, status_text
 from lmtrain.config import CHECKPOINTING_POLICIES, SIZES, STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
-from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory
+from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory, usable_bytes
 
 #: Defaults of the sweep flags (a study's preset and then explicit flags override them).
 DEFAULTS: dict[str, Any] = {
@@ -375,11 +375,20 @@ def base_row(cell: Cell) -> dict[str, Any]:
     return row
 
 
-def replanned(row: dict[str, Any], cell: Cell) -> dict[str, Any]:
-    """A stored row with the current memory planner's columns (the plan is analytic; the measurements stay)."""
+def with_current_plan(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with the memory plan of this lmtrain version (analytic: re-evaluated, the peak is not re-measured).
+
+    A results file can hold cells measured by an earlier version; its plan columns would otherwise show that
+    version's planner. Rows whose key is not a cell are returned unchanged.
+    """
+    try:
+        cell = Cell(**json.loads(row["key"]))
+    except (KeyError, TypeError, ValueError):
+        return row
     fresh = base_row(cell)
-    row = {**row, **{k: fresh.get(k) for k in ("estimate_gib", "estimate_needed_gib")}}
-    return finish_row(row)
+    if fresh.get("estimate_gib") is None:
+        return row
+    return finish_row({**row, **{k: fresh.get(k) for k in ("estimate_gib", "estimate_needed_gib")}})
 
 
 def finish_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -449,6 +458,23 @@ def _bigger_failed(cell: Cell, failed: list[Cell]) -> Cell | None:
     return None
 
 
+#: How a cell that ``--skip-unfit`` did not run is marked (the start of its ``error``).
+_PLAN_SKIP = "plan: needs"
+
+
+def _unfit(row: dict[str, Any], device_gib: float) -> str | None:
+    """Why the cell's plan does not fit a ``device_gib`` device, or None when it fits (or has no plan)."""
+    needed = row.get("estimate_needed_gib")
+    usable = usable_bytes(int(device_gib * GIB)) / GIB
+    if needed is None or needed <= usable:
+        return None
+    return f"{_PLAN_SKIP} {needed:.2f} GiB, {usable:.2f} GiB usable of {device_gib:g} GiB (--skip-unfit)"
+
+
+def _skipped_by_plan(row: dict[str, Any]) -> bool:
+    return row.get("status") == "skipped" and str(row.get("error") or "").startswith(_PLAN_SKIP)
+
+
 def _progress(i: int, n: int, cell: Cell, row: dict[str, Any]) -> None:
     step = row.get("step_ms_mean")
     extra = f" step {step:.1f} ms" if step else ""
@@ -468,6 +494,7 @@ def run_sweep(
     stop_after_oom: bool = False,
     max_minutes: float | None = None,
     meta: dict[str, Any] | None = None,
+    skip_unfit_gib: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run the cells not yet in ``out`` (each in a fresh process), saving after every cell.
 
@@ -481,6 +508,9 @@ def run_sweep(
         stop_after_oom: skip a cell when the same cell with a smaller or equal context and batch ran out of memory.
         max_minutes: stop launching cells after this many minutes (the rest stay to be resumed).
         meta: extra information stored in the JSON.
+        skip_unfit_gib: record the cells whose memory plan does not fit a device of this many GiB (its usable part:
+            ``lmtrain.memory_plan.usable_bytes``) as ``skipped`` without running them; a later run without it runs
+            them.
 
     Returns:
         The rows of ``cells`` (finished ones; cells not run because of ``max_minutes`` are absent).
@@ -491,13 +521,17 @@ def run_sweep(
     unique = list(dict.fromkeys(cells))
     existing = {r["key"]: r for r in load_results(out) if r.get("key")}
     stored = dict(existing)
-    for cell in unique:  # rows of an earlier run get the current planner's columns
-        if cell.key() in existing:
-            existing[cell.key()] = replanned(existing[cell.key()], cell)
+    for key, row in existing.items():  # rows of an earlier run get the current planner's columns
+        existing[key] = with_current_plan(row)
     if existing != stored:
         save_results(out, list(existing.values()), load_meta(out))
     rerun = ("error", "timeout") if retry_failed else ()
-    todo = [c for c in unique if c.key() not in existing or existing[c.key()].get("status") in rerun]
+
+    def pending(cell: Cell) -> bool:
+        row = existing.get(cell.key())
+        return row is None or row.get("status") in rerun or (skip_unfit_gib is None and _skipped_by_plan(row))
+
+    todo = [c for c in unique if pending(c)]
     meta = _merged_meta(out, meta, launcher) if todo else {}
     work_dir = out.parent / f"{out.stem}_cells"
     failed = [c for c in unique if existing.get(c.key(), {}).get("status") == "OOM"]
@@ -511,7 +545,10 @@ def run_sweep(
             break
         row = base_row(cell)
         smaller = _bigger_failed(cell, failed) if stop_after_oom else None
-        if smaller is not None:
+        unfit = _unfit(row, skip_unfit_gib) if skip_unfit_gib is not None else None
+        if unfit is not None:
+            row.update(status="skipped", error=unfit, wall_s=0.0)
+        elif smaller is not None:
             row.update(status="OOM", error=f"skipped: context {smaller.context} already ran out of memory",
                        wall_s=0.0)
         else:
@@ -588,6 +625,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after-oom", action="store_true", default=None,
                         help="skip cells larger than one that ran out of memory")
     parser.add_argument("--max-minutes", type=float, help="launch no new cell after this many minutes")
+    parser.add_argument("--skip-unfit", type=float, metavar="GIB",
+                        help="record cells whose memory plan does not fit a GPU of GIB GiB (its total less the CUDA "
+                             "context and fragmentation allowances of `estimate`) as skipped, without running them; "
+                             "a later run without the flag runs them")
 
 
 def sweep_values(args: argparse.Namespace, study: str | None = None,
@@ -704,7 +745,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = run_sweep(cells, args.out, launcher=args.launcher, timeout=args.timeout, logdir=logdir,
                          retry_failed=args.retry_failed, stop_after_oom=stop_after_oom,
-                         max_minutes=args.max_minutes, meta={"command": command_line(args)})
+                         max_minutes=args.max_minutes, meta={"command": command_line(args)},
+                         skip_unfit_gib=args.skip_unfit)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"stopped by Ctrl-C; the cells finished so far are in {args.out} "
                                 "(rerun the same command to resume).") from None
