@@ -71,6 +71,7 @@ CASES = [
          rest="selective", compile=True),
     Case("8k sdpa 26 full + 6 selective, compiled", 8192, "full", True, 4096, attention="sdpa", layers=26,
          rest="selective", compile=True),
+    Case("16k candidate, sdpa, compiled", 16384, "full", True, 4096, attention="sdpa", steps=2, compile=True),
 ]
 
 #: --smoke: the same cases on the tiny model, contexts divided by this, sdpa attention, on the CPU.
