@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmtrain.optim import MasterWeightAdamW
+from lmtrain.optim import MasterWeightAdamW, _update_torch, _update_triton
 
 VOCAB, DIM, HIDDEN = 11, 16, 24
 
@@ -279,3 +284,75 @@ def test_captured_step_replays_equal_eager_steps() -> None:
         for key, value in eager_opt.state[p].items():
             assert torch.equal(value, graphed_opt.state[q][key]), key
     assert graphed_opt.state[graphed.up.weight]["step"].item() == 4
+
+
+# Shapes across two launches of the kernel (eight tensors each): odd sizes, one element, exact blocks.
+_GROUP_SHAPES = [(97, 33), (5000,), (3,), (4096,), (17, 300), (2, 2), (9000,), (1,), (123, 45), (10,)]
+
+
+def _grouped_items(device: str) -> tuple[list, list]:
+    """Two copies of (NaN-poisoned bf16 param, bf16 grad, state) per shape of ``_GROUP_SHAPES``, step already
+    counted (5)."""
+    gen = torch.Generator().manual_seed(3)
+    kernel_items, torch_items = [], []
+    for shape in _GROUP_SHAPES:
+        state = {"master": torch.randn(shape, generator=gen), "exp_avg": 0.1 * torch.randn(shape, generator=gen),
+                 "exp_avg_sq": 0.01 * torch.rand(shape, generator=gen), "step": torch.tensor(5.0)}
+        grad = torch.randn(shape, generator=gen).bfloat16()
+        for items in (kernel_items, torch_items):
+            copy_ = {k: v.clone().to(device) for k, v in state.items()}
+            items.append((torch.full(shape, float("nan"), device=device).bfloat16(), grad.to(device), copy_))
+    return kernel_items, torch_items
+
+
+_INTERPRETED_GROUP = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import triton.language as tl
+from triton.language.extra import libdevice
+libdevice.expm1 = lambda x: tl.exp(x) - 1.0  # the interpreter has no expm1; exact enough for this check
+sys.path.insert(0, sys.argv[1])
+from tests.test_optim import _grouped_items
+from lmtrain import optim
+kernel_items, _ = _grouped_items("cpu")
+optim._update_triton(kernel_items, torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1)
+torch.save([(p, s) for p, _, s in kernel_items], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter on CPU)")
+def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_path) -> None:
+    """Ten tensors of odd sizes in two launches: each slot's block range and offsets, under Triton's interpreter
+    (in a fresh process: the interpreter is chosen when Triton is first imported)."""
+    out = tmp_path / "kernel.pt"
+    root = str(Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", _INTERPRETED_GROUP, root, str(out)], check=True, timeout=600,
+                   env={**os.environ, "TRITON_INTERPRET": "1"})
+    kernel = torch.load(out)
+    _, torch_items = _grouped_items("cpu")
+    for param, grad, state in torch_items:
+        _update_torch(param, grad, state, torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1)
+    for (kernel_param, kernel_state), (torch_param, _, torch_state) in zip(kernel, torch_items, strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            scale = torch_state[key].abs().max().item()
+            torch.testing.assert_close(kernel_state[key], torch_state[key], rtol=1e-6, atol=1e-6 * scale)
+        # Every element written; the interpreter's bf16 rounding may differ from the GPU's by one unit.
+        _assert_within_one_bf16_ulp(kernel_param, torch_param)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_kernel_launches_match_torch_operations() -> None:
+    kernel_items, torch_items = _grouped_items("cuda")
+    lr = torch.tensor(1e-2, device="cuda")
+    _update_triton(kernel_items, lr, 0.9, 0.95, 1e-8, 0.1)
+    for param, grad, state in torch_items:
+        _update_torch(param, grad, state, lr, 0.9, 0.95, 1e-8, 0.1)
+    for (kernel_param, _, kernel_state), (torch_param, _, torch_state) in zip(kernel_items, torch_items,
+                                                                              strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            scale = torch_state[key].abs().max().item()
+            torch.testing.assert_close(kernel_state[key], torch_state[key], rtol=1e-6, atol=1e-6 * scale)
+        assert torch.equal(kernel_param, kernel_state["master"].bfloat16())
+        _assert_within_one_bf16_ulp(kernel_param, torch_param)

@@ -1,0 +1,78 @@
+"""The Triton kernel of ``lmtrain.optim.MasterWeightAdamW``: AdamW on fp32 masters, bf16 weights written back.
+
+One launch updates up to eight tensors (the pointers of each are kernel arguments, so a CUDA graph that captures
+the launch replays it on the same tensors); ``lmtrain.optim`` imports this module on first use, so that importing
+the optimizer needs no Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+#: Tensors one launch updates (the slots of ``master_adamw_kernel``).
+SLOTS = 8
+
+
+@triton.jit
+def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, n_elements, block,
+                 lr_ptr, lr, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
+                 LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    t = tl.load(step_ptr)  # already counted for this step
+    step_size = tl.div_rn(lr, -libdevice.expm1(t * log_beta1))  # lr / (1 - beta1**t)
+    bias2_sqrt = tl.sqrt_rn(-libdevice.expm1(t * log_beta2))  # sqrt(1 - beta2**t)
+
+    g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+    w = tl.load(master_ptr + offsets, mask=mask)
+    m = tl.load(exp_avg_ptr + offsets, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+    w = w * (1 - lr * weight_decay)
+    m = m + one_minus_beta1 * (g - m)  # lerp, as torch computes it for a weight below 1/2
+    v = v * beta2 + one_minus_beta2 * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+    w = w - step_size * tl.div_rn(m, denom)
+    tl.store(master_ptr + offsets, w, mask=mask)
+    tl.store(exp_avg_ptr + offsets, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+    tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+
+@triton.jit
+def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
+                        p2, g2, w2, m2, v2, s2, n2, p3, g3, w3, m3, v3, s3, n3,
+                        p4, g4, w4, m4, v4, s4, n4, p5, g5, w5, m5, v5, s5, n5,
+                        p6, g6, w6, m6, v6, s6, n6, p7, g7, w7, m7, v7, s7, n7,
+                        e0, e1, e2, e3, e4, e5, e6, e7, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                        LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    # Slot k: param, grad, master, exp_avg, exp_avg_sq, step count, elements; its blocks are [e(k-1), e(k)).
+    # Scalars: lr (device pointer, or the value), 1 - beta1, beta2, 1 - beta2, log beta1, log beta2, eps and
+    # the weight decay. Program i updates one BLOCK of the tensor whose block range holds i.
+    pid = tl.program_id(0)
+    if pid < e0:
+        update_block(p0, g0, w0, m0, v0, s0, n0, pid, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e1:
+        update_block(p1, g1, w1, m1, v1, s1, n1, pid - e0, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e2:
+        update_block(p2, g2, w2, m2, v2, s2, n2, pid - e1, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e3:
+        update_block(p3, g3, w3, m3, v3, s3, n3, pid - e2, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e4:
+        update_block(p4, g4, w4, m4, v4, s4, n4, pid - e3, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e5:
+        update_block(p5, g5, w5, m5, v5, s5, n5, pid - e4, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    elif pid < e6:
+        update_block(p6, g6, w6, m6, v6, s6, n6, pid - e5, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
+    else:
+        update_block(p7, g7, w7, m7, v7, s7, n7, pid - e6, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
+                     LR_ON_DEVICE, BLOCK)
