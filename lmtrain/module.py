@@ -93,9 +93,9 @@ class LMModule(pl.LightningModule):
             the forward pass casts no weight, gradients stay bf16 (the values the fp32 gradients would hold), and
             a fused kernel (eight weights per launch) updates master and moments and writes the bf16 weight. The
             same arithmetic as ``bf16-mixed`` with fp32 weights, with 12 fewer bytes of memory traffic per parameter
-            and step. Needs ``trainer.precision: bf16-mixed``; refused with gradient accumulation (it would sum in bf16), gradient
-            clipping, ``optimizer_in_backward`` and FSDP2. The model's own weights in a checkpoint are then bf16;
-            the fp32 masters are in the optimizer state (a resumed fit continues exactly).
+            and step. Needs ``trainer.precision: bf16-mixed``; refused with gradient accumulation (it would sum in
+            bf16), gradient clipping, ``optimizer_in_backward`` and FSDP2. The model's own weights in a checkpoint
+            are then bf16; the fp32 masters are in the optimizer state (a resumed fit continues exactly).
     """
 
     #: How ``cuda_graphs`` captures and replays a step (``lmtrain.graphs``); tests put the CPU stand-in here.
