@@ -484,8 +484,7 @@ def estimate_memory(
                   "activations": activations, "transients": transients, "workspace": workspace}
     # What the device must hold: at a moment after the loss, that moment's bytes and the loss's cached buffers.
     loss_cache = extra["loss_transient_bytes"] if device_type == "cuda" else 0
-    needed = max([sum(moments[moment])] + [sum(v) + loss_cache for k, v in moments.items() if k not in LOSS_MOMENTS])
-    cached = needed - sum(moments[moment])
+    cached = _cached_after_loss({k: sum(v) for k, v in moments.items()}, moment, loss_cache)
     return MemoryEstimate(components, sum(components.values()), moment, details, cached=cached)
 
 
@@ -645,14 +644,23 @@ def _root_and_block_shapes(cfg: ModelConfig) -> tuple[list[tuple[int, ...]], lis
 
 def _activation_moments(
     cfg: ModelConfig, batch_size: int, seq_len: int, precision: str, device_type: str
-) -> dict[str, tuple[int, int]]:
-    """(activations, transients) of each moment of ``estimate_memory``'s training step, gradients left out.
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """(activations, transients) of each moment of ``estimate_memory``'s training step, gradients left out, and
+    the whole loss's buffers the allocator keeps cached after the loss (0 off CUDA).
 
     The same moments as ``estimate_memory`` (one table, :func:`_train_moments`), kept apart from the gradients
     so that the distributed plans can add their own gradient and buffer terms to each.
     """
-    moments, _ = _train_moments(cfg, batch_size, seq_len, precision, "train", device_type)
-    return {k: (activations, transients) for k, (_, activations, transients) in moments.items()}
+    moments, extra = _train_moments(cfg, batch_size, seq_len, precision, "train", device_type)
+    loss_cache = extra["loss_transient_bytes"] if device_type == "cuda" else 0
+    return {k: (activations, transients) for k, (_, activations, transients) in moments.items()}, loss_cache
+
+
+def _cached_after_loss(totals: dict[str, int], peak_moment: str, loss_cache: int) -> int:
+    """``MemoryEstimate.cached``: what a moment after the loss, with the loss's cached buffers, needs beyond the
+    peak (or 0)."""
+    needed = max([totals[peak_moment]] + [v + loss_cache for k, v in totals.items() if k not in LOSS_MOMENTS])
+    return needed - totals[peak_moment]
 
 
 def estimate_memory_distributed(
@@ -712,7 +720,8 @@ def estimate_memory_distributed(
             components["gradients"] = 0
         return MemoryEstimate(components, sum(components.values()), single.moment,
                               {"strategy": "ddp", "world_size": world_size,
-                               "gradient_as_bucket_view": gradient_as_bucket_view})
+                               "gradient_as_bucket_view": gradient_as_bucket_view},
+                              cached=single.cached)
 
     # FSDP2.
     from lmtrain.distributed import FSDP_PRECISIONS
@@ -740,7 +749,7 @@ def estimate_memory_distributed(
         single = estimate_memory(cfg, batch_size, t, act_precision, mode, device_type)
         components = {**static, "blocks_in_flight": in_flight, "transients": single.components["transients"]}
         return MemoryEstimate(components, sum(components.values()), single.moment, details)
-    moments = _activation_moments(cfg, batch_size, t, act_precision, device_type)
+    moments, loss_cache = _activation_moments(cfg, batch_size, t, act_precision, device_type)
     block_reduce = block_full * (gather + reduce)  # a block's unsharded gradients + reduce-scatter input
     totals: dict[str, tuple[int, int, int, int]] = {}  # gradients, buffers, activations, transients
     for k, (activations, transients) in moments.items():
@@ -754,7 +763,8 @@ def estimate_memory_distributed(
     grads, buffers, activations, transients = totals[moment]
     components = {**static, "gradients": grads, "fsdp_buffers": buffers, "activations": activations,
                   "transients": transients}
-    return MemoryEstimate(components, sum(components.values()), moment, details)
+    cached = _cached_after_loss({k: sum(v) for k, v in totals.items()}, moment, loss_cache)
+    return MemoryEstimate(components, sum(components.values()), moment, details, cached=cached)
 
 
 def max_fitting_distributed(
@@ -778,6 +788,6 @@ def max_fitting_distributed(
         b, t = (x, seq_len) if batch_size is None else (batch_size, x)
         plan = estimate_memory_distributed(cfg, b, t, precision, strategy, world_size, mode,
                                            gradient_as_bucket_view=gradient_as_bucket_view)
-        return plan.peak <= budget_bytes
+        return plan.needed <= budget_bytes
 
     return _largest(fits, limit)

@@ -271,8 +271,8 @@ def test_fsdp_fits_longer_contexts_than_one_gpu() -> None:
     one = max_fitting(cfg, budget, batch_size=1, precision="bf16-mixed")
     two = max_fitting_distributed(cfg, budget, batch_size=1, precision="bf16-mixed", strategy="fsdp", world_size=2)
     assert two > one > 0
-    assert estimate_memory_distributed(cfg, 1, two, "bf16-mixed", "fsdp", 2).peak <= budget
-    assert estimate_memory_distributed(cfg, 1, two + 1, "bf16-mixed", "fsdp", 2).peak > budget
+    assert estimate_memory_distributed(cfg, 1, two, "bf16-mixed", "fsdp", 2).needed <= budget
+    assert estimate_memory_distributed(cfg, 1, two + 1, "bf16-mixed", "fsdp", 2).needed > budget
 
 
 def test_strategy_kind_maps_lightning_names() -> None:
