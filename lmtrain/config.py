@@ -23,6 +23,10 @@ SIZES: dict[str, dict[str, int]] = {
 CHECKPOINTING_POLICIES: tuple[str, ...] = ("none", "full", "selective", "offload")
 CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 
+#: ``torch.compile`` modes of ``LMModule(compile_mode=...)`` (the modes that add CUDA graphs are refused: the
+#: module's ``cuda_graphs`` captures the whole step).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
 #: The model sizes of the reference profiling study, smallest first (``tiny`` is lmtrain's own CPU demo size).
 STUDY_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
 #: Former name of ``STUDY_SIZES`` (still used by tests/test_model.py).

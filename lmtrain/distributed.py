@@ -116,6 +116,7 @@ def shard_model(
     precision: str = "32-true",
     activation_checkpointing: bool = False,
     compile: bool = False,
+    compile_mode: str = "default",
 ) -> nn.Module:
     """Apply activation checkpointing, ``torch.compile`` and FSDP2 to a ``TransformerLM``, in place.
 
@@ -127,6 +128,7 @@ def shard_model(
         activation_checkpointing: recompute each block in the backward pass (non-reentrant checkpoint).
         compile: compile each block (``nn.Module.compile``, in place: parameter names stay those of the
             eager model) before sharding it.
+        compile_mode: ``torch.compile``'s mode (``lmtrain.module.COMPILE_MODES``).
 
     Returns:
         ``model``, now an ``FSDPModule`` whose blocks are ``FSDPModule`` s too.
@@ -145,7 +147,7 @@ def shard_model(
             blocks[i] = checkpoint_wrapper(block)
     if compile:
         for block in blocks:
-            block.compile()
+            block.compile(**({} if compile_mode == "default" else {"mode": compile_mode}))
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
         # The last block's parameters would be all-gathered again right away by the backward pass, which

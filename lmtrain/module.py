@@ -15,7 +15,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig
+from lmtrain.config import COMPILE_MODES, DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, WholeStepGraph, eager_requested, lr_as_tensors
@@ -24,7 +24,7 @@ from lmtrain.model import TransformerLM
 
 StepMode = Literal["train", "forward", "forward_backward"]
 #: ModelConfig fields that fix the weights (their shapes or what they compute). A checkpoint must agree on
-#: all of them; context_length, attention, activation_checkpointing and compile may change between runs.
+#: all of them; context_length, attention, activation_checkpointing, compile and compile_mode may change between runs.
 ARCHITECTURE_FIELDS: tuple[str, ...] = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 
 
@@ -65,6 +65,10 @@ class LMModule(pl.LightningModule):
         fused_adamw: use the fused CUDA AdamW kernel when the parameters are on a GPU.
         compile: compile the model with ``torch.compile``, in place (``nn.Module.compile``: checkpoint keys
             stay those of the eager model).
+        compile_mode: ``torch.compile``'s mode with ``compile``: ``default``, or ``max-autotune-no-cudagraphs``
+            (inductor benchmarks Triton matrix-product templates against cuBLAS for each shape and keeps the
+            fastest; the first steps take minutes longer). The modes that add CUDA graphs (``reduce-overhead``,
+            ``max-autotune``) are refused: ``cuda_graphs`` captures the whole step, the optimizer included.
         step_mode: ``train`` (forward, backward, AdamW step), ``forward_backward`` (no optimizer
             step) or ``forward`` (no gradients at all), for benchmarks that time part of a step with
             the same loop.
@@ -125,6 +129,7 @@ class LMModule(pl.LightningModule):
         eps: float = 1e-8,
         fused_adamw: bool = True,
         compile: bool = False,
+        compile_mode: str = "default",
         step_mode: StepMode = "train",
         optimizer_in_backward: bool = ModelConfig.optimizer_in_backward,
         optimizer_overlap: bool = ModelConfig.optimizer_overlap,
@@ -152,6 +157,7 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.attention", f"backend {self.config.attention!r} runs Triton kernels and "
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
+        check_compile_mode(compile_mode, compile)
         if cuda_graphs and step_mode != "train":
             raise LmtrainError("model.cuda_graphs", f"captures a whole training step, but step_mode={step_mode!r}.",
                                "use step_mode: train with cuda_graphs, or set cuda_graphs: false.")
@@ -197,7 +203,7 @@ class LMModule(pl.LightningModule):
         if self.hparams.compile:
             # In place (nn.Module.compile): the module stays a TransformerLM and its state_dict keys stay
             # those of the eager model, so checkpoints load with or without compile.
-            model.compile()
+            model.compile(**compile_kwargs(self.hparams.compile_mode))
         self.model = model
 
     @property
@@ -729,7 +735,25 @@ def _build_sharded_model(module: LMModule) -> torch.nn.Module:
     with torch.device(module.trainer.strategy.root_device):
         model = TransformerLM(replace(module.config, activation_checkpointing="none"))
     return shard_model(model, module.device_mesh, precision, activation_checkpointing=policy == "full",
-                       compile=bool(module.hparams.compile))
+                       compile=bool(module.hparams.compile), compile_mode=module.hparams.compile_mode)
+
+
+def check_compile_mode(mode: str, compile: bool) -> None:
+    """Refuse an unknown ``compile_mode``, one that adds CUDA graphs, or one given without ``compile``."""
+    if mode in ("reduce-overhead", "max-autotune"):
+        raise LmtrainError("model.compile_mode", f"{mode!r} adds torch.compile's own CUDA graphs of the forward and "
+                           "backward passes.", "use model.cuda_graphs: true (the whole step, optimizer included, as "
+                           "one graph) with model.compile_mode: default or max-autotune-no-cudagraphs.")
+    if mode not in COMPILE_MODES:
+        raise LmtrainError("model.compile_mode", f"unknown mode {mode!r}.", f"use one of {', '.join(COMPILE_MODES)}.")
+    if mode != "default" and not compile:
+        raise LmtrainError("model.compile_mode", f"{mode!r} is torch.compile's mode, but model.compile is false.",
+                           "set model.compile: true, or leave model.compile_mode: default.")
+
+
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """Keyword arguments of ``nn.Module.compile`` for a ``compile_mode``."""
+    return {} if mode == "default" else {"mode": mode}
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

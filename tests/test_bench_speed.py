@@ -187,3 +187,20 @@ def test_plain_reference_on_a_gpu() -> None:
     assert run.pipeline_step_ms >= min(run.step_ms)
     assert len(run.losses) == 7 and all(math.isfinite(x) for x in run.losses)
     assert run.losses[-1] < run.losses[0]  # it trains
+
+
+def test_compile_mode_is_a_cell_option() -> None:
+    cells, _ = plan("--compile", "off,on", "--compile-mode", "default,max-autotune-no-cudagraphs", "--mode", "train")
+    modes = sorted((c.compile, c.compile_mode) for c in cells)
+    # An eager cell has no compile mode: the two modes give one eager cell and two compiled ones.
+    assert modes == [(False, "default"), (True, "default"), (True, "max-autotune-no-cudagraphs")]
+    tuned = next(c for c in cells if c.compile_mode != "default")
+    assert bench.module_kwargs(tuned)["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert tuned.slug.endswith("_cmmax-autotune-no-cudagraphs")
+    assert "compile_mode" not in json.loads(next(c for c in cells if c.compile).key())  # former keys still match
+    assert name(tuned) == "compile(max-autotune-no-cudagraphs)"
+    from lmtrain.bench.tables import options_text
+
+    assert options_text(bench.base_row(tuned)) == "compile mode max-autotune-no-cudagraphs"
+    with pytest.raises(LmtrainError, match="--compile-mode"):
+        plan("--compile", "on", "--compile-mode", "reduce-overhead")

@@ -323,3 +323,18 @@ def test_validate_warns_once_when_the_weights_are_untrained() -> None:
         loaded.configure_model()
         loaded.load_state_dict(module.state_dict())
         pl.Trainer(**kwargs).test(loaded, data, verbose=False)  # weights loaded by hand: no warning
+
+
+def test_compile_mode_reaches_torch_compile_and_bad_modes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
+    built(small_module(compile=True))
+    built(small_module(compile=True, compile_mode="max-autotune-no-cudagraphs"))
+    assert seen == [{}, {"mode": "max-autotune-no-cudagraphs"}]
+    for kwargs, words in ((dict(compile=True, compile_mode="reduce-overhead"), "model.cuda_graphs: true"),
+                          (dict(compile=True, compile_mode="max-autotune"), "model.cuda_graphs: true"),
+                          (dict(compile=True, compile_mode="fastest"), "unknown mode 'fastest'"),
+                          (dict(compile_mode="max-autotune-no-cudagraphs"), "set model.compile: true")):
+        with pytest.raises(LmtrainError) as info:
+            small_module(**kwargs)
+        assert info.value.field == "model.compile_mode" and words in str(info.value)

@@ -169,9 +169,11 @@ def render_attention(rows: Rows) -> str:
 def variant_name(row: dict[str, Any]) -> str:
     """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
     ``compile+graphs+overlap``, ``compile+graphs+master`` (``in-backward`` where the in-backward optimizer runs
-    without overlap), and
+    without overlap; ``compile(MODE)`` for a compile mode other than the default), and
     ``plain ...`` for the plain-PyTorch reference loop."""
     parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
+    if parts and row.get("compile_mode") not in (None, "", "default"):
+        parts[0] = f"compile({row['compile_mode']})"
     if is_on(row.get("optimizer_overlap")):
         parts.append("overlap")
     elif is_on(row.get("optimizer_in_backward")):

@@ -41,7 +41,10 @@ def options_text(row: dict[str, Any]) -> str:
     if row.get("loss_chunk_tokens"):
         parts.append(f"loss chunk {row['loss_chunk_tokens']}")
     parts += [name for name, key in (("graphs", "cuda_graphs"), ("in-backward", "optimizer_in_backward"),
-                                     ("overlap", "optimizer_overlap")) if is_on(row.get(key))]
+                                     ("overlap", "optimizer_overlap"), ("master weights", "master_weights"))
+              if is_on(row.get(key))]
+    if row.get("compile_mode") not in (None, "", "default"):
+        parts.append(f"compile mode {row['compile_mode']}")
     if row.get("runner") == "plain":
         parts.append("plain loop")
     return ", ".join(parts) or "-"
