@@ -306,41 +306,46 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     param.copy_(master)  # rounds to nearest, ties to even
 
 
-#: Tensors one launch of the kernel updates (``lmtrain.kernels.master_adamw.SLOTS``; its pointers are kernel
-#: arguments, so a CUDA graph that captures the launch replays it on the same tensors).
-_SLOTS = 8
-
-
 def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], lr: float | torch.Tensor,
                    beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """The update of each ``(param, grad, state)`` (contiguous CUDA tensors, one param group), ``_SLOTS`` tensors
-    per launch of one Triton kernel; reads ``lr`` (if a tensor) and the step counts from device memory."""
-    items = [item for item in items if item[0].numel() > 0]
-    if not items:
-        return
-    device = items[0][0].device
-    lr_on_device = isinstance(lr, torch.Tensor)
-    if lr_on_device and lr.device != device:
-        if lr.device.type != "cpu":
-            raise ValueError(f"lr is a tensor on {lr.device}, the parameters on {device}. Fix: keep lr on the "
-                             "parameters' device (or make it a number).")
-        lr, lr_on_device = float(lr), False
-    scalars = (lr if lr_on_device else items[0][2]["step"], 0.0 if lr_on_device else float(lr),
-               1 - beta1, beta2, 1 - beta2, math.log(beta1), math.log(beta2), eps, weight_decay)
-    for i in range(0, len(items), _SLOTS):
-        chunk = items[i:i + _SLOTS]
-        args: list[Any] = []
-        ends: list[int] = []
-        blocks = 0
-        for param, grad, state in chunk:
-            args += [param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], state["step"], param.numel()]
-            blocks += -(-param.numel() // _BLOCK)
-            ends.append(blocks)
-        for _ in range(_SLOTS - len(chunk)):  # unused slots: never reached (their block range is empty)
-            args += args[:6] + [0]
-            ends.append(blocks)
-        _kernel()[(blocks,)](*args, *ends, *scalars, LR_ON_DEVICE=lr_on_device, BLOCK=_BLOCK,
-                             num_warps=_NUM_WARPS)
+    """The update of each ``(param, grad, state)`` (contiguous CUDA tensors of one param group) by the Triton kernel,
+    eight tensors of a device per launch; reads ``lr`` (if a tensor) and the step counts from device memory.
+
+    The tensors' pointers are kernel arguments, so a CUDA graph that captures a launch replays it on the same
+    tensors.
+    """
+    from lmtrain.kernels.master_adamw import SLOTS
+
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]] = {}
+    for item in items:
+        if item[0].numel() > 0:
+            by_device.setdefault(item[0].device, []).append(item)
+    for device, work in by_device.items():
+        lr_on_device = isinstance(lr, torch.Tensor)
+        rate = lr
+        if lr_on_device and lr.device != device:
+            if lr.device.type != "cpu":
+                raise ValueError(f"lr is a tensor on {lr.device}, the parameters on {device}. Fix: keep lr on the "
+                                 "parameters' device (or make it a number).")
+            rate, lr_on_device = float(lr), False
+        # Without a device lr, the kernel's lr pointer is unused: any tensor of the device will do.
+        scalars = (rate if lr_on_device else work[0][2]["step"], 0.0 if lr_on_device else float(rate),
+                   1 - beta1, beta2, 1 - beta2, math.log(beta1), math.log(beta2), eps, weight_decay)
+        for i in range(0, len(work), SLOTS):
+            chunk = work[i:i + SLOTS]
+            args: list[Any] = []
+            ends: list[int] = []
+            blocks = 0
+            for param, grad, state in chunk:
+                args += [param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], state["step"],
+                         param.numel()]
+                blocks += -(-param.numel() // _BLOCK)
+                ends.append(blocks)
+            for _ in range(SLOTS - len(chunk)):  # unused slots: never reached (their block range is empty)
+                args += args[:6] + [0]
+                ends.append(blocks)
+            _kernel()[(blocks,)](*args, *ends, *scalars, LR_ON_DEVICE=lr_on_device, BLOCK=_BLOCK,
+                                 num_warps=_NUM_WARPS)
 
 
 @functools.cache
