@@ -315,9 +315,12 @@ libdevice.expm1 = lambda x: tl.exp(x) - 1.0  # the interpreter has no expm1; exa
 sys.path.insert(0, sys.argv[1])
 from tests.test_optim import _grouped_items
 from lmtrain import optim
-kernel_items, _ = _grouped_items("cpu")
-optim._update_triton(kernel_items, torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1)
-torch.save([(p, s) for p, _, s in kernel_items], sys.argv[2])
+results = []
+for lr in (torch.tensor(1e-2), 1e-2):  # read by the kernel, or passed as a number
+    kernel_items, _ = _grouped_items("cpu")
+    optim._update_triton(kernel_items, lr, 0.9, 0.95, 1e-8, 0.1)
+    results.append([(p, s) for p, _, s in kernel_items])
+torch.save(results, sys.argv[2])
 """
 
 
@@ -329,11 +332,12 @@ def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_p
     root = str(Path(__file__).resolve().parents[1])
     subprocess.run([sys.executable, "-c", _INTERPRETED_GROUP, root, str(out)], check=True, timeout=600,
                    env={**os.environ, "TRITON_INTERPRET": "1"})
-    kernel = torch.load(out)
+    tensor_lr, number_lr = torch.load(out)
     _, torch_items = _grouped_items("cpu")
     for param, grad, state in torch_items:
         _update_torch(param, grad, state, torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1)
-    for (kernel_param, kernel_state), (torch_param, _, torch_state) in zip(kernel, torch_items, strict=True):
+    pairs = list(zip(tensor_lr, torch_items, strict=True)) + list(zip(number_lr, torch_items, strict=True))
+    for (kernel_param, kernel_state), (torch_param, _, torch_state) in pairs:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             scale = torch_state[key].abs().max().item()
             torch.testing.assert_close(kernel_state[key], torch_state[key], rtol=1e-6, atol=1e-6 * scale)
