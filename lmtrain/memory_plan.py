@@ -411,9 +411,10 @@ def _train_moments(
     head_saved = sum(head.values()) - head["tokens"]
     returned_input = layer_input if policy == "offload" else 0
     block_backward = 2 * n * cfg.d_model * 4 + 2 * n * cfg.d_ff * c
-    # The whole loss's (tokens x vocabulary)-sized buffers, which the allocator keeps cached once freed; loss
+    # The whole loss's (tokens x vocabulary)-sized buffers, which CUDA's caching allocator keeps once freed; loss
     # chunks are small enough for later allocations to reuse.
-    details["loss_transient_bytes"] = 0 if cfg.loss_chunk_tokens else max(loss_forward, loss_backward)
+    kept = cfg.loss_chunk_tokens == 0 and device_type == "cuda"
+    details["loss_transient_bytes"] = max(loss_forward, loss_backward) if kept else 0
     moments = {
         "end of forward": (0, saved, loss_forward),
         "loss backward": (grads_early, saved, loss_backward),
@@ -483,8 +484,7 @@ def estimate_memory(
     components = {"parameters": params, "gradients": grads_part, "optimizer_states": optim,
                   "activations": activations, "transients": transients, "workspace": workspace}
     # What the device must hold: at a moment after the loss, that moment's bytes and the loss's cached buffers.
-    loss_cache = extra["loss_transient_bytes"] if device_type == "cuda" else 0
-    cached = _cached_after_loss({k: sum(v) for k, v in moments.items()}, moment, loss_cache)
+    cached = _cached_after_loss(moments, moment, extra["loss_transient_bytes"])
     return MemoryEstimate(components, sum(components.values()), moment, details, cached=cached)
 
 
@@ -652,13 +652,14 @@ def _activation_moments(
     so that the distributed plans can add their own gradient and buffer terms to each.
     """
     moments, extra = _train_moments(cfg, batch_size, seq_len, precision, "train", device_type)
-    loss_cache = extra["loss_transient_bytes"] if device_type == "cuda" else 0
-    return {k: (activations, transients) for k, (_, activations, transients) in moments.items()}, loss_cache
+    per_moment = {k: (activations, transients) for k, (_, activations, transients) in moments.items()}
+    return per_moment, extra["loss_transient_bytes"]
 
 
-def _cached_after_loss(totals: dict[str, int], peak_moment: str, loss_cache: int) -> int:
+def _cached_after_loss(moments: dict[str, tuple[int, ...]], peak_moment: str, loss_cache: int) -> int:
     """``MemoryEstimate.cached``: what a moment after the loss, with the loss's cached buffers, needs beyond the
     peak (or 0)."""
+    totals = {k: sum(v) for k, v in moments.items()}
     needed = max([totals[peak_moment]] + [v + loss_cache for k, v in totals.items() if k not in LOSS_MOMENTS])
     return needed - totals[peak_moment]
 
@@ -763,7 +764,7 @@ def estimate_memory_distributed(
     grads, buffers, activations, transients = totals[moment]
     components = {**static, "gradients": grads, "fsdp_buffers": buffers, "activations": activations,
                   "transients": transients}
-    cached = _cached_after_loss({k: sum(v) for k, v in totals.items()}, moment, loss_cache)
+    cached = _cached_after_loss(totals, moment, loss_cache)
     return MemoryEstimate(components, sum(components.values()), moment, details, cached=cached)
 
 
