@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmtrain.analysis.tables import markdown_table
-from lmtrain.bench.tables import fmt, fmt_ms, is_on, markdown_rows, status_text
+from lmtrain.bench.tables import fmt, fmt_ms, is_on, markdown_rows, skipped_by_plan, status_text
 from lmtrain.config import STUDY_SIZES
 from lmtrain.memory_plan import GIB, usable_bytes
 
@@ -347,7 +347,7 @@ def planner_record(rows: Rows, capacity_gib: float | None, tolerance_pct: float 
                      + (f"{len(ran_anyway)} ran anyway (the plan is conservative there): "
                         + "; ".join(_cell_name(r) for r in ran_anyway) + "." if ran_anyway
                         else "none of them ran (out of memory, or skipped after a smaller context ran out)."))
-    unrun = [r for r in rows if r.get("status") == "skipped" and str(r.get("error") or "").startswith("plan: needs")]
+    unrun = [r for r in rows if skipped_by_plan(r)]
     if unrun:
         lines.append(f"- {len(unrun)} cells were not run because their plan does not fit (`--skip-unfit`): "
                      + "; ".join(_cell_name(r) for r in unrun) + ".")

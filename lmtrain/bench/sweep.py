@@ -44,7 +44,7 @@ from typing import Any
 from lmtrain.bench.environment import environment
 from lmtrain.bench.runner import cuda_initialised
 from lmtrain.bench.studies import STUDIES
-from lmtrain.bench.tables import markdown_rows, status_text
+from lmtrain.bench.tables import PLAN_SKIP, markdown_rows, skipped_by_plan, status_text
 from lmtrain.config import CHECKPOINTING_POLICIES, COMPILE_MODES, SIZES, STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
@@ -462,21 +462,13 @@ def _bigger_failed(cell: Cell, failed: list[Cell]) -> Cell | None:
     return None
 
 
-#: How a cell that ``--skip-unfit`` did not run is marked (the start of its ``error``).
-_PLAN_SKIP = "plan: needs"
-
-
 def _unfit(row: dict[str, Any], device_gib: float) -> str | None:
     """Why the cell's plan does not fit a ``device_gib`` device, or None when it fits (or has no plan)."""
     needed = row.get("estimate_needed_gib")
     usable = usable_bytes(int(device_gib * GIB)) / GIB
     if needed is None or needed <= usable:
         return None
-    return f"{_PLAN_SKIP} {needed:.2f} GiB, {usable:.2f} GiB usable of {device_gib:g} GiB (--skip-unfit)"
-
-
-def _skipped_by_plan(row: dict[str, Any]) -> bool:
-    return row.get("status") == "skipped" and str(row.get("error") or "").startswith(_PLAN_SKIP)
+    return f"{PLAN_SKIP} {needed:.2f} GiB, {usable:.2f} GiB usable of {device_gib:g} GiB (--skip-unfit)"
 
 
 def _progress(i: int, n: int, cell: Cell, row: dict[str, Any]) -> None:
@@ -533,7 +525,7 @@ def run_sweep(
 
     def pending(cell: Cell) -> bool:
         row = existing.get(cell.key())
-        return row is None or row.get("status") in rerun or (skip_unfit_gib is None and _skipped_by_plan(row))
+        return row is None or row.get("status") in rerun or (skip_unfit_gib is None and skipped_by_plan(row))
 
     todo = [c for c in unique if pending(c)]
     meta = _merged_meta(out, meta, launcher) if todo else {}

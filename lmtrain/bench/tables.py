@@ -50,6 +50,15 @@ def options_text(row: dict[str, Any]) -> str:
     return ", ".join(parts) or "-"
 
 
+#: How a cell that ``bench model --skip-unfit`` did not run is marked: the start of its ``error``.
+PLAN_SKIP = "plan: needs"
+
+
+def skipped_by_plan(row: dict[str, Any]) -> bool:
+    """The row is a cell ``--skip-unfit`` did not run because its memory plan does not fit."""
+    return row.get("status") == "skipped" and str(row.get("error") or "").startswith(PLAN_SKIP)
+
+
 def status_text(row: dict[str, Any]) -> str:
     """``ok``, ``OOM``, ``timeout`` or ``error: <first line>``."""
     status = row.get("status") or "?"
