@@ -27,6 +27,11 @@ CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 #: module's ``cuda_graphs`` captures the whole step).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
+
+def compile_kwargs(mode: str) -> dict[str, str]:
+    """Keyword arguments of ``nn.Module.compile`` for a ``compile_mode`` (none for ``default``)."""
+    return {} if mode == "default" else {"mode": mode}
+
 #: The model sizes of the reference profiling study, smallest first (``tiny`` is lmtrain's own CPU demo size).
 STUDY_SIZES: tuple[str, ...] = ("small", "medium", "large", "xl", "2.7B")
 #: Former name of ``STUDY_SIZES`` (still used by tests/test_model.py).

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmtrain.config import compile_kwargs
 from lmtrain.errors import LmtrainError
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ def shard_model(
             blocks[i] = checkpoint_wrapper(block)
     if compile:
         for block in blocks:
-            block.compile(**({} if compile_mode == "default" else {"mode": compile_mode}))
+            block.compile(**compile_kwargs(compile_mode))
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
         # The last block's parameters would be all-gathered again right away by the backward pass, which

@@ -15,7 +15,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import needs_gpu
-from lmtrain.config import COMPILE_MODES, DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig
+from lmtrain.config import COMPILE_MODES, DEFAULT_SIZE, SIZES, CheckpointingPolicy, ModelConfig, compile_kwargs
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, WholeStepGraph, eager_requested, lr_as_tensors
@@ -749,11 +749,6 @@ def check_compile_mode(mode: str, compile: bool) -> None:
     if mode != "default" and not compile:
         raise LmtrainError("model.compile_mode", f"{mode!r} is torch.compile's mode, but model.compile is false.",
                            "set model.compile: true, or leave model.compile_mode: default.")
-
-
-def compile_kwargs(mode: str) -> dict[str, Any]:
-    """Keyword arguments of ``nn.Module.compile`` for a ``compile_mode``."""
-    return {} if mode == "default" else {"mode": mode}
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
