@@ -192,22 +192,21 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     for key in ("lr", "betas", "eps", "weight_decay"):
                         inner[key] = group[key]
             self._inner.step()
-        work = [(group, p) for group in self.param_groups for p in group["params"]
-                if id(p) in self._master_ids and p.grad is not None]
-        if not work:
+        work = [(group, [p for p in group["params"] if id(p) in self._master_ids and p.grad is not None])
+                for group in self.param_groups]
+        stepped = [p for _, ps in work for p in ps]
+        if not stepped:
             return loss
-        for _, p in work:
+        for p in stepped:
             if p.grad.dtype != torch.bfloat16:
                 raise ValueError(f"the gradient of a bf16 parameter of shape {tuple(p.shape)} is {p.grad.dtype}. "
                                  "Fix: leave the gradients autograd makes (bf16), or cast them to bf16.")
-        torch._foreach_add_([self.state[p]["step"] for _, p in work], 1.0)  # one launch per device
-        for group in self.param_groups:
+        torch._foreach_add_([self.state[p]["step"] for p in stepped], 1.0)  # one launch per device
+        for group, ps in work:
             beta1, beta2 = group["betas"]
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             fused = []
-            for g, p in work:
-                if g is not group:
-                    continue
+            for p in ps:
                 if self._use_triton and p.is_cuda and p.is_contiguous() and p.grad.is_contiguous():
                     fused.append((p, p.grad, self.state[p]))
                 else:
