@@ -35,6 +35,7 @@ BENCH_COMMANDS: dict[str, str] = {
     "report": "lmtrain.bench.report",
     "overhead": "lmtrain.bench.overhead",
     "callbacks": "lmtrain.bench.callbacks",
+    "optimizer": "lmtrain.bench.optimizer",
 }
 #: Other commands, same protocol. ``analyze`` may be missing from a checkout: help then says so.
 TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.estimate", "analyze": "lmtrain.analysis.cli"}

@@ -47,8 +47,6 @@ from lmtrain.kernels import triton_interpreted
 __all__ = ["MasterWeightAdamW"]
 
 _MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
-_BLOCK = 4096  # elements per program: 16 per thread at 8 warps (four 16-byte loads of each fp32 tensor)
-_NUM_WARPS = 8
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -88,6 +86,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             fp32 AdamW. False: torch operations for both.
         capturable: the fp32 path's AdamW keeps its step counts on the device (``capturable=True``), for a step
             captured as a CUDA graph.
+        block_size: elements one program of the Triton kernel updates (a power of two, 128 .. 65536; the default
+            is 16 per thread at 8 warps: four 16-byte loads of each fp32 tensor); also the
+            attribute ``block_size``, which may be changed between steps (``python -m lmtrain bench optimizer``
+            times the choices).
+        num_warps: warps per program of the Triton kernel (1, 2, 4, 8 or 16); also the attribute ``num_warps``.
     """
 
     def __init__(
@@ -101,8 +104,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         bf16_params: Iterable[torch.Tensor] = (),
         fused: bool | None = None,
         capturable: bool = False,
+        block_size: int = 4096,
+        num_warps: int = 8,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_kernel_launch(block_size, num_warps)
+        self.block_size, self.num_warps = block_size, num_warps
         self._convert_ids = {id(p) for p in bf16_params}
         self._master_ids: set[int] = set()
         self._ready = False
@@ -129,6 +136,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 lr=lr, fused=inner_fused or None, capturable=capturable)
         self._inner_fused = bool(self._inner is not None and self._inner.defaults.get("fused"))
         self._share_state()
+
+    @property
+    def uses_kernel(self) -> bool:
+        """The bf16 parameters on a CUDA device are updated by the Triton kernel (not by torch operations)."""
+        return self._use_triton
 
     # -- construction -------------------------------------------------------------------------
 
@@ -212,7 +224,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 else:
                     _update_torch(p, p.grad, self.state[p], *hyper)
             if fused:
-                _update_triton(fused, *hyper)
+                check_kernel_launch(self.block_size, self.num_warps)
+                _update_triton(fused, *hyper, block=self.block_size, num_warps=self.num_warps)
         return loss
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -306,7 +319,8 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
 
 
 def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], lr: float | torch.Tensor,
-                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                   beta1: float, beta2: float, eps: float, weight_decay: float, *, block: int = 4096,
+                   num_warps: int = 8) -> None:
     """The update of each ``(param, grad, state)`` (contiguous CUDA tensors of one param group) by the Triton kernel,
     eight tensors of a device per launch; reads ``lr`` (if a tensor) and the step counts from device memory.
 
@@ -338,13 +352,13 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
             for param, grad, state in chunk:
                 args += [param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], state["step"],
                          param.numel()]
-                blocks += -(-param.numel() // _BLOCK)
+                blocks += -(-param.numel() // block)
                 ends.append(blocks)
             for _ in range(SLOTS - len(chunk)):  # unused slots: never reached (their block range is empty)
                 args += args[:6] + [0]
                 ends.append(blocks)
-            _kernel()[(blocks,)](*args, *ends, *scalars, LR_ON_DEVICE=lr_on_device, BLOCK=_BLOCK,
-                                 num_warps=_NUM_WARPS)
+            _kernel()[(blocks,)](*args, *ends, *scalars, LR_ON_DEVICE=lr_on_device, BLOCK=block,
+                                 num_warps=num_warps)
 
 
 @functools.cache
@@ -375,6 +389,14 @@ def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float)
         raise ValueError(f"eps={eps!r}. Fix: use eps >= 0, e.g. 1e-8.")
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay={weight_decay!r}. Fix: use weight_decay >= 0.")
+
+
+def check_kernel_launch(block_size: int, num_warps: int) -> None:
+    """Refuse a ``block_size`` or ``num_warps`` the Triton kernel cannot take (``ValueError`` naming the fix)."""
+    if not (isinstance(block_size, int) and 128 <= block_size <= 65536 and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size={block_size!r}. Fix: use a power of two from 128 to 65536, e.g. 4096.")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps!r}. Fix: use 1, 2, 4, 8 or 16, e.g. 8.")
 
 
 def _triton_usable() -> bool:

@@ -171,6 +171,10 @@ def test_clear_errors() -> None:
         MasterWeightAdamW(model.parameters(), lr=1e-3, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):
         MasterWeightAdamW(model.parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="block_size=3000"):
+        MasterWeightAdamW(model.parameters(), block_size=3000)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        MasterWeightAdamW(model.parameters(), num_warps=3)
     with pytest.raises(ValueError, match="not among"):
         MasterWeightAdamW([model.gain], bf16_params=[model.up.weight])
     with pytest.raises(ValueError, match="bf16_params"):
@@ -347,10 +351,11 @@ def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_grouped_kernel_launches_match_torch_operations() -> None:
+@pytest.mark.parametrize(("block", "num_warps"), [(4096, 8), (1024, 4), (16384, 16)])
+def test_grouped_kernel_launches_match_torch_operations(block: int, num_warps: int) -> None:
     kernel_items, torch_items = _grouped_items("cuda")
     lr = torch.tensor(1e-2, device="cuda")
-    _update_triton(kernel_items, lr, 0.9, 0.95, 1e-8, 0.1)
+    _update_triton(kernel_items, lr, 0.9, 0.95, 1e-8, 0.1, block=block, num_warps=num_warps)
     for param, grad, state in torch_items:
         _update_torch(param, grad, state, lr, 0.9, 0.95, 1e-8, 0.1)
     for (kernel_param, _, kernel_state), (torch_param, _, torch_state) in zip(kernel_items, torch_items,

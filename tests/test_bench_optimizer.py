@@ -1,0 +1,69 @@
+"""``python -m lmtrain bench optimizer``: rows, byte counts and refusals on the CPU; the kernel rows on a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain.bench.optimizer import ADAMW_BYTES, COPY_BYTES, MASTER_BYTES, parameter_shapes
+from lmtrain.cli import main
+from lmtrain.config import ModelConfig
+from lmtrain.model import TransformerLM
+
+
+def test_parameter_shapes_are_the_models() -> None:
+    shapes = parameter_shapes("tiny", 300)
+    model = TransformerLM(ModelConfig.from_size("tiny", vocab_size=300))
+    assert shapes == [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def test_runs_on_cpu_and_counts_the_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "optim.json"
+    assert main(["bench", "optimizer", "--size", "tiny", "--vocab-size", "300", "--steps", "2", "--warmup", "1",
+                 "--allow-cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    numel = sum(torch.Size(s).numel() for _, s in parameter_shapes("tiny", 300))
+    assert record["parameters"] == numel
+    rows = {r["name"]: r for r in record["rows"]}
+    assert list(rows) == ["copy", "adamw", "master"]
+    assert rows["master"]["kernel"] == "torch operations" and rows["adamw"]["kernel"] == "foreach"
+    for name, per_param in (("copy", COPY_BYTES), ("adamw", ADAMW_BYTES), ("master", MASTER_BYTES)):
+        row = rows[name]
+        assert row["gbytes"] == pytest.approx(numel * per_param / 1e9)
+        assert len(row["steps_ms"]) == 2 and all(t > 0 for t in row["steps_ms"])
+        assert row["gb_per_s"] == pytest.approx(row["gbytes"] / row["ms"] * 1e3)
+    text = capsys.readouterr().out
+    assert "| master" in text and "of copy" in text and "100%" in text  # the copy row is its own reference
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--blocks", "3000"], "--blocks/--warps"),
+    (["--warps", "3"], "--blocks/--warps"),
+    (["--blocks", "x"], "--blocks"),
+    (["--only", "sgd"], "--only"),
+    (["--size", "huge"], "--size"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_options_are_refused_with_one_line(argv: list[str], option: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "optimizer", "--size", "tiny", "--allow-cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {option}: ") and "Fix:" in err and err.count("\n") == 1
+
+
+def test_refuses_without_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "optimizer", "--size", "tiny"]) == 2
+    assert capsys.readouterr().err.startswith("error: device: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_rows_on_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "optim.json"
+    assert main(["bench", "optimizer", "--size", "tiny", "--steps", "2", "--warmup", "1", "--only", "master",
+                 "--blocks", "1024,4096", "--warps", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["Triton, block 1024, 4 warps", "Triton, block 4096, 4 warps"]
