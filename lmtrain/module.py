@@ -21,6 +21,7 @@ from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, WholeStepGraph, eager_requested, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
+from lmtrain.optim import MasterWeightAdamW, linear_weights, weight_decay_groups
 
 StepMode = Literal["train", "forward", "forward_backward"]
 #: ModelConfig fields that fix the weights (their shapes or what they compute). A checkpoint must agree on
@@ -556,10 +557,8 @@ class LMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        decay = [p for p in self.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
         on_cuda = all(p.is_cuda for p in self.parameters())  # fused AdamW is CUDA-only; CPU uses foreach
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = weight_decay_groups(self, hp.weight_decay)
         fused = bool(hp.fused_adamw and on_cuda)
         # A captured step keeps AdamW's step count on the device and reads the rate from a device tensor.
         capturable = self.cuda_graphs and on_cuda
@@ -570,12 +569,9 @@ class LMModule(pl.LightningModule):
                                         overlap=self.config.optimizer_overlap, capturable=capturable)
             self._in_backward = optimizer
         elif hp.master_weights:
-            from lmtrain.optim import MasterWeightAdamW
-
             # The weights autocast casts: every linear layer's (the embedding table and the norm gains stay fp32).
-            embedding = self.model.embedding.weight
-            linear = [p for p in self.model.parameters() if p.ndim == 2 and p is not embedding]
-            optimizer = MasterWeightAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, bf16_params=linear,
+            optimizer = MasterWeightAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+                                          bf16_params=linear_weights(self.model),
                                           fused=None if hp.fused_adamw else False, capturable=capturable)
         else:
             optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,

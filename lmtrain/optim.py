@@ -44,7 +44,7 @@ import torch
 
 from lmtrain.kernels import triton_interpreted
 
-__all__ = ["MasterWeightAdamW"]
+__all__ = ["MasterWeightAdamW", "linear_weights", "weight_decay_groups"]
 
 _MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -57,8 +57,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     (``p.data = p.data.to(torch.bfloat16)``), so nothing is lost at initialisation::
 
         model = TransformerLM(cfg)  # fp32
-        matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name]
-        optimizer = MasterWeightAdamW(groups, lr=3e-4, bf16_params=matrices)  # matrices are bf16 from here on
+        optimizer = MasterWeightAdamW(weight_decay_groups(model, 0.1), lr=3e-4,
+                                      bf16_params=linear_weights(model))  # the linear weights are bf16 from here on
 
     State of a bf16 parameter: ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, same shape) and ``step`` (a float32
     scalar tensor on the parameter's device). Every other parameter must be fp32 and is stepped by a
@@ -368,6 +368,25 @@ def _kernel() -> Any:
     from lmtrain.kernels.master_adamw import master_adamw_kernel
 
     return master_adamw_kernel
+
+
+# -- which parameters -----------------------------------------------------------------------------
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW param groups of ``model``: its matrices (``ndim >= 2``) decay by ``weight_decay``, its vectors (the
+    RMSNorm gains) do not."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of a ``TransformerLM`` that autocast casts to bf16, for ``MasterWeightAdamW``'s
+    ``bf16_params``: every linear layer's weight (the blocks' and the output head's). The embedding table, read
+    by ``F.embedding`` in fp32, and the norm gains are left out."""
+    embedding = model.embedding.weight
+    return [p for p in model.parameters() if p.ndim == 2 and p is not embedding]
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Optimizer update bandwidth: each AdamW step over a model's parameters, in GB/s against a device-to-device copy.
 
 AdamW is memory-bound: a step reads and writes every parameter's state once, and its floor is the bytes it moves
-divided by the memory bandwidth. This benchmark times, over the parameters of a named model size (shapes only: no
-model is built, and the gradients are random numbers):
+divided by the memory bandwidth. This benchmark times, over the parameters of a ``TransformerLM`` of a named size
+(built on the device in fp32, with random gradients):
 
     copy                 ``dst.copy_(src)`` of one fp32 buffer as large as the model: what bandwidth a plain
                          streaming kernel reaches on this device (8 bytes per element), the reference
@@ -33,7 +33,6 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,6 +41,8 @@ from lmtrain.bench.environment import device_name, environment
 from lmtrain.bench.tables import markdown_table
 from lmtrain.config import SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
+from lmtrain.flops import parameter_count
+from lmtrain.optim import MasterWeightAdamW, check_kernel_launch, linear_weights, weight_decay_groups
 
 #: Bytes a step moves per parameter: AdamW reads parameter, gradient, exp_avg and exp_avg_sq and writes parameter,
 #: exp_avg and exp_avg_sq, all fp32 (7 x 4); the master-weight step reads the bf16 gradient and the fp32 master and
@@ -92,24 +93,18 @@ def _ints(option: str, text: str) -> list[int]:
     return values
 
 
-def parameter_shapes(size: str, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of the parameters of ``TransformerLM`` at ``size`` (built on the meta device: no memory)."""
+def build_model(size: str, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """``TransformerLM`` at ``size``, fp32, built on ``device`` (its parameters are the ones updated)."""
     from lmtrain.model import TransformerLM
 
-    with torch.device("meta"):
-        model = TransformerLM(ModelConfig.from_size(size, vocab_size=vocab_size))
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    with device:
+        return TransformerLM(ModelConfig.from_size(size, vocab_size=vocab_size))
 
 
-def _params(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device) -> list[tuple[str, torch.nn.Parameter]]:
-    # Random values (never zeros: a kernel could skip work on them); small, as trained weights are.
-    return [(name, torch.nn.Parameter(torch.randn(shape, device=device) * 0.02)) for name, shape in shapes]
-
-
-def _groups(named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
-    """The module's weight-decay groups (``LMModule.configure_optimizers``): matrices decay, the rest does not."""
-    return [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
-            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+def _random_grads(model: torch.nn.Module) -> None:
+    # Random gradients (never zeros: a kernel could skip work on them), in each parameter's dtype.
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
 
 
 def _time(clock: Clock, step: Callable[[], None], warmup: int, steps: int) -> list[float]:
@@ -139,32 +134,27 @@ def time_copy(numel: int, device: torch.device, clock: Clock, warmup: int, steps
     return Row("copy", "fp32 copy_", statistics.median(times), numel * COPY_BYTES / 1e9, times)
 
 
-def time_adamw(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device, clock: Clock, warmup: int,
-               steps: int) -> Row:
-    named = _params(shapes, device)
-    for _, p in named:
-        p.grad = torch.randn_like(p) * 1e-3
+def time_adamw(size: str, vocab_size: int, device: torch.device, clock: Clock, warmup: int, steps: int) -> Row:
+    model = build_model(size, vocab_size, device)
+    _random_grads(model)
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(_groups(named), lr=3e-4, fused=fused or None, foreach=None if fused else True)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=3e-4, fused=fused or None,
+                                  foreach=None if fused else True)
     times = _time(clock, optimizer.step, warmup, steps)
-    numel = sum(p.numel() for _, p in named)
-    del named, optimizer
+    numel = sum(p.numel() for p in model.parameters())
+    del model, optimizer
     _release()
     return Row("adamw", "fused" if fused else "foreach", statistics.median(times), numel * ADAMW_BYTES / 1e9, times)
 
 
-def time_master(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device, clock: Clock, warmup: int,
-                steps: int, launches: list[tuple[int, int]]) -> list[Row]:
+def time_master(size: str, vocab_size: int, device: torch.device, clock: Clock, warmup: int, steps: int,
+                launches: list[tuple[int, int]]) -> list[Row]:
     """One row per (block_size, num_warps) in ``launches`` (one row, "torch operations", without the kernel)."""
-    from lmtrain.optim import MasterWeightAdamW
-
-    named = _params(shapes, device)
-    # As LMModule(master_weights=True) chooses: every matrix but the embedding table.
-    linear = [p for name, p in named if p.ndim == 2 and not name.startswith("embedding")]
-    optimizer = MasterWeightAdamW(_groups(named), lr=3e-4, bf16_params=linear)
-    for _, p in named:
-        p.grad = torch.randn_like(p) * 1e-3  # bf16 for the converted ones
-    numel = sum(p.numel() for _, p in named)
+    model = build_model(size, vocab_size, device)
+    # As LMModule(master_weights=True) builds it; the linear weights are bf16 from here on.
+    optimizer = MasterWeightAdamW(weight_decay_groups(model, 0.1), lr=3e-4, bf16_params=linear_weights(model))
+    _random_grads(model)
+    numel = sum(p.numel() for p in model.parameters())
     rows = []
     uses_kernel = optimizer.uses_kernel and device.type == "cuda"
     for block, warps in launches if uses_kernel else launches[:1]:
@@ -172,7 +162,7 @@ def time_master(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device,
         times = _time(clock, optimizer.step, warmup, steps)
         kernel = f"Triton, block {block}, {warps} warps" if uses_kernel else "torch operations"
         rows.append(Row("master", kernel, statistics.median(times), numel * MASTER_BYTES / 1e9, times))
-    del named, linear, optimizer
+    del model, optimizer
     _release()
     return rows
 
@@ -200,16 +190,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not only:
         raise LmtrainError("--only", f"unknown implementations {unknown or only}.", "use some of copy,adamw,master.")
     launches = [(b, w) for b in _ints("--blocks", args.blocks) for w in _ints("--warps", args.warps)]
-    from lmtrain.optim import check_kernel_launch
-
     for block, warps in launches:
         try:
             check_kernel_launch(block, warps)
         except ValueError as err:
             raise LmtrainError("--blocks/--warps", str(err).split(". Fix:")[0] + ".",
                                "block sizes: powers of two from 128 to 65536; warps: 1, 2, 4, 8 or 16.") from None
-    shapes = parameter_shapes(args.size, args.vocab_size)
-    numel = sum(torch.Size(s).numel() for _, s in shapes)
+    config = ModelConfig.from_size(args.size, vocab_size=args.vocab_size)
+    numel = parameter_count(config)
     device = torch.device("cuda" if cuda else "cpu")
     clock = Clock(cuda)
     print(f"{args.size}: {numel:,} parameters; {args.warmup} warm-up + {args.steps} measured steps each", flush=True)
@@ -218,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
         if name == "copy":
             rows.append(time_copy(numel, device, clock, args.warmup, args.steps))
         elif name == "adamw":
-            rows.append(time_adamw(shapes, device, clock, args.warmup, args.steps))
+            rows.append(time_adamw(args.size, args.vocab_size, device, clock, args.warmup, args.steps))
         else:
-            rows += time_master(shapes, device, clock, args.warmup, args.steps, launches)
+            rows += time_master(args.size, args.vocab_size, device, clock, args.warmup, args.steps, launches)
         print(f"  {rows[-1].name}: {rows[-1].ms:.2f} ms", flush=True)
     print()
     print(f"### Optimizer update, {args.size} ({numel:,} parameters), {device_name(cuda)}")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.model import TransformerLM
+from lmtrain.optim import weight_decay_groups
 
 #: Lightning precision -> autocast dtype of the loop (None: no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16}
@@ -70,10 +71,7 @@ def train_plain(config: ModelConfig, batch_size: int, precision: str, *, compile
     with device:
         model = TransformerLM(config)
     model.train()
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    others = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": WEIGHT_DECAY},
-                                   {"params": others, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS, fused=True)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, fused=True)
     if compile:
         model = torch.compile(model, mode="reduce-overhead" if cuda_graphs else None)
     dtype = AUTOCAST[precision]
