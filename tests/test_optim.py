@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmtrain.optim import MasterWeightAdamW, _update_torch, _update_triton
+from lmtrain.config import ModelConfig
+from lmtrain.model import TransformerLM
+from lmtrain.optim import MasterWeightAdamW, _update_torch, _update_triton, linear_weights, weight_decay_groups
 
 VOCAB, DIM, HIDDEN = 11, 16, 24
 
@@ -163,6 +165,21 @@ def test_parameter_without_gradient_is_skipped() -> None:
     assert torch.equal(model.up.weight, before)
     assert optimizer.state[model.up.weight]["step"].item() == 0
     assert optimizer.state[model.down.weight]["step"].item() == 1
+
+
+def test_which_parameters_decay_and_which_get_masters() -> None:
+    model = TransformerLM(ModelConfig.from_size("tiny", vocab_size=300))
+    named = dict(model.named_parameters())
+    names = {id(p): n for n, p in named.items()}
+    decay, no_decay = weight_decay_groups(model, 0.1)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert {names[id(p)] for p in decay["params"]} == {n for n, p in named.items() if p.ndim == 2}
+    assert all(n.endswith("norm.weight") for n in (names[id(p)] for p in no_decay["params"]))
+    assert len(decay["params"]) + len(no_decay["params"]) == len(named)
+    linear = {names[id(p)] for p in linear_weights(model)}
+    # Every nn.Linear weight (blocks and output head); not the embedding table, which F.embedding reads in fp32.
+    assert linear == {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert "embedding.weight" not in linear
 
 
 def test_clear_errors() -> None:
