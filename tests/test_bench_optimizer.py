@@ -42,6 +42,7 @@ def test_runs_on_cpu_and_counts_the_bytes(tmp_path: Path, capsys: pytest.Capture
     (["--blocks", "3000"], "--blocks/--warps"),
     (["--warps", "3"], "--blocks/--warps"),
     (["--blocks", "x"], "--blocks"),
+    (["--blocks", ""], "--blocks/--warps"),
     (["--only", "sgd"], "--only"),
     (["--size", "huge"], "--size"),
     (["--steps", "0"], "--steps"),

@@ -38,6 +38,7 @@ import torch
 
 from lmtrain.bench.clock import Clock
 from lmtrain.bench.environment import device_name, environment
+from lmtrain.bench.sweep import comma_list
 from lmtrain.bench.tables import markdown_table
 from lmtrain.config import SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
@@ -73,24 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary of the size (default 10000)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per implementation (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before them, not counted (default 3)")
-    parser.add_argument("--blocks", default="4096", help="MasterWeightAdamW block sizes to time, comma-separated "
-                        "(default 4096, its default)")
-    parser.add_argument("--warps", default="8", help="MasterWeightAdamW warps per program, comma-separated "
-                        "(default 8)")
-    parser.add_argument("--only", default="copy,adamw,master", help="implementations to run, comma-separated "
-                        "(default copy,adamw,master)")
+    parser.add_argument("--blocks", type=comma_list(int), default=[4096],
+                        help="MasterWeightAdamW block sizes to time, comma-separated (default 4096, its default)")
+    parser.add_argument("--warps", type=comma_list(int), default=[8],
+                        help="MasterWeightAdamW warps per program, comma-separated (default 8)")
+    parser.add_argument("--only", type=comma_list(str), default=["copy", "adamw", "master"],
+                        help="implementations to run, comma-separated (default copy,adamw,master)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a functional check, no GPU)")
-
-
-def _ints(option: str, text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise LmtrainError(option, f"{text!r} is not a comma-separated list of integers.", f"e.g. {option} 4096,8192.")
-    return values
 
 
 def build_model(size: str, vocab_size: int, device: torch.device) -> torch.nn.Module:
@@ -185,11 +176,13 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.steps < 1:
         raise LmtrainError("--steps", f"needs --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}.",
                            "e.g. --steps 10 --warmup 3.")
-    only = [v.strip() for v in args.only.split(",") if v.strip()]
+    only = args.only
     unknown = sorted(set(only) - {"copy", "adamw", "master"})
     if unknown or not only:
         raise LmtrainError("--only", f"unknown implementations {unknown or only}.", "use some of copy,adamw,master.")
-    launches = [(b, w) for b in _ints("--blocks", args.blocks) for w in _ints("--warps", args.warps)]
+    launches = [(b, w) for b in args.blocks for w in args.warps]
+    if not launches:
+        raise LmtrainError("--blocks/--warps", "no block size or no warp count given.", "e.g. --blocks 4096 --warps 8.")
     for block, warps in launches:
         try:
             check_kernel_launch(block, warps)

@@ -29,6 +29,7 @@ from lmtrain.bench.sweep import (
     base_row,
     cell_config,
     cells_of_study,
+    comma_list,
     command_line,
     load_meta,
     load_results,
@@ -51,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--studies", nargs="+", choices=sorted(STUDIES), default=DEFAULT_STUDIES,
                         help="studies to run, in priority order")
     parser.add_argument("--results", type=Path, help="results CSV shared by all studies (default: OUT with .csv)")
-    parser.add_argument("--warmup", type=lambda s: [int(x) for x in s.split(",")], help="override every study's")
-    parser.add_argument("--steps", type=lambda s: [int(x) for x in s.split(",")], help="override every study's")
-    parser.add_argument("--sizes", type=lambda s: s.split(","), help="override every study's sizes")
+    parser.add_argument("--warmup", type=comma_list(int), help="override every study's")
+    parser.add_argument("--steps", type=comma_list(int), help="override every study's")
+    parser.add_argument("--sizes", type=comma_list(str), help="override every study's sizes")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     parser.add_argument("--launcher", choices=("fork", "spawn"), default="fork")
     parser.add_argument("--logdir", default="none", help="TensorBoard folder ('none': no logs)")

@@ -567,7 +567,9 @@ def run_sweep(
 # -- command line ---------------------------------------------------------------------------------------------
 
 
-def _list(kind: type) -> Any:
+def comma_list(kind: type) -> Any:
+    """An argparse ``type``: a comma-separated list of ``kind`` (blanks around items ignored)."""
+
     def parse(text: str) -> list[Any]:
         items = [s.strip() for s in text.split(",") if s.strip()]
         try:
@@ -581,38 +583,38 @@ def _list(kind: type) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", action="append", choices=sorted(STUDIES), default=[],
                         help="a ready-made study (repeatable): presets the flags below and adds its tables")
-    parser.add_argument("--sizes", type=_list(str), help=f"named sizes ({', '.join(SIZES)}), 'study' for the model "
-                        f"sizes of the reference profiling study ({','.join(STUDY_SIZES)}), or config YAML paths "
-                        "(default small)")
-    parser.add_argument("--contexts", type=_list(int), help="tokens per sequence (default 512)")
-    parser.add_argument("--batch-size", type=_list(int), help="sequences per batch (default 4)")
-    parser.add_argument("--precision", type=_list(str), help=f"Lightning precisions: {', '.join(PRECISIONS)} "
+    parser.add_argument("--sizes", type=comma_list(str),
+                        help=f"named sizes ({', '.join(SIZES)}), 'study' for the model sizes of the reference "
+                        f"profiling study ({','.join(STUDY_SIZES)}), or config YAML paths (default small)")
+    parser.add_argument("--contexts", type=comma_list(int), help="tokens per sequence (default 512)")
+    parser.add_argument("--batch-size", type=comma_list(int), help="sequences per batch (default 4)")
+    parser.add_argument("--precision", type=comma_list(str), help=f"Lightning precisions: {', '.join(PRECISIONS)} "
                         "(default 32-true)")
-    parser.add_argument("--attention", type=_list(str), help="attention backends (default sdpa)")
-    parser.add_argument("--compile", type=_list(str), help="off, on or off,on (default off)")
-    parser.add_argument("--mode", type=_list(str), help=f"step modes: {', '.join(STEP_MODES)} "
+    parser.add_argument("--attention", type=comma_list(str), help="attention backends (default sdpa)")
+    parser.add_argument("--compile", type=comma_list(str), help="off, on or off,on (default off)")
+    parser.add_argument("--mode", type=comma_list(str), help=f"step modes: {', '.join(STEP_MODES)} "
                         "(default forward_backward)")
-    parser.add_argument("--warmup", type=_list(int), help="warm-up steps excluded from the statistics (default 3)")
-    parser.add_argument("--steps", type=_list(int), help="measured steps (default 10)")
+    parser.add_argument("--warmup", type=comma_list(int), help="warm-up steps excluded from the statistics (default 3)")
+    parser.add_argument("--steps", type=comma_list(int), help="measured steps (default 10)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of named sizes (default 10000)")
-    parser.add_argument("--activation-checkpointing", type=_list(str),
+    parser.add_argument("--activation-checkpointing", type=comma_list(str),
                         help="checkpointing policies: none, full, selective, offload (default none)")
-    parser.add_argument("--optimizer-in-backward", type=_list(str), help="off, on or off,on (default off)")
-    parser.add_argument("--loss-chunk-tokens", type=_list(int),
+    parser.add_argument("--optimizer-in-backward", type=comma_list(str), help="off, on or off,on (default off)")
+    parser.add_argument("--loss-chunk-tokens", type=comma_list(int),
                         help="loss chunk sizes in tokens, 0 = whole (default 0)")
-    parser.add_argument("--cuda-graphs", type=_list(str),
+    parser.add_argument("--cuda-graphs", type=comma_list(str),
                         help="forward, backward and optimizer step captured as one CUDA graph and replayed (GPU "
                              "only): off, on or off,on (default off)")
-    parser.add_argument("--optimizer-overlap", type=_list(str),
+    parser.add_argument("--optimizer-overlap", type=comma_list(str),
                         help="in-backward optimizer updates on a second CUDA stream: off, on or off,on; on implies "
                              "--optimizer-in-backward on (default off)")
-    parser.add_argument("--master-weights", type=_list(str),
+    parser.add_argument("--master-weights", type=comma_list(str),
                         help="linear-layer weights in bf16 with fp32 masters in the optimizer (bf16-mixed only; "
                              "LMModule master_weights): off, on or off,on (default off)")
-    parser.add_argument("--compile-mode", type=_list(str),
+    parser.add_argument("--compile-mode", type=comma_list(str),
                         help="torch.compile modes of compiled cells (LMModule compile_mode): default, "
                              "max-autotune-no-cudagraphs or both, comma-separated (default: default)")
-    parser.add_argument("--runner", type=_list(str),
+    parser.add_argument("--runner", type=comma_list(str),
                         help="lightning (LMModule under Trainer.fit), plain (the plain-PyTorch reference loop of "
                              "lmtrain.bench.reference, GPU only) or lightning,plain (default lightning)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/model.csv"),
