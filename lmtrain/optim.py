@@ -47,6 +47,8 @@ from lmtrain.kernels import triton_interpreted
 __all__ = ["MasterWeightAdamW", "linear_weights", "weight_decay_groups"]
 
 _MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_BLOCK = 4096  # elements per program: 16 per thread at 8 warps (four 16-byte loads of each fp32 tensor)
+_NUM_WARPS = 8
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -87,9 +89,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         capturable: the fp32 path's AdamW keeps its step counts on the device (``capturable=True``), for a step
             captured as a CUDA graph.
         block_size: elements one program of the Triton kernel updates (a power of two, 128 .. 65536; the default
-            is 16 per thread at 8 warps: four 16-byte loads of each fp32 tensor); also the
-            attribute ``block_size``, which may be changed between steps (``python -m lmtrain bench optimizer``
-            times the choices).
+            is 16 per thread at 8 warps: four 16-byte loads of each fp32 tensor); also the attribute
+            ``block_size``, which may be set between steps (checked when set; ``python -m lmtrain bench
+            optimizer`` times the choices).
         num_warps: warps per program of the Triton kernel (1, 2, 4, 8 or 16); also the attribute ``num_warps``.
     """
 
@@ -104,12 +106,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         bf16_params: Iterable[torch.Tensor] = (),
         fused: bool | None = None,
         capturable: bool = False,
-        block_size: int = 4096,
-        num_warps: int = 8,
+        block_size: int = _BLOCK,
+        num_warps: int = _NUM_WARPS,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        check_kernel_launch(block_size, num_warps)
-        self.block_size, self.num_warps = block_size, num_warps
+        self.block_size, self.num_warps = block_size, num_warps  # checked by the setters
         self._convert_ids = {id(p) for p in bf16_params}
         self._master_ids: set[int] = set()
         self._ready = False
@@ -141,6 +142,26 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def uses_kernel(self) -> bool:
         """The bf16 parameters on a CUDA device are updated by the Triton kernel (not by torch operations)."""
         return self._use_triton
+
+    @property
+    def block_size(self) -> int:
+        """Elements one program of the Triton kernel updates."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        check_kernel_launch(value, _NUM_WARPS)
+        self._block_size = value
+
+    @property
+    def num_warps(self) -> int:
+        """Warps per program of the Triton kernel."""
+        return self._num_warps
+
+    @num_warps.setter
+    def num_warps(self, value: int) -> None:
+        check_kernel_launch(_BLOCK, value)
+        self._num_warps = value
 
     # -- construction -------------------------------------------------------------------------
 
@@ -224,7 +245,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 else:
                     _update_torch(p, p.grad, self.state[p], *hyper)
             if fused:
-                check_kernel_launch(self.block_size, self.num_warps)
                 _update_triton(fused, *hyper, block=self.block_size, num_warps=self.num_warps)
         return loss
 
@@ -319,8 +339,8 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
 
 
 def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], lr: float | torch.Tensor,
-                   beta1: float, beta2: float, eps: float, weight_decay: float, *, block: int = 4096,
-                   num_warps: int = 8) -> None:
+                   beta1: float, beta2: float, eps: float, weight_decay: float, *, block: int = _BLOCK,
+                   num_warps: int = _NUM_WARPS) -> None:
     """The update of each ``(param, grad, state)`` (contiguous CUDA tensors of one param group) by the Triton kernel,
     eight tensors of a device per launch; reads ``lr`` (if a tensor) and the step counts from device memory.
 

@@ -192,6 +192,12 @@ def test_clear_errors() -> None:
         MasterWeightAdamW(model.parameters(), block_size=3000)
     with pytest.raises(ValueError, match="num_warps=3"):
         MasterWeightAdamW(model.parameters(), num_warps=3)
+    optimizer = MasterWeightAdamW(model.parameters())
+    with pytest.raises(ValueError, match="block_size=100"):
+        optimizer.block_size = 100  # checked when set, not at every step
+    with pytest.raises(ValueError, match="num_warps=5"):
+        optimizer.num_warps = 5
+    assert (optimizer.block_size, optimizer.num_warps) == (4096, 8)
     with pytest.raises(ValueError, match="not among"):
         MasterWeightAdamW([model.gain], bf16_params=[model.up.weight])
     with pytest.raises(ValueError, match="bf16_params"):
