@@ -21,7 +21,7 @@ from lmtrain.flops import STEP_MODES, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, WholeStepGraph, eager_requested, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
-from lmtrain.optim import MasterWeightAdamW, linear_weights, weight_decay_groups
+from lmtrain.optim import OPTIMIZER_STATE_DTYPES, MasterWeightAdamW, linear_weights, weight_decay_groups
 
 StepMode = Literal["train", "forward", "forward_backward"]
 #: ModelConfig fields that fix the weights (their shapes or what they compute). A checkpoint must agree on
@@ -101,6 +101,11 @@ class LMModule(pl.LightningModule):
             and step. Needs ``trainer.precision: bf16-mixed``; refused with gradient accumulation (it would sum in
             bf16), gradient clipping, ``optimizer_in_backward`` and FSDP2. The model's own weights in a checkpoint
             are then bf16; the fp32 masters are in the optimizer state (a resumed fit continues exactly).
+        optimizer_state_dtype: dtype of the AdamW moments of those bf16 weights under ``master_weights``:
+            ``float32`` (default; the update is AdamW's) or ``bfloat16`` (rounded stochastically, so that they
+            stay unbiased: 8 fewer bytes of memory traffic per parameter and step and 4 fewer bytes of memory per
+            parameter, at the cost of a small random perturbation of each moment; ``docs/speed.md``). The
+            embedding and norm gains keep fp32 moments. Needs ``master_weights: true``.
     """
 
     #: How ``cuda_graphs`` captures and replays a step (``lmtrain.graphs``); tests put the CPU stand-in here.
@@ -138,6 +143,7 @@ class LMModule(pl.LightningModule):
         cuda_graphs: bool = False,
         cuda_graph_warmup: int = 3,
         master_weights: bool = False,
+        optimizer_state_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -169,6 +175,13 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.master_weights", "is not available with model.optimizer_in_backward (each "
                                "in-backward update is a plain AdamW).",
                                "set one of model.master_weights and model.optimizer_in_backward to false.")
+        if optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
+            raise LmtrainError("model.optimizer_state_dtype", f"unknown dtype {optimizer_state_dtype!r}.",
+                               f"use one of {', '.join(OPTIMIZER_STATE_DTYPES)}.")
+        if optimizer_state_dtype != "float32" and not master_weights:
+            raise LmtrainError("model.optimizer_state_dtype", f"{optimizer_state_dtype} moments are kept by the "
+                               "master-weight optimizer only.",
+                               "set model.master_weights: true (bf16-mixed), or optimizer_state_dtype: float32.")
         self.step_mode = step_mode
         self.cuda_graphs = bool(cuda_graphs)
         # Forward-only and forward+backward steps must not step the optimizer, and a graphed step runs the whole
@@ -572,7 +585,8 @@ class LMModule(pl.LightningModule):
             # The weights autocast casts: every linear layer's (the embedding table and the norm gains stay fp32).
             optimizer = MasterWeightAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
                                           bf16_params=linear_weights(self.model),
-                                          fused=None if hp.fused_adamw else False, capturable=capturable)
+                                          fused=None if hp.fused_adamw else False, capturable=capturable,
+                                          state_dtype=OPTIMIZER_STATE_DTYPES[hp.optimizer_state_dtype])
         else:
             optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
                                           capturable=capturable)

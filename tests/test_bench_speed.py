@@ -21,7 +21,7 @@ from lmtrain.config import STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 
 VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "compile+graphs+master",
-            "plain compile+graphs"]
+            "compile+graphs+master+bf16 moments", "plain compile+graphs"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,12 +40,12 @@ def name(cell: bench.Cell) -> str:
 
 def test_speed_study_cells_variants_order_and_keys() -> None:
     cells, per_study = plan("--study", "speed")
-    assert cells == per_study["speed"] and len(cells) == 6 * 6
+    assert cells == per_study["speed"] and len(cells) == 6 * 7
     points = [(c.size, c.context) for c in cells]
     assert list(dict.fromkeys(points)) == [("small", 128), ("small", 512)] + [(s, 512) for s in STUDY_SIZES[1:]]
-    for i in range(0, len(cells), 6):  # each point: its six variants together, the plain reference last
-        group = cells[i:i + 6]
-        assert len(set(points[i:i + 6])) == 1 and [name(c) for c in group] == VARIANTS
+    for i in range(0, len(cells), 7):  # each point: its seven variants together, the plain reference last
+        group = cells[i:i + 7]
+        assert len(set(points[i:i + 7])) == 1 and [name(c) for c in group] == VARIANTS
     assert {(c.precision, c.batch_size, c.mode, c.attention, c.warmup, c.steps) for c in cells} == {
         ("bf16-mixed", 4, "train", "sdpa", 5, 20)}
     overlap = [c for c in cells if c.optimizer_overlap]
@@ -53,26 +53,27 @@ def test_speed_study_cells_variants_order_and_keys() -> None:
     plain = [c for c in cells if c.runner == "plain"]
     assert len(plain) == 6 and all(c.compile and c.cuda_graphs and not c.optimizer_in_backward for c in plain)
     # A cell without the new fields keeps the key it had before they existed; set fields join the key.
-    eager = cells[6]
+    eager = cells[7]
     assert eager.key() == json.dumps({"size": "small", "context": 512, "batch_size": 4, "precision": "bf16-mixed",
                                       "attention": "sdpa", "compile": False, "mode": "train", "warmup": 5,
                                       "steps": 20, "vocab_size": 10_000}, sort_keys=True)
-    assert json.loads(cells[11].key())["runner"] == "plain" and json.loads(cells[8].key())["cuda_graphs"] is True
-    assert json.loads(cells[10].key())["master_weights"] is True
-    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in cells[6:12]] == [
+    assert json.loads(cells[13].key())["runner"] == "plain" and json.loads(cells[9].key())["cuda_graphs"] is True
+    assert json.loads(cells[11].key())["master_weights"] is True and "optimizer_state_dtype" not in cells[11].key()
+    assert json.loads(cells[12].key())["optimizer_state_dtype"] == "bfloat16"
+    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in cells[7:14]] == [
         "eager_train_w5_s20", "compiled_train_w5_s20", "compiled_train_w5_s20_graphs",
         "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_mw",
-        "compiled_train_w5_s20_graphs_plain"]
+        "compiled_train_w5_s20_graphs_mw_statebfloat16", "compiled_train_w5_s20_graphs_plain"]
 
 
 def test_speed_study_overrides_and_other_studies_unchanged() -> None:
     cells, _ = plan("--study", "speed", "--sizes", "medium", "--steps", "50")
     assert {(c.size, c.context) for c in cells} == {("medium", 128), ("medium", 512)}
-    assert len(cells) == 12 and {c.steps for c in cells} == {50}
+    assert len(cells) == 14 and {c.steps for c in cells} == {50}
     cells, _ = plan("--study", "speed", "--sizes", "small", "--contexts", "256")
     assert [name(c) for c in cells] == VARIANTS  # the two points collapse into one
     cells, per_study = plan("--study", "timing", "--study", "speed", "--sizes", "small")
-    assert len(per_study["timing"]) == 8 and len(cells) == 8 + 12
+    assert len(per_study["timing"]) == 8 and len(cells) == 8 + 14
     assert all(c.runner == "lightning" and not c.cuda_graphs for c in per_study["timing"])
     assert per_study["timing"][0].slug == "small_T128_B4_32-true_sdpa_eager_forward_w3_s10"
 
@@ -122,7 +123,9 @@ def test_render_speed_tables() -> None:
         speed_row(cells[2], 50.0, events_step_ms_mean=49.5, pipeline_step_ms=50.0, timer_vs_events_pct=1.01,
                   losses=[10.0, 9.0, 7.996]),
         speed_row(cells[3], None),
-        speed_row(cells[5], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
+        speed_row(cells[5], 45.0, events_step_ms_mean=45.0, pipeline_step_ms=45.1, timer_vs_events_pct=0.0,
+                  losses=[10.0, 9.0, 8.008]),
+        speed_row(cells[6], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
     ]
     text = re.sub(" +", " ", render_speed(rows))
     assert "`small`, context 512, batch 4, bf16-mixed, sdpa, train" in text
@@ -135,6 +138,7 @@ def test_render_speed_tables() -> None:
     # compile: steps 0-2 compared (the fourth has no eager counterpart), |9.009 - 9| = 9e-3, relative 1e-3
     assert "| small | 512 | compile | 3 | 9.00e-03 | 1.00e-03 |" in losses
     assert "| small | 512 | compile+graphs | 3 | 4.00e-03 | 5.00e-04 |" in losses
+    assert "| small | 512 | compile+graphs+master+bf16 moments | 3 | 8.00e-03 | 1.00e-03 |" in losses
     assert "overlap" not in losses and "plain" not in losses.split("left out.")[1]
 
 

@@ -163,6 +163,22 @@ def test_master_weights_train_like_bf16_mixed_on_cpu() -> None:
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_bf16_optimizer_moments_train_close_to_fp32_moments_on_cpu() -> None:
+    """optimizer_state_dtype: bfloat16 keeps the bf16 weights' moments in bf16 (stochastically rounded): losses
+    close to fp32 moments, the embedding and gains' moments still fp32."""
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(1)
+        module = LMModule(**TINY, master_weights=True, optimizer_state_dtype=dtype)
+        runs[dtype] = (_fit(module, precision="bf16-mixed"), module)
+    (ref, _), (cb, module) = runs["float32"], runs["bfloat16"]
+    assert cb.losses == pytest.approx(ref.losses, rel=1e-3)
+    opt = module.trainer.optimizers[0]
+    for p in module.parameters():
+        expected = torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
+        assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == expected
+
+
 def test_master_weights_refusals() -> None:
     with pytest.raises(LmtrainError, match="bf16-mixed"):
         _fit(LMModule(**TINY, master_weights=True), steps=2)
@@ -170,6 +186,10 @@ def test_master_weights_refusals() -> None:
         _fit(LMModule(**TINY, master_weights=True), steps=2, precision="bf16-mixed", accumulate_grad_batches=2)
     with pytest.raises(LmtrainError, match="optimizer_in_backward"):
         LMModule(**TINY, master_weights=True, optimizer_in_backward=True)
+    with pytest.raises(LmtrainError, match="model.master_weights: true"):
+        LMModule(**TINY, optimizer_state_dtype="bfloat16")
+    with pytest.raises(LmtrainError, match="float32, bfloat16"):
+        LMModule(**TINY, master_weights=True, optimizer_state_dtype="fp8")
 
 
 @pytest.mark.parametrize("options, precision", [

@@ -16,7 +16,14 @@ from torch import nn
 
 from lmtrain.config import ModelConfig
 from lmtrain.model import TransformerLM
-from lmtrain.optim import MasterWeightAdamW, _update_torch, _update_triton, linear_weights, weight_decay_groups
+from lmtrain.optim import (
+    MasterWeightAdamW,
+    _update_torch,
+    _update_triton,
+    linear_weights,
+    round_bf16_stochastic,
+    weight_decay_groups,
+)
 
 VOCAB, DIM, HIDDEN = 11, 16, 24
 
@@ -198,6 +205,10 @@ def test_clear_errors() -> None:
     with pytest.raises(ValueError, match="num_warps=5"):
         optimizer.num_warps = 5
     assert (optimizer.block_size, optimizer.num_warps) == (4096, 8)
+    with pytest.raises(ValueError, match="state_dtype"):
+        MasterWeightAdamW(model.parameters(), state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="seed"):
+        MasterWeightAdamW(model.parameters(), seed=1.5)
     with pytest.raises(ValueError, match="not among"):
         MasterWeightAdamW([model.gain], bf16_params=[model.up.weight])
     with pytest.raises(ValueError, match="bf16_params"):
@@ -210,6 +221,118 @@ def test_clear_errors() -> None:
     optimizer = MasterWeightAdamW(model.parameters())
     with pytest.raises(NotImplementedError):
         optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+
+
+# -- bf16 moments (state_dtype=torch.bfloat16) --------------------------------------------------------
+
+
+def assert_stochastically_rounded(stored: torch.Tensor, exact: torch.Tensor, sigmas: float = 5.0) -> None:
+    """Each bf16 value of ``stored`` is one of the two bf16 neighbours of its fp32 ``exact`` (exact itself where
+    that is a bf16 number), and over all elements the rounding is unbiased: the fraction rounded away from zero
+    matches the mean dropped fraction within ``sigmas`` standard deviations."""
+    assert stored.dtype == torch.bfloat16 and exact.dtype == torch.float32
+    exact_bits = exact.contiguous().view(torch.int32).long().flatten()
+    truncated = exact_bits >> 16  # the bf16 neighbour nearer zero, as bits (sign included)
+    stored_bits = stored.contiguous().view(torch.int16).long().flatten()
+    up = stored_bits - truncated
+    assert ((up == 0) | (up == 1)).all(), "a value is not a bf16 neighbour of its fp32 value"
+    fraction = (exact_bits & 0xFFFF).double() / 65536
+    assert (up[fraction == 0] == 0).all(), "a bf16-exact value was changed"
+    sigma = (fraction * (1 - fraction)).mean().sqrt().item() / len(up) ** 0.5
+    assert abs(up.double().mean().item() - fraction.mean().item()) <= sigmas * sigma + 1e-12
+
+
+def test_round_bf16_stochastic_is_unbiased_and_picks_a_neighbour() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=gen) * torch.logspace(-6, 6, 200_000)
+    x[:1000] = x[:1000].bfloat16().float()  # already bf16 numbers: unchanged
+    rounded = round_bf16_stochastic(x, generator=gen)
+    assert_stochastically_rounded(rounded, x)
+    assert torch.equal(rounded[:1000].float(), x[:1000])
+    # Rounding one value many times: the mean is the value (not its nearest bf16 neighbour).
+    value = torch.full((100_000,), 1.0 + 3 / 1024)  # 3/8 of the way from 1 to the next bf16 number, 1 + 1/128
+    mean = round_bf16_stochastic(value, generator=gen).double().mean().item()
+    assert abs(mean - value[0].item()) < 2e-5 and value[0].bfloat16().item() == 1.0
+
+
+def test_bf16_moments_keep_moving_where_nearest_rounding_freezes() -> None:
+    """exp_avg_sq with beta2 = 0.999 and a constant gradient: rounded to nearest in bf16 it stops growing once
+    its step (0.001 of the gap to g**2) drops below half a bf16 unit; stochastically rounded it follows fp32."""
+    beta2, steps = 0.999, 2000
+    exact = 1 - beta2**steps  # fp32/exact value of exp_avg_sq for g = 1 (0.865)
+    nearest = torch.zeros((), dtype=torch.bfloat16)
+    for _ in range(steps):
+        nearest = (nearest.float() * beta2 + (1 - beta2)).bfloat16()
+    assert exact - nearest.item() > 0.1  # the premise: nearest rounding freezes far below
+
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.zeros(4096))
+    optimizer = MasterWeightAdamW([p], lr=1e-4, betas=(0.9, beta2), weight_decay=0.0, bf16_params=[p],
+                                  state_dtype=torch.bfloat16)
+    for _ in range(steps):
+        p.grad = torch.ones(4096, dtype=torch.bfloat16)
+        optimizer.step()
+    v = optimizer.state[p]["exp_avg_sq"]
+    assert v.dtype == torch.bfloat16 and optimizer.state[p]["master"].dtype == torch.float32
+    assert abs(v.double().mean().item() - exact) < 2e-3
+    assert (optimizer.state[p]["exp_avg"].float() - 1).abs().max().item() <= 2**-8  # m -> g, within a unit
+
+
+def test_bf16_moments_train_close_to_fp32_moments() -> None:
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Tiny()
+        initial = [m.detach().clone() for m in model.matrices()]
+        optimizer = MasterWeightAdamW(model.groups(), lr=3e-2, betas=(0.9, 0.95), bf16_params=model.matrices(),
+                                      state_dtype=dtype)
+        scheduler, losses = _schedule(optimizer), []
+        for step in range(10):
+            loss = _loss(model, step)
+            losses.append(loss.item())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        runs[dtype] = (model, optimizer, torch.tensor(losses))
+    (ref, ref_opt, ref_losses), (model, optimizer, losses) = runs[torch.float32], runs[torch.bfloat16]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0)  # measured: 1e-4
+    for m, r, start in zip(model.matrices(), ref.matrices(), initial, strict=True):
+        state, ref_master = optimizer.state[m], ref_opt.state[r]["master"]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert state["master"].dtype == torch.float32
+        # Adam's sign-like steps amplify any perturbation where a gradient is near zero, so single elements may
+        # part by a step or two (lr 3e-2); the typical one stays within 1% of the distance moved.
+        moved = (ref_master - start).abs().max().item()
+        assert moved > 0.05
+        assert (state["master"] - ref_master).abs().median().item() < 0.01 * moved
+        assert not torch.equal(state["master"], ref_master)  # a different optimizer, not the same arithmetic
+    # The fp32 parameters' moments stay fp32 (the inner torch.optim.AdamW steps them).
+    assert optimizer.state[model.gain]["exp_avg"].dtype == torch.float32
+
+
+def test_bf16_moment_checkpoints_round_trip_and_convert() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = MasterWeightAdamW(model.groups(), lr=3e-2, bf16_params=model.matrices(), state_dtype=torch.bfloat16)
+    _train(model, optimizer, _schedule(optimizer), range(3))
+    saved = copy.deepcopy(optimizer.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+
+    def fresh(dtype: torch.dtype) -> tuple[Tiny, MasterWeightAdamW]:
+        torch.manual_seed(1)
+        other = Tiny()
+        opt = MasterWeightAdamW(other.groups(), lr=3e-2, bf16_params=other.matrices(), state_dtype=dtype)
+        opt.load_state_dict(saved)
+        return other, opt
+
+    for dtype in (torch.bfloat16, torch.float32):  # into bf16 moments as saved, and widened to fp32 exactly
+        other, opt = fresh(dtype)
+        for p, q in zip(other.matrices(), model.matrices(), strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[p][key].dtype == dtype
+                assert torch.equal(opt.state[p][key].float(), optimizer.state[q][key].float())
+            assert torch.equal(opt.state[p]["master"], optimizer.state[q]["master"])
 
 
 # -- GPU: the Triton kernel ---------------------------------------------------------------------------
@@ -271,12 +394,14 @@ def test_triton_kernel_matches_torch_operations(shape: tuple[int, ...], lr_on_de
 
 
 @pytest.mark.gpu
-def test_captured_step_replays_equal_eager_steps() -> None:
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_captured_step_replays_equal_eager_steps(state_dtype: torch.dtype) -> None:
     def build():
         torch.manual_seed(0)
         model = Tiny().cuda()
         lr = torch.tensor(1e-2, device="cuda")
-        return model, MasterWeightAdamW(model.groups(), lr=lr, bf16_params=model.matrices(), capturable=True)
+        return model, MasterWeightAdamW(model.groups(), lr=lr, bf16_params=model.matrices(), capturable=True,
+                                        state_dtype=state_dtype)
 
     def grads(step: int, model: Tiny) -> list[torch.Tensor]:
         gen = torch.Generator(device="cuda").manual_seed(step)
@@ -317,17 +442,22 @@ def test_captured_step_replays_equal_eager_steps() -> None:
 _GROUP_SHAPES = [(97, 33), (5000,), (3,), (4096,), (17, 300), (2, 2), (9000,), (1,), (123, 45), (10,)]
 
 
-def _grouped_items(device: str) -> tuple[list, list]:
+def _grouped_items(device: str, kernel_moments: torch.dtype = torch.float32) -> tuple[list, list]:
     """Two copies of (NaN-poisoned bf16 param, bf16 grad, state) per shape of ``_GROUP_SHAPES``, step already
-    counted (5)."""
+    counted (5); the moments hold bf16 numbers, stored as ``kernel_moments`` in the first copy, fp32 in the
+    second."""
     gen = torch.Generator().manual_seed(3)
     kernel_items, torch_items = [], []
     for shape in _GROUP_SHAPES:
-        state = {"master": torch.randn(shape, generator=gen), "exp_avg": 0.1 * torch.randn(shape, generator=gen),
-                 "exp_avg_sq": 0.01 * torch.rand(shape, generator=gen), "step": torch.tensor(5.0)}
+        state = {"master": torch.randn(shape, generator=gen),
+                 "exp_avg": (0.1 * torch.randn(shape, generator=gen)).bfloat16().float(),
+                 "exp_avg_sq": (0.01 * torch.rand(shape, generator=gen)).bfloat16().float(),
+                 "step": torch.tensor(5.0)}
         grad = torch.randn(shape, generator=gen).bfloat16()
-        for items in (kernel_items, torch_items):
+        for items, moments in ((kernel_items, kernel_moments), (torch_items, torch.float32)):
             copy_ = {k: v.clone().to(device) for k, v in state.items()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                copy_[key] = copy_[key].to(moments)
             items.append((torch.full(shape, float("nan"), device=device).bfloat16(), grad.to(device), copy_))
     return kernel_items, torch_items
 
@@ -347,6 +477,10 @@ for lr in (torch.tensor(1e-2), 1e-2):  # read by the kernel, or passed as a numb
     kernel_items, _ = _grouped_items("cpu")
     optim._update_triton(kernel_items, lr, 0.9, 0.95, 1e-8, 0.1)
     results.append([(p, s) for p, _, s in kernel_items])
+bf16_items, fp32_items = _grouped_items("cpu", torch.bfloat16)  # bf16 moments, and the same kernel in fp32
+optim._update_triton(bf16_items, 1e-2, 0.9, 0.95, 1e-8, 0.1, seed=5)
+optim._update_triton(fp32_items, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+results.append([(s, t) for (_, _, s), (_, _, t) in zip(bf16_items, fp32_items, strict=True)])
 torch.save(results, sys.argv[2])
 """
 
@@ -359,7 +493,7 @@ def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_p
     root = str(Path(__file__).resolve().parents[1])
     subprocess.run([sys.executable, "-c", _INTERPRETED_GROUP, root, str(out)], check=True, timeout=600,
                    env={**os.environ, "TRITON_INTERPRET": "1"})
-    tensor_lr, number_lr = torch.load(out)
+    tensor_lr, number_lr, bf16_moments = torch.load(out)
     _, torch_items = _grouped_items("cpu")
     for param, grad, state in torch_items:
         _update_torch(param, grad, state, torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1)
@@ -370,6 +504,42 @@ def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_p
             torch.testing.assert_close(kernel_state[key], torch_state[key], rtol=1e-6, atol=1e-6 * scale)
         # Every element written; the interpreter's bf16 rounding may differ from the GPU's by one unit.
         _assert_within_one_bf16_ulp(kernel_param, torch_param)
+    _assert_bf16_moments_rounded_from(bf16_moments)
+
+
+def _assert_bf16_moments_rounded_from(pairs: list[tuple[dict, dict]]) -> None:
+    """(state with bf16 moments, state with fp32 moments) after one kernel step from the same values: the same
+    masters, and each bf16 moment stochastically rounded from the fp32 one (checked over all tensors at once)."""
+    for bf16_state, fp32_state in pairs:
+        assert torch.equal(bf16_state["master"], fp32_state["master"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        stored = torch.cat([b[key].flatten() for b, _ in pairs]).cpu()
+        exact = torch.cat([f[key].flatten() for _, f in pairs]).cpu()
+        assert_stochastically_rounded(stored, exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_bf16_moments_round_stochastically() -> None:
+    """One step of the kernel with bf16 moments against the same kernel with fp32 moments (same start): equal
+    masters and weights, moments stochastically rounded; the same seed repeats the bits, another step or seed
+    draws new ones."""
+    runs = []
+    for seed in (11, 11, 12):
+        bf16_items, fp32_items = _grouped_items("cuda", torch.bfloat16)
+        _update_triton(bf16_items, 1e-2, 0.9, 0.95, 1e-8, 0.1, seed=seed)
+        _update_triton(fp32_items, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        for (bf16_param, _, _), (fp32_param, _, _) in zip(bf16_items, fp32_items, strict=True):
+            assert torch.equal(bf16_param, fp32_param)
+        _assert_bf16_moments_rounded_from([(s, t) for (_, _, s), (_, _, t) in zip(bf16_items, fp32_items,
+                                                                                  strict=True)])
+        runs.append(torch.cat([s["exp_avg_sq"].flatten() for _, _, s in bf16_items]))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    bf16_items, _ = _grouped_items("cuda", torch.bfloat16)
+    for _, _, state in bf16_items:
+        state["step"].fill_(6.0)  # another step count: other bits with the same seed
+    _update_triton(bf16_items, 1e-2, 0.9, 0.95, 1e-8, 0.1, seed=11)
+    assert not torch.equal(runs[0], torch.cat([s["exp_avg_sq"].flatten() for _, _, s in bf16_items]))
 
 
 @pytest.mark.gpu

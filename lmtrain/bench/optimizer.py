@@ -10,8 +10,9 @@ divided by the memory bandwidth. This benchmark times, over the parameters of a 
                          CPU), the step of ``bf16-mixed`` without master weights: 28 bytes per parameter
     master BLOCK/WARPS   ``lmtrain.optim.MasterWeightAdamW`` (``model.master_weights``): the linear weights in bf16
                          with fp32 masters, updated by its Triton kernel with ``block_size`` BLOCK and ``num_warps``
-                         WARPS (one row per pair of ``--blocks`` x ``--warps``), the other parameters by a fused
-                         fp32 AdamW: 28 bytes per parameter
+                         WARPS (one row per pair of ``--blocks`` x ``--warps`` and per ``--state-dtypes`` entry),
+                         the other parameters by a fused fp32 AdamW: 28 bytes per parameter with fp32 moments,
+                         20 per bf16 weight with bf16 moments (``model.optimizer_state_dtype: bfloat16``)
 
 Each row: median milliseconds per step over ``--steps`` steps after ``--warmup`` (CUDA events around each step),
 the bytes the step must move, GB/s (bytes / time), and that as a fraction of the copy's GB/s. The implementations
@@ -43,13 +44,20 @@ from lmtrain.bench.tables import markdown_table
 from lmtrain.config import SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import parameter_count
-from lmtrain.optim import MasterWeightAdamW, check_kernel_launch, linear_weights, weight_decay_groups
+from lmtrain.optim import (
+    OPTIMIZER_STATE_DTYPES,
+    MasterWeightAdamW,
+    check_kernel_launch,
+    linear_weights,
+    weight_decay_groups,
+)
 
 #: Bytes a step moves per parameter: AdamW reads parameter, gradient, exp_avg and exp_avg_sq and writes parameter,
 #: exp_avg and exp_avg_sq, all fp32 (7 x 4); the master-weight step reads the bf16 gradient and the fp32 master and
-#: moments and writes those and the bf16 weight (2 + 12 + 12 + 2). Both 28.
+#: moments and writes those and the bf16 weight (2 + 12 + 12 + 2). Both 28. With bf16 moments the master-weight
+#: step moves 2 + 8 + 8 + 2 = 20.
 ADAMW_BYTES = 28
-MASTER_BYTES = 28
+MASTER_BYTES = {"float32": 28, "bfloat16": 20}
 COPY_BYTES = 8  # read and write one fp32 element
 
 
@@ -78,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MasterWeightAdamW block sizes to time, comma-separated (default 4096, its default)")
     parser.add_argument("--warps", type=comma_list(int), default=[8],
                         help="MasterWeightAdamW warps per program, comma-separated (default 8)")
+    parser.add_argument("--state-dtypes", type=comma_list(str), default=["float32"],
+                        help="MasterWeightAdamW moment dtypes to time: float32, bfloat16 or both, comma-separated "
+                             "(default float32)")
     parser.add_argument("--only", type=comma_list(str), default=["copy", "adamw", "master"],
                         help="implementations to run, comma-separated (default copy,adamw,master)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -139,20 +150,24 @@ def time_adamw(size: str, vocab_size: int, device: torch.device, clock: Clock, w
 
 
 def time_master(size: str, vocab_size: int, device: torch.device, clock: Clock, warmup: int, steps: int,
-                launches: list[tuple[int, int]]) -> list[Row]:
-    """One row per (block_size, num_warps) in ``launches`` (one row, "torch operations", without the kernel)."""
+                launches: list[tuple[int, int]], state_dtype: str = "float32") -> list[Row]:
+    """One row per (block_size, num_warps) in ``launches`` (one row, "torch operations", without the kernel), with
+    the bf16 weights' moments in ``state_dtype``."""
     model = build_model(size, vocab_size, device)
     # As LMModule(master_weights=True) builds it; the linear weights are bf16 from here on.
-    optimizer = MasterWeightAdamW(weight_decay_groups(model, 0.1), lr=3e-4, bf16_params=linear_weights(model))
+    optimizer = MasterWeightAdamW(weight_decay_groups(model, 0.1), lr=3e-4, bf16_params=linear_weights(model),
+                                  state_dtype=OPTIMIZER_STATE_DTYPES[state_dtype])
     _random_grads(model)
-    numel = sum(p.numel() for p in model.parameters())
+    gbytes = sum(p.numel() * (MASTER_BYTES[state_dtype] if p.dtype == torch.bfloat16 else ADAMW_BYTES)
+                 for p in model.parameters()) / 1e9
     rows = []
     uses_kernel = optimizer.uses_kernel and device.type == "cuda"
+    name = "master" if state_dtype == "float32" else f"master, {state_dtype} moments"
     for block, warps in launches if uses_kernel else launches[:1]:
         optimizer.block_size, optimizer.num_warps = block, warps
         times = _time(clock, optimizer.step, warmup, steps)
         kernel = f"Triton, block {block}, {warps} warps" if uses_kernel else "torch operations"
-        rows.append(Row("master", kernel, statistics.median(times), numel * MASTER_BYTES / 1e9, times))
+        rows.append(Row(name, kernel, statistics.median(times), gbytes, times))
     del model, optimizer
     _release()
     return rows
@@ -180,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(only) - {"copy", "adamw", "master"})
     if unknown or not only:
         raise LmtrainError("--only", f"unknown implementations {unknown or only}.", "use some of copy,adamw,master.")
+    unknown = sorted(set(args.state_dtypes) - set(OPTIMIZER_STATE_DTYPES))
+    if unknown or not args.state_dtypes:
+        raise LmtrainError("--state-dtypes", f"unknown dtypes {unknown or args.state_dtypes}.",
+                           f"use some of {','.join(OPTIMIZER_STATE_DTYPES)}.")
     launches = [(b, w) for b in args.blocks for w in args.warps]
     if not launches:
         raise LmtrainError("--blocks/--warps", "no block size or no warp count given.", "e.g. --blocks 4096 --warps 8.")
@@ -201,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
         elif name == "adamw":
             rows.append(time_adamw(args.size, args.vocab_size, device, clock, args.warmup, args.steps))
         else:
-            rows += time_master(args.size, args.vocab_size, device, clock, args.warmup, args.steps, launches)
+            for state_dtype in args.state_dtypes:
+                rows += time_master(args.size, args.vocab_size, device, clock, args.warmup, args.steps, launches,
+                                    state_dtype)
         print(f"  {rows[-1].name}: {rows[-1].ms:.2f} ms", flush=True)
     print()
     print(f"### Optimizer update, {args.size} ({numel:,} parameters), {device_name(cuda)}")

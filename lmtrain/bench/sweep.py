@@ -49,6 +49,7 @@ from lmtrain.config import CHECKPOINTING_POLICIES, COMPILE_MODES, SIZES, STUDY_S
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory, usable_bytes
+from lmtrain.optim import OPTIMIZER_STATE_DTYPES
 
 #: Defaults of the sweep flags (a study's preset and then explicit flags override them).
 DEFAULTS: dict[str, Any] = {
@@ -56,7 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "compile": ["off"], "mode": ["forward_backward"], "warmup": [3], "steps": [10], "vocab_size": 10_000,
     "activation_checkpointing": ["none"], "optimizer_in_backward": ["off"], "loss_chunk_tokens": [0],
     "cuda_graphs": ["off"], "optimizer_overlap": ["off"], "master_weights": ["off"], "runner": ["lightning"],
-    "compile_mode": ["default"],
+    "compile_mode": ["default"], "optimizer_state_dtype": ["float32"],
 }
 
 #: Memory options of a cell and their defaults: left out of a cell's key and name at their defaults, so results
@@ -66,7 +67,7 @@ MEMORY_OPTIONS: dict[str, Any] = {"activation_checkpointing": "none", "optimizer
 #: Speed options of a cell and their defaults, ``LMModule`` arguments like the memory options and, like them, left
 #: out of a cell's key and name at their defaults.
 SPEED_OPTIONS: dict[str, Any] = {"cuda_graphs": False, "optimizer_overlap": False, "master_weights": False,
-                                 "compile_mode": "default"}
+                                 "compile_mode": "default", "optimizer_state_dtype": "float32"}
 #: How a cell trains: ``lightning`` (``LMModule`` under ``Trainer.fit``) or ``plain`` (the plain-PyTorch reference
 #: loop of ``lmtrain.bench.reference``, GPU only).
 RUNNERS = ("lightning", "plain")
@@ -76,14 +77,14 @@ _OPTIONAL_FIELDS: dict[str, Any] = {**MEMORY_OPTIONS, **SPEED_OPTIONS, "runner":
 #: How a set optional field shows in a cell's name: ``_<short><value>`` (the value left out for True).
 _SHORT_NAMES = {"activation_checkpointing": "ac", "optimizer_in_backward": "ib", "loss_chunk_tokens": "chunk",
                 "cuda_graphs": "graphs", "optimizer_overlap": "ovl", "master_weights": "mw", "compile_mode": "cm",
-                "runner": ""}
+                "optimizer_state_dtype": "state", "runner": ""}
 
 #: Columns of the CSV and JSON rows.
 CSV_COLUMNS = [
     "size", "params", "context", "batch_size", "precision", "attention", "compile", "mode", "warmup", "steps",
     "vocab_size", "activation_checkpointing", "optimizer_in_backward", "loss_chunk_tokens", "cuda_graphs",
-    "optimizer_overlap", "master_weights", "compile_mode", "runner", "status", "error", "forward_ms_mean",
-    "forward_ms_std", "backward_ms_mean",
+    "optimizer_overlap", "master_weights", "compile_mode", "optimizer_state_dtype", "runner", "status", "error",
+    "forward_ms_mean", "forward_ms_std", "backward_ms_mean",
     "backward_ms_std", "optimizer_ms_mean", "optimizer_ms_std", "step_ms_mean", "step_ms_std", "step_ms_median",
     "step_ms_min", "step_ms_max", "first_step_ms", "events_step_ms_mean", "pipeline_step_ms", "timer_vs_events_pct",
     "tokens_per_s", "mfu", "peak_gib", "reserved_gib", "estimate_gib", "estimate_needed_gib", "estimate_error_pct",
@@ -99,7 +100,8 @@ class Cell:
 
     The fields after ``vocab_size`` are ``LMModule`` options (memory: ``activation_checkpointing``,
     ``optimizer_in_backward``, ``loss_chunk_tokens``; speed: ``cuda_graphs``, ``optimizer_overlap``, which needs
-    ``optimizer_in_backward``, ``master_weights`` and ``compile_mode``) and ``runner`` (``RUNNERS``). The row of
+    ``optimizer_in_backward``, ``master_weights``, ``compile_mode`` and ``optimizer_state_dtype``, which needs
+    ``master_weights``) and ``runner`` (``RUNNERS``). The row of
     every cell also holds ``losses``: the training loss of each step, warm-up included.
     """
 
@@ -121,6 +123,7 @@ class Cell:
     master_weights: bool = False
     compile_mode: str = "default"
     runner: str = "lightning"
+    optimizer_state_dtype: str = "float32"
 
     def options(self) -> dict[str, Any]:
         """The ``LMModule`` options (``MEMORY_OPTIONS``, ``SPEED_OPTIONS``) that differ from their defaults."""
@@ -611,6 +614,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-weights", type=comma_list(str),
                         help="linear-layer weights in bf16 with fp32 masters in the optimizer (bf16-mixed only; "
                              "LMModule master_weights): off, on or off,on (default off)")
+    parser.add_argument("--optimizer-state-dtype", type=comma_list(str),
+                        help="dtype of the AdamW moments of the bf16 weights under --master-weights on (LMModule "
+                             "optimizer_state_dtype): float32, bfloat16 (stochastically rounded) or both, "
+                             "comma-separated; bfloat16 applies to master-weight cells only (default float32)")
     parser.add_argument("--compile-mode", type=comma_list(str),
                         help="torch.compile modes of compiled cells (LMModule compile_mode): default, "
                              "max-autotune-no-cudagraphs or both, comma-separated (default: default)")
@@ -704,6 +711,7 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
                                ("--optimizer-overlap", "optimizer_overlap", ("on", "off")),
                                ("--master-weights", "master_weights", ("on", "off")),
                                ("--compile-mode", "compile_mode", COMPILE_MODES),
+                               ("--optimizer-state-dtype", "optimizer_state_dtype", tuple(OPTIMIZER_STATE_DTYPES)),
                                ("--runner", "runner", RUNNERS)):
         for v in values[key]:
             if v not in allowed:
@@ -719,11 +727,12 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
              steps=n, vocab_size=values["vocab_size"], activation_checkpointing=ac,
              optimizer_in_backward=ib == "on" or o == "on", loss_chunk_tokens=k, cuda_graphs=g == "on",
              optimizer_overlap=o == "on", master_weights=mw == "on", runner=r,
-             compile_mode=cm if c == "on" else "default")
+             compile_mode=cm if c == "on" else "default",
+             optimizer_state_dtype=sd if mw == "on" and r == "lightning" else "float32")
         for s in sizes for p in values["precision"] for a in values["attention"] for c in values["compile"]
         for g in values["cuda_graphs"] for m in values["mode"] for ac in values["activation_checkpointing"]
         for ib in values["optimizer_in_backward"] for o in values["optimizer_overlap"]
-        for mw in values["master_weights"] for cm in values["compile_mode"]
+        for mw in values["master_weights"] for sd in values["optimizer_state_dtype"] for cm in values["compile_mode"]
         for k in values["loss_chunk_tokens"] for b in values["batch_size"] for t in sorted(values["contexts"])
         for w in values["warmup"] for n in values["steps"] for r in values["runner"]
     ))

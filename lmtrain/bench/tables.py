@@ -43,6 +43,8 @@ def options_text(row: dict[str, Any]) -> str:
     parts += [name for name, key in (("graphs", "cuda_graphs"), ("in-backward", "optimizer_in_backward"),
                                      ("overlap", "optimizer_overlap"), ("master weights", "master_weights"))
               if is_on(row.get(key))]
+    if row.get("optimizer_state_dtype") not in (None, "", "float32"):
+        parts.append(f"{row['optimizer_state_dtype']} moments")
     if row.get("compile_mode") not in (None, "", "default"):
         parts.append(f"compile mode {row['compile_mode']}")
     if row.get("runner") == "plain":

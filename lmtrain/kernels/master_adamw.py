@@ -1,5 +1,11 @@
 """The Triton kernel of ``lmtrain.optim.MasterWeightAdamW``: AdamW on fp32 masters, bf16 weights written back.
 
+The moments are fp32, or bf16 (``STATE_BF16``) rounded stochastically: each value stored is one of the two bf16
+numbers next to the fp32 result, the larger in magnitude with probability equal to the fraction of the gap the
+result covers, so its expected value is the fp32 result (rounding to nearest would stop a moment from changing once
+its increment is below half a bf16 step). The random bits come from Philox keyed by the launch's seed, the slot and
+the step count read from device memory, so a replayed CUDA graph draws new bits every step.
+
 One launch updates up to eight tensors (the pointers of each are kernel arguments, so a CUDA graph that captures
 the launch replays it on the same tensors); ``lmtrain.optim`` imports this module on first use, so that importing
 the optimizer needs no Triton.
@@ -16,9 +22,17 @@ SLOTS = 8
 
 
 @triton.jit
+def round_bf16_stochastic(x, random16):
+    """``x`` (fp32) to bf16, rounded away from zero with probability (dropped low 16 bits) / 2**16: adding
+    ``random16`` (uniform in [0, 2**16)) to the magnitude bits and truncating. The result is exact in bf16."""
+    bits = (x.to(tl.uint32, bitcast=True) + random16) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
 def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, n_elements, block,
-                 lr_ptr, lr, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
-                 LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+                 lr_ptr, lr, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, seed,
+                 LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     if LR_ON_DEVICE:
@@ -29,50 +43,59 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
 
     g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     w = tl.load(master_ptr + offsets, mask=mask)
-    m = tl.load(exp_avg_ptr + offsets, mask=mask)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+    m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
     w = w * (1 - lr * weight_decay)
     m = m + one_minus_beta1 * (g - m)  # lerp, as torch computes it for a weight below 1/2
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
     w = w - step_size * tl.div_rn(m, denom)
     tl.store(master_ptr + offsets, w, mask=mask)
-    tl.store(exp_avg_ptr + offsets, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+    if STATE_BF16:
+        # One 32-bit draw per element: its low half rounds m, its high half v. Key: step count (high 32 bits)
+        # and the slot's seed (low 32 bits); counter: the element's offset in its tensor.
+        key = (t.to(tl.int64) << 32) | (seed.to(tl.int64) & 0xFFFFFFFF)
+        bits = tl.randint(key, offsets.to(tl.int32)).to(tl.uint32, bitcast=True)
+        tl.store(exp_avg_ptr + offsets, round_bf16_stochastic(m, bits & 0xFFFF), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, round_bf16_stochastic(v, bits >> 16), mask=mask)
+    else:
+        tl.store(exp_avg_ptr + offsets, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
     tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
 def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
                         p2, g2, w2, m2, v2, s2, n2, p3, g3, w3, m3, v3, s3, n3,
                         p4, g4, w4, m4, v4, s4, n4, p5, g5, w5, m5, v5, s5, n5,
                         p6, g6, w6, m6, v6, s6, n6, p7, g7, w7, m7, v7, s7, n7,
-                        e0, e1, e2, e3, e4, e5, e6, e7, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                        LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+                        e0, e1, e2, e3, e4, e5, e6, e7, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd, seed,
+                        LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
     # Slot k: param, grad, master, exp_avg, exp_avg_sq, step count, elements; its blocks are [e(k-1), e(k)).
     # Scalars: lr (device pointer, or the value), 1 - beta1, beta2, 1 - beta2, log beta1, log beta2, eps and
-    # the weight decay. Program i updates one BLOCK of the tensor whose block range holds i.
+    # the weight decay; seed: the launch's seed for stochastic rounding (slot k uses seed + k). Program i
+    # updates one BLOCK of the tensor whose block range holds i.
     pid = tl.program_id(0)
     if pid < e0:
         update_block(p0, g0, w0, m0, v0, s0, n0, pid, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e1:
         update_block(p1, g1, w1, m1, v1, s1, n1, pid - e0, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 1, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e2:
         update_block(p2, g2, w2, m2, v2, s2, n2, pid - e1, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 2, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e3:
         update_block(p3, g3, w3, m3, v3, s3, n3, pid - e2, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 3, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e4:
         update_block(p4, g4, w4, m4, v4, s4, n4, pid - e3, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 4, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e5:
         update_block(p5, g5, w5, m5, v5, s5, n5, pid - e4, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 5, LR_ON_DEVICE, STATE_BF16, BLOCK)
     elif pid < e6:
         update_block(p6, g6, w6, m6, v6, s6, n6, pid - e5, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 6, LR_ON_DEVICE, STATE_BF16, BLOCK)
     else:
         update_block(p7, g7, w7, m7, v7, s7, n7, pid - e6, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     LR_ON_DEVICE, BLOCK)
+                     seed + 7, LR_ON_DEVICE, STATE_BF16, BLOCK)
