@@ -204,7 +204,7 @@ def test_clear_errors() -> None:
         optimizer.block_size = 100  # checked when set, not at every step
     with pytest.raises(ValueError, match="num_warps=5"):
         optimizer.num_warps = 5
-    assert (optimizer.block_size, optimizer.num_warps) == (4096, 8)
+    assert (optimizer.block_size, optimizer.num_warps) == (2048, 8)
     with pytest.raises(ValueError, match="state_dtype"):
         MasterWeightAdamW(model.parameters(), state_dtype=torch.float16)
     with pytest.raises(ValueError, match="seed"):
@@ -544,7 +544,7 @@ def test_kernel_bf16_moments_round_stochastically() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("block", "num_warps"), [(4096, 8), (1024, 4), (16384, 16)])
+@pytest.mark.parametrize(("block", "num_warps"), [(2048, 8), (1024, 4), (16384, 16)])
 def test_grouped_kernel_launches_match_torch_operations(block: int, num_warps: int) -> None:
     kernel_items, torch_items = _grouped_items("cuda")
     lr = torch.tensor(1e-2, device="cuda")

@@ -45,6 +45,7 @@ from lmtrain.config import SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import parameter_count
 from lmtrain.optim import (
+    DEFAULT_BLOCK_SIZE,
     OPTIMIZER_STATE_DTYPES,
     MasterWeightAdamW,
     check_kernel_launch,
@@ -82,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary of the size (default 10000)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per implementation (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before them, not counted (default 3)")
-    parser.add_argument("--blocks", type=comma_list(int), default=[4096],
-                        help="MasterWeightAdamW block sizes to time, comma-separated (default 4096, its default)")
+    parser.add_argument("--blocks", type=comma_list(int), default=[DEFAULT_BLOCK_SIZE],
+                        help=f"MasterWeightAdamW block sizes to time, comma-separated (default {DEFAULT_BLOCK_SIZE}, "
+                             "its default)")
     parser.add_argument("--warps", type=comma_list(int), default=[8],
                         help="MasterWeightAdamW warps per program, comma-separated (default 8)")
     parser.add_argument("--state-dtypes", type=comma_list(str), default=["float32"],
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                            f"use some of {','.join(OPTIMIZER_STATE_DTYPES)}.")
     launches = [(b, w) for b in args.blocks for w in args.warps]
     if not launches:
-        raise LmtrainError("--blocks/--warps", "no block size or no warp count given.", "e.g. --blocks 4096 --warps 8.")
+        raise LmtrainError("--blocks/--warps", "no block size or no warp count given.", "e.g. --blocks 2048 --warps 8.")
     for block, warps in launches:
         try:
             check_kernel_launch(block, warps)
