@@ -30,13 +30,21 @@ On a CUDA device the bf16 parameters of a param group are updated by one Triton 
 (the 2.7B model's 161 matrices in 21 launches); elsewhere (CPU, Triton missing or run by its interpreter) by the same
 arithmetic in torch operations.
 
-``state_dtype=torch.bfloat16`` stores the two moments of the bf16 parameters in bf16 as well: 4 fewer bytes of
-memory per parameter and 8 fewer bytes of traffic per step (20 instead of 28). This is a different optimizer, not
-the same arithmetic: the moments are computed in fp32 from their stored bf16 values and rounded back
-*stochastically* (each value becomes one of its two bf16 neighbours with probabilities that make the expected value
-the fp32 one). Rounding to nearest instead would freeze a moment whose per-step change is below half a bf16 step
-(``1 - beta2 = 0.001`` of ``exp_avg_sq`` is; bf16 keeps 8 significant bits), biasing the update; stochastic rounding
-keeps the moments unbiased, at a relative noise of about 2**-9 per value and step. The master weights stay fp32.
+``state_dtype=torch.bfloat16`` keeps the whole state of the bf16 parameters in 16-bit tensors: 6 fewer bytes of
+memory per parameter (10 instead of 16 with weight and gradient) and 10 fewer bytes of traffic per step (18 instead
+of 28). Two changes:
+
+* The fp32 master is stored *split*, without loss: its high 16 bits are the bf16 weight itself and its low 16 bits
+  go to ``state["master_low"]`` (int16). The weight is the master rounded to nearest with ties toward zero (not to
+  even), so the low bits tell which way it was rounded and the master is rebuilt exactly
+  (:meth:`MasterWeightAdamW.master`). Rounded to even, one master in 2**17 per step (those exactly half-way)
+  would give a weight one bf16 unit farther from zero than here; nothing else differs.
+* The moments are bf16. This makes it a different optimizer, not the same arithmetic: they are computed in fp32 from
+  their stored values and rounded back *stochastically* (each value becomes one of its two bf16 neighbours with
+  probabilities that make the expected value the fp32 one). Rounding to nearest instead would freeze a moment whose
+  per-step change is below half a bf16 unit (``1 - beta2 = 0.001`` of ``exp_avg_sq`` is; bf16 keeps 8 significant
+  bits), biasing the update; stochastic rounding keeps the moments unbiased, at a relative noise of about 2**-9 per
+  value and step.
 """
 
 from __future__ import annotations
@@ -52,10 +60,10 @@ import torch
 
 from lmtrain.kernels import triton_interpreted
 
-__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "linear_weights", "round_bf16_stochastic",
-           "weight_decay_groups"]
+__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "join_master", "linear_weights", "round_bf16_stochastic",
+           "split_master", "weight_decay_groups"]
 
-_MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 #: ``state_dtype`` choices by name (``LMModule``'s ``optimizer_state_dtype``).
 OPTIMIZER_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -77,11 +85,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         optimizer = MasterWeightAdamW(weight_decay_groups(model, 0.1), lr=3e-4,
                                       bf16_params=linear_weights(model))  # the linear weights are bf16 from here on
 
-    State of a bf16 parameter: ``master`` (fp32), ``exp_avg``, ``exp_avg_sq`` (``state_dtype``), all of its shape,
-    and ``step`` (a float32 scalar tensor on the parameter's device). Every other parameter must be fp32 and is
-    stepped by a ``torch.optim.AdamW`` inside this optimizer, whose state entries are this optimizer's (``exp_avg``,
-    ``exp_avg_sq``, ``step``). Both paths read ``lr``, ``betas``, ``eps`` and ``weight_decay`` from this
-    optimizer's param groups at every step, so a schedule that sets ``group["lr"]`` here drives both.
+    State of a bf16 parameter, all of its shape: ``master`` (fp32) or, with ``state_dtype=torch.bfloat16``,
+    ``master_low`` (int16, the master's low 16 bits; see the module docstring and :meth:`master`), ``exp_avg`` and
+    ``exp_avg_sq`` (``state_dtype``); and ``step`` (a float32 scalar tensor on the parameter's device). Every
+    other parameter must be fp32 and is stepped by a ``torch.optim.AdamW`` inside this optimizer, whose state
+    entries are this optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``). Both paths read ``lr``, ``betas``,
+    ``eps`` and ``weight_decay`` from this optimizer's param groups at every step, so a schedule that sets
+    ``group["lr"]`` here drives both.
     ``state_dict``/``load_state_dict`` save and restore everything, masters included.
 
     The bf16 path reads no device value on the host in :meth:`step` (step counts and a tensor ``lr`` are read by
@@ -108,13 +118,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             attribute ``block_size``, which may be set between steps (checked when set; ``python -m lmtrain bench
             optimizer`` times the choices).
         num_warps: warps per program of the Triton kernel (1, 2, 4, 8 or 16); also the attribute ``num_warps``.
-        state_dtype: dtype of ``exp_avg`` and ``exp_avg_sq`` of the bf16 parameters: ``torch.float32`` (default;
-            the update is AdamW's) or ``torch.bfloat16`` (stochastically rounded moments, see the module docstring;
-            the fp32 parameters' moments stay fp32).
+        state_dtype: ``torch.float32`` (default: fp32 master and moments; the update is AdamW's) or
+            ``torch.bfloat16`` (the master split into the bf16 weight and its low 16 bits, stochastically rounded
+            bf16 moments; see the module docstring). The fp32 parameters' state stays fp32 either way.
         seed: seed of the stochastic rounding's random bits (``state_dtype=torch.bfloat16``). The Triton kernel
-            draws them from Philox keyed by the seed, the launch and the step count (so two runs with one seed
-            round alike, and a replayed CUDA graph draws new bits every step); the torch-operation path from a
-            generator of its own seeded with it on the CPU, from the device's default generator elsewhere.
+            hashes each element's offset with a key made of the seed, the launch and the step count (so two runs
+            with one seed round alike, a resumed run as an uninterrupted one, and a replayed CUDA graph draws new
+            bits every step); the torch-operation path draws them from generators seeded with it, the step count
+            and the parameter's index on the CPU, from the device's default generator elsewhere.
     """
 
     def __init__(
@@ -222,13 +233,28 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16."""
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["master"] = p.detach().clone(memory_format=torch.contiguous_format)
-        state["exp_avg"] = torch.zeros_like(state["master"], dtype=self.state_dtype)
-        state["exp_avg_sq"] = torch.zeros_like(state["master"], dtype=self.state_dtype)
+        master = p.detach().clone(memory_format=torch.contiguous_format)
+        if self._compact:
+            weight, state["master_low"] = split_master(master)
+        else:
+            weight, state["master"] = master.to(torch.bfloat16), master
+        state["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
+        state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
         grad, p.grad = p.grad, None
-        p.data = p.data.to(torch.bfloat16)
+        p.data = weight
         if grad is not None:
             p.grad = grad.to(torch.bfloat16)
+
+    @property
+    def _compact(self) -> bool:
+        return self.state_dtype == torch.bfloat16
+
+    @torch.no_grad()
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of bf16 parameter ``p``: ``state[p]["master"]`` itself, or (``state_dtype=torch.bfloat16``)
+        a new tensor rebuilt exactly from ``p`` and ``state[p]["master_low"]``."""
+        state = self.state[p]
+        return state["master"] if "master" in state else join_master(p.detach(), state["master_low"])
 
     def _share_state(self) -> None:
         # AdamW fills its state dicts in place on its first step, so one dict object serves both optimizers.
@@ -265,34 +291,39 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                                  "Fix: leave the gradients autograd makes (bf16), or cast them to bf16.")
         torch._foreach_add_([self.state[p]["step"] for p in stepped], 1.0)  # one launch per device
         launches = 0  # kernel launches so far in this step: each gets its own stochastic-rounding seed
+        index = 0  # of the parameter among those stepped: its stochastic-rounding stream on the CPU
         for group, ps in work:
             beta1, beta2 = group["betas"]
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             fused = []
             for p in ps:
+                index += 1
                 if self._use_triton and p.is_cuda and p.is_contiguous() and p.grad.is_contiguous():
                     fused.append((p, p.grad, self.state[p]))
                 else:
-                    _update_torch(p, p.grad, self.state[p], *hyper, generator=self._generator(p.device))
+                    _update_torch(p, p.grad, self.state[p], *hyper, generator=self._generator(p, index))
             if fused:
                 launches = _update_triton(fused, *hyper, block=self.block_size, num_warps=self.num_warps,
                                           seed=self.seed, first_launch=launches)
         return loss
 
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        """The torch-operation path's stochastic-rounding generator: the optimizer's own on the CPU (seeded with
-        ``seed``; drawing from the global one would change a run's other random numbers), the device's default
-        one elsewhere (a CUDA graph captures only that one without registration)."""
-        if self.state_dtype != torch.bfloat16 or device.type != "cpu":
+    def _generator(self, p: torch.Tensor, index: int) -> torch.Generator | None:
+        """The torch-operation path's stochastic-rounding generator for ``p``: on the CPU a new one seeded from
+        ``seed``, the step count and ``index`` (so the bits depend on nothing else, as the kernel's: a resumed run
+        draws what an uninterrupted one would, and the global generator is left alone); elsewhere the device's
+        default one (a CUDA graph captures only that one without registration)."""
+        if not self._compact or p.device.type != "cpu":
             return None
-        if not hasattr(self, "_cpu_generator"):
-            self._cpu_generator = torch.Generator().manual_seed(self.seed)
-        return self._cpu_generator
+        step = int(self.state[p]["step"].item())
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + step * 65_537 + index) & (2**62 - 1))
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (masters included); a bf16 parameter saved without one gets its bf16 value.
+
+        A state saved with ``state_dtype=torch.bfloat16`` holds the low halves of the masters, whose high halves
+        are the bf16 weights: load the model's weights first (Lightning does), then this.
 
         ``torch.optim.Optimizer.load_state_dict`` would cast every floating state tensor to its parameter's dtype,
         bf16 here, so the bf16 parameters' states are set aside and placed by hand (fp32, on the parameter's
@@ -328,20 +359,32 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         def fp32(value: Any) -> torch.Tensor:
             return torch.as_tensor(value).to(dtype=torch.float32, device=p.device, copy=True)
 
-        if "master" not in entry:
+        def checked(key: str, value: torch.Tensor) -> torch.Tensor:
+            if value.shape != p.shape:
+                raise ValueError(f"the loaded {key} has shape {tuple(value.shape)}, its parameter "
+                                 f"{tuple(p.shape)}. Fix: load a state saved from the same model.")
+            return value.contiguous()
+
+        # The master as saved: fp32, or split (the parameter, loaded before the optimizer, holds its high half).
+        if "master" in entry:
+            master = checked("master", fp32(entry["master"]))
+        elif "master_low" in entry:
+            low = checked("master_low", torch.as_tensor(entry["master_low"]).to(p.device, torch.int16, copy=True))
+            master = join_master(p.detach(), low)
+        else:
             warnings.warn(f"the loaded optimizer state has no fp32 master for a bf16 parameter of shape "
                           f"{tuple(p.shape)}; it starts from the parameter's bf16 value (the fp32 bits below bf16 "
                           "precision are lost).", stacklevel=3)
+            master = p.detach().float()
         state = {"step": fp32(entry.get("step", 0.0)).reshape(())}
-        state["master"] = fp32(entry["master"]) if "master" in entry else p.detach().float()
-        for key in ("exp_avg", "exp_avg_sq"):  # saved in either dtype: rounded to nearest into this one
-            moment = fp32(entry[key]) if key in entry else torch.zeros_like(state["master"])
+        if self._compact:
+            weight, state["master_low"] = split_master(master)
+            p.data.copy_(weight)  # the same unless the saved weight was a tie rounded to even
+        else:
+            state["master"] = master.contiguous()
+        for key in _MOMENT_KEYS:  # saved in either dtype: rounded to nearest into this one
+            moment = checked(key, fp32(entry[key])) if key in entry else torch.zeros_like(master)
             state[key] = moment.to(self.state_dtype)
-        for key in _MASTER_KEYS:
-            if state[key].shape != p.shape:
-                raise ValueError(f"the loaded {key} has shape {tuple(state[key].shape)}, its parameter "
-                                 f"{tuple(p.shape)}. Fix: load a state saved from the same model.")
-            state[key] = state[key].contiguous()
         return state
 
 
@@ -357,7 +400,8 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     ``torch.optim.AdamW``'s (single-tensor, not capturable) operation for operation. Otherwise the scalars stay
     device tensors, read by the operations themselves (no host-device synchronisation).
     """
-    master, step = state["master"], state["step"]
+    step = state["step"]
+    master = state["master"] if "master" in state else join_master(param, state["master_low"])
     stored_m, stored_v = state["exp_avg"], state["exp_avg_sq"]
     # bf16 moments: computed in fp32, stored back with stochastic rounding.
     exp_avg, exp_avg_sq = (stored_m, stored_v) if stored_m.dtype == torch.float32 else (stored_m.float(),
@@ -385,7 +429,34 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     if exp_avg is not stored_m:
         stored_m.copy_(round_bf16_stochastic(exp_avg, generator))
         stored_v.copy_(round_bf16_stochastic(exp_avg_sq, generator))
-    param.copy_(master)  # rounds to nearest, ties to even
+    if "master" in state:
+        param.copy_(master)  # rounds to nearest, ties to even
+    else:
+        weight, low = split_master(master)
+        param.copy_(weight)
+        state["master_low"].copy_(low)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``master`` -> (bf16 weight, int16 low 16 bits): the weight is the master rounded to nearest, ties
+    toward zero, so that :func:`join_master` rebuilds the master exactly (the kernel's split, in torch operations)."""
+    bits = master.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    low = bits & 0xFFFF
+    top = torch.where(low > 0x8000, (bits >> 16) + 1, bits >> 16)
+    return _as_int16(top).view(torch.bfloat16), _as_int16(low)
+
+
+def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 master from its bf16 ``weight`` and int16 ``low`` bits (the inverse of :func:`split_master`)."""
+    low = low.long() & 0xFFFF
+    top = weight.contiguous().view(torch.int16).long() & 0xFFFF
+    bits = ((torch.where(low > 0x8000, top - 1, top) & 0xFFFF) << 16) | low
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).int().view(torch.float32)
+
+
+def _as_int16(x: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 2**16) (int64) as the int16 tensor of the same 16 bits."""
+    return torch.where(x >= 1 << 15, x - (1 << 16), x).to(torch.int16)
 
 
 def round_bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -432,7 +503,8 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
             ends: list[int] = []
             blocks = 0
             for param, grad, state in chunk:
-                args += [param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], state["step"],
+                args += [param, grad, state.get("master", state.get("master_low")), state["exp_avg"],
+                         state["exp_avg_sq"], state["step"],
                          param.numel()]
                 blocks += -(-param.numel() // block)
                 ends.append(blocks)

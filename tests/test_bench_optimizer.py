@@ -27,15 +27,15 @@ def test_runs_on_cpu_and_counts_the_bytes(tmp_path: Path, capsys: pytest.Capture
     numel = parameter_count(ModelConfig.from_size("tiny", vocab_size=300))
     assert record["parameters"] == numel
     rows = {r["name"]: r for r in record["rows"]}
-    assert list(rows) == ["copy", "adamw", "master", "master, bfloat16 moments"]
+    assert list(rows) == ["copy", "adamw", "master", "master, bfloat16 state"]
     assert rows["master"]["kernel"] == "torch operations" and rows["adamw"]["kernel"] == "foreach"
-    # bf16 moments: 20 bytes per linear weight, 28 for the fp32 embedding and gains
+    # compact state: 18 bytes per linear weight, 28 for the fp32 embedding and gains
     model = build_model("tiny", 300, torch.device("cpu"))
     fp32 = model.embedding.weight.numel() + sum(p.numel() for p in model.parameters() if p.ndim == 1)
     assert 0 < fp32 < numel
     bf16_bytes = ((numel - fp32) * MASTER_BYTES["bfloat16"] + fp32 * ADAMW_BYTES) / numel
     for name, per_param in (("copy", COPY_BYTES), ("adamw", ADAMW_BYTES), ("master", MASTER_BYTES["float32"]),
-                            ("master, bfloat16 moments", bf16_bytes)):
+                            ("master, bfloat16 state", bf16_bytes)):
         row = rows[name]
         assert row["gbytes"] == pytest.approx(numel * per_param / 1e9)
         assert len(row["steps_ms"]) == 2 and all(t > 0 for t in row["steps_ms"])
@@ -74,4 +74,4 @@ def test_kernel_rows_on_a_gpu(tmp_path: Path) -> None:
                  "--blocks", "1024,4096", "--warps", "4", "--state-dtypes", "float32,bfloat16", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["kernel"] for r in rows] == ["Triton, block 1024, 4 warps", "Triton, block 4096, 4 warps"] * 2
-    assert [r["name"] for r in rows] == ["master"] * 2 + ["master, bfloat16 moments"] * 2
+    assert [r["name"] for r in rows] == ["master"] * 2 + ["master, bfloat16 state"] * 2

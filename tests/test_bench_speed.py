@@ -21,7 +21,7 @@ from lmtrain.config import STUDY_SIZES, ModelConfig
 from lmtrain.errors import LmtrainError
 
 VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "compile+graphs+master",
-            "compile+graphs+master+bf16 moments", "plain compile+graphs"]
+            "compile+graphs+master+bf16 state", "plain compile+graphs"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,7 +138,7 @@ def test_render_speed_tables() -> None:
     # compile: steps 0-2 compared (the fourth has no eager counterpart), |9.009 - 9| = 9e-3, relative 1e-3
     assert "| small | 512 | compile | 3 | 9.00e-03 | 1.00e-03 |" in losses
     assert "| small | 512 | compile+graphs | 3 | 4.00e-03 | 5.00e-04 |" in losses
-    assert "| small | 512 | compile+graphs+master+bf16 moments | 3 | 8.00e-03 | 1.00e-03 |" in losses
+    assert "| small | 512 | compile+graphs+master+bf16 state | 3 | 8.00e-03 | 1.00e-03 |" in losses
     assert "overlap" not in losses and "plain" not in losses.split("left out.")[1]
 
 

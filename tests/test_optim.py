@@ -20,8 +20,10 @@ from lmtrain.optim import (
     MasterWeightAdamW,
     _update_torch,
     _update_triton,
+    join_master,
     linear_weights,
     round_bf16_stochastic,
+    split_master,
     weight_decay_groups,
 )
 
@@ -273,7 +275,7 @@ def test_bf16_moments_keep_moving_where_nearest_rounding_freezes() -> None:
         p.grad = torch.ones(4096, dtype=torch.bfloat16)
         optimizer.step()
     v = optimizer.state[p]["exp_avg_sq"]
-    assert v.dtype == torch.bfloat16 and optimizer.state[p]["master"].dtype == torch.float32
+    assert v.dtype == torch.bfloat16 and optimizer.state[p]["master_low"].dtype == torch.int16
     assert abs(v.double().mean().item() - exact) < 2e-3
     assert (optimizer.state[p]["exp_avg"].float() - 1).abs().max().item() <= 2**-8  # m -> g, within a unit
 
@@ -298,15 +300,16 @@ def test_bf16_moments_train_close_to_fp32_moments() -> None:
     (ref, ref_opt, ref_losses), (model, optimizer, losses) = runs[torch.float32], runs[torch.bfloat16]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0)  # measured: 1e-4
     for m, r, start in zip(model.matrices(), ref.matrices(), initial, strict=True):
-        state, ref_master = optimizer.state[m], ref_opt.state[r]["master"]
+        state, ref_master, master = optimizer.state[m], ref_opt.state[r]["master"], optimizer.master(m)
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
-        assert state["master"].dtype == torch.float32
+        assert "master" not in state and state["master_low"].dtype == torch.int16 and master.dtype == torch.float32
+        assert torch.equal(split_master(master)[0], m.detach())  # the weight is the master's top half
         # Adam's sign-like steps amplify any perturbation where a gradient is near zero, so single elements may
         # part by a step or two (lr 3e-2); the typical one stays within 1% of the distance moved.
         moved = (ref_master - start).abs().max().item()
         assert moved > 0.05
-        assert (state["master"] - ref_master).abs().median().item() < 0.01 * moved
-        assert not torch.equal(state["master"], ref_master)  # a different optimizer, not the same arithmetic
+        assert (master - ref_master).abs().median().item() < 0.01 * moved
+        assert not torch.equal(master, ref_master)  # a different optimizer, not the same arithmetic
     # The fp32 parameters' moments stay fp32 (the inner torch.optim.AdamW steps them).
     assert optimizer.state[model.gain]["exp_avg"].dtype == torch.float32
 
@@ -323,16 +326,50 @@ def test_bf16_moment_checkpoints_round_trip_and_convert() -> None:
         torch.manual_seed(1)
         other = Tiny()
         opt = MasterWeightAdamW(other.groups(), lr=3e-2, bf16_params=other.matrices(), state_dtype=dtype)
+        other.load_state_dict(model.state_dict())  # the weights first: they hold the masters' top halves
         opt.load_state_dict(saved)
         return other, opt
 
-    for dtype in (torch.bfloat16, torch.float32):  # into bf16 moments as saved, and widened to fp32 exactly
+    assert "master" not in saved["state"][0] and saved["state"][0]["master_low"].dtype == torch.int16
+    for dtype in (torch.bfloat16, torch.float32):  # into the compact state as saved, and widened to fp32 exactly
         other, opt = fresh(dtype)
         for p, q in zip(other.matrices(), model.matrices(), strict=True):
             for key in ("exp_avg", "exp_avg_sq"):
                 assert opt.state[p][key].dtype == dtype
                 assert torch.equal(opt.state[p][key].float(), optimizer.state[q][key].float())
-            assert torch.equal(opt.state[p]["master"], optimizer.state[q]["master"])
+            assert torch.equal(opt.master(p), optimizer.master(q)) and opt.master(p).dtype == torch.float32
+            assert ("master_low" in opt.state[p]) == (dtype == torch.bfloat16)
+    # An fp32 state (fp32 master) into the compact one: the master survives exactly, split.
+    torch.manual_seed(0)
+    full = Tiny()
+    full_opt = MasterWeightAdamW(full.groups(), lr=3e-2, bf16_params=full.matrices())
+    _train(full, full_opt, _schedule(full_opt), range(3))
+    torch.manual_seed(1)
+    compact = Tiny()
+    compact_opt = MasterWeightAdamW(compact.groups(), lr=3e-2, bf16_params=compact.matrices(),
+                                    state_dtype=torch.bfloat16)
+    compact.load_state_dict(full.state_dict())
+    compact_opt.load_state_dict(copy.deepcopy(full_opt.state_dict()))
+    for p, q in zip(compact.matrices(), full.matrices(), strict=True):
+        assert torch.equal(compact_opt.master(p), full_opt.master(q))
+        assert torch.equal(p.detach(), split_master(full_opt.master(q))[0])
+
+
+def test_split_master_is_exact_and_rounds_to_nearest() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1_000_000, generator=gen) * torch.logspace(-30, 30, 1_000_000)
+    x[:8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-40, -1e-40])  # zeros, extremes, subnormals
+    ties = (torch.randint(0, 0x7F00, (10_000,), generator=gen, dtype=torch.int32) << 16) | 0x8000  # finite
+    x = torch.cat([x, ties.view(torch.float32), -ties.view(torch.float32)])
+    weight, low = split_master(x)
+    assert weight.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(join_master(weight, low).view(torch.int32), x.view(torch.int32))  # bit for bit
+    nearest_even = x.bfloat16()
+    off = weight.view(torch.int16).int() - nearest_even.view(torch.int16).int()
+    half_way = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    assert (off[~half_way] == 0).all()  # rounded to nearest everywhere but at ties...
+    assert (weight[half_way].float().abs() <= nearest_even[half_way].float().abs()).all()  # ...where toward zero
+    assert (off[half_way] != 0).any()
 
 
 # -- GPU: the Triton kernel ---------------------------------------------------------------------------
@@ -442,10 +479,11 @@ def test_captured_step_replays_equal_eager_steps(state_dtype: torch.dtype) -> No
 _GROUP_SHAPES = [(97, 33), (5000,), (3,), (4096,), (17, 300), (2, 2), (9000,), (1,), (123, 45), (10,)]
 
 
-def _grouped_items(device: str, kernel_moments: torch.dtype = torch.float32) -> tuple[list, list]:
-    """Two copies of (NaN-poisoned bf16 param, bf16 grad, state) per shape of ``_GROUP_SHAPES``, step already
-    counted (5); the moments hold bf16 numbers, stored as ``kernel_moments`` in the first copy, fp32 in the
-    second."""
+def _grouped_items(device: str, kernel_state: torch.dtype = torch.float32) -> tuple[list, list]:
+    """Two copies of (bf16 param, bf16 grad, state) per shape of ``_GROUP_SHAPES``, step already counted (5); the
+    moments hold bf16 numbers. The second copy's state is full (fp32) and its param NaN-poisoned; the first's is
+    ``kernel_state``: full the same way, or compact (bf16 moments, the master split into the param, which the
+    kernel reads, and ``master_low``)."""
     gen = torch.Generator().manual_seed(3)
     kernel_items, torch_items = [], []
     for shape in _GROUP_SHAPES:
@@ -454,11 +492,14 @@ def _grouped_items(device: str, kernel_moments: torch.dtype = torch.float32) -> 
                  "exp_avg_sq": (0.01 * torch.rand(shape, generator=gen)).bfloat16().float(),
                  "step": torch.tensor(5.0)}
         grad = torch.randn(shape, generator=gen).bfloat16()
-        for items, moments in ((kernel_items, kernel_moments), (torch_items, torch.float32)):
+        for items, dtype in ((kernel_items, kernel_state), (torch_items, torch.float32)):
             copy_ = {k: v.clone().to(device) for k, v in state.items()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                copy_[key] = copy_[key].to(moments)
-            items.append((torch.full(shape, float("nan"), device=device).bfloat16(), grad.to(device), copy_))
+            param = torch.full(shape, float("nan"), device=device).bfloat16()
+            if dtype == torch.bfloat16:
+                param, copy_["master_low"] = split_master(copy_.pop("master"))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    copy_[key] = copy_[key].bfloat16()
+            items.append((param, grad.to(device), copy_))
     return kernel_items, torch_items
 
 
@@ -480,7 +521,7 @@ for lr in (torch.tensor(1e-2), 1e-2):  # read by the kernel, or passed as a numb
 bf16_items, fp32_items = _grouped_items("cpu", torch.bfloat16)  # bf16 moments, and the same kernel in fp32
 optim._update_triton(bf16_items, 1e-2, 0.9, 0.95, 1e-8, 0.1, seed=5)
 optim._update_triton(fp32_items, 1e-2, 0.9, 0.95, 1e-8, 0.1)
-results.append([(s, t) for (_, _, s), (_, _, t) in zip(bf16_items, fp32_items, strict=True)])
+results.append(list(zip(bf16_items, fp32_items, strict=True)))
 torch.save(results, sys.argv[2])
 """
 
@@ -504,35 +545,35 @@ def test_grouped_kernel_launches_update_every_tensor_under_the_interpreter(tmp_p
             torch.testing.assert_close(kernel_state[key], torch_state[key], rtol=1e-6, atol=1e-6 * scale)
         # Every element written; the interpreter's bf16 rounding may differ from the GPU's by one unit.
         _assert_within_one_bf16_ulp(kernel_param, torch_param)
-    _assert_bf16_moments_rounded_from(bf16_moments)
+    _assert_compact_state_follows(bf16_moments)
 
 
-def _assert_bf16_moments_rounded_from(pairs: list[tuple[dict, dict]]) -> None:
-    """(state with bf16 moments, state with fp32 moments) after one kernel step from the same values: the same
-    masters, and each bf16 moment stochastically rounded from the fp32 one (checked over all tensors at once)."""
-    for bf16_state, fp32_state in pairs:
-        assert torch.equal(bf16_state["master"], fp32_state["master"])
+def _assert_compact_state_follows(pairs: list[tuple[tuple, tuple]]) -> None:
+    """Pairs of (param, grad, state) after one kernel step from the same values, the first with the compact state
+    (split master, bf16 moments), the second with the full one: the same fp32 masters bit for bit, each weight
+    the master's top half, and each bf16 moment stochastically rounded from the fp32 one (checked over all tensors
+    at once)."""
+    for (weight, _, compact), (_, _, full) in pairs:
+        assert torch.equal(join_master(weight, compact["master_low"]), full["master"])
+        assert torch.equal(weight, split_master(full["master"])[0])
     for key in ("exp_avg", "exp_avg_sq"):
-        stored = torch.cat([b[key].flatten() for b, _ in pairs]).cpu()
-        exact = torch.cat([f[key].flatten() for _, f in pairs]).cpu()
+        stored = torch.cat([b[2][key].flatten() for b, _ in pairs]).cpu()
+        exact = torch.cat([f[2][key].flatten() for _, f in pairs]).cpu()
         assert_stochastically_rounded(stored, exact)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_bf16_moments_round_stochastically() -> None:
-    """One step of the kernel with bf16 moments against the same kernel with fp32 moments (same start): equal
-    masters and weights, moments stochastically rounded; the same seed repeats the bits, another step or seed
-    draws new ones."""
+    """One step of the kernel with the compact state against the same kernel with the full one (same start): equal
+    masters, each weight the master's top half, moments stochastically rounded; the same seed repeats the bits,
+    another step or seed draws new ones."""
     runs = []
     for seed in (11, 11, 12):
         bf16_items, fp32_items = _grouped_items("cuda", torch.bfloat16)
         _update_triton(bf16_items, 1e-2, 0.9, 0.95, 1e-8, 0.1, seed=seed)
         _update_triton(fp32_items, 1e-2, 0.9, 0.95, 1e-8, 0.1)
-        for (bf16_param, _, _), (fp32_param, _, _) in zip(bf16_items, fp32_items, strict=True):
-            assert torch.equal(bf16_param, fp32_param)
-        _assert_bf16_moments_rounded_from([(s, t) for (_, _, s), (_, _, t) in zip(bf16_items, fp32_items,
-                                                                                  strict=True)])
+        _assert_compact_state_follows(list(zip(bf16_items, fp32_items, strict=True)))
         runs.append(torch.cat([s["exp_avg_sq"].flatten() for _, _, s in bf16_items]))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     bf16_items, _ = _grouped_items("cuda", torch.bfloat16)

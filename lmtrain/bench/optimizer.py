@@ -11,8 +11,9 @@ divided by the memory bandwidth. This benchmark times, over the parameters of a 
     master BLOCK/WARPS   ``lmtrain.optim.MasterWeightAdamW`` (``model.master_weights``): the linear weights in bf16
                          with fp32 masters, updated by its Triton kernel with ``block_size`` BLOCK and ``num_warps``
                          WARPS (one row per pair of ``--blocks`` x ``--warps`` and per ``--state-dtypes`` entry),
-                         the other parameters by a fused fp32 AdamW: 28 bytes per parameter with fp32 moments,
-                         20 per bf16 weight with bf16 moments (``model.optimizer_state_dtype: bfloat16``)
+                         the other parameters by a fused fp32 AdamW: 28 bytes per parameter with the full fp32
+                         state, 18 per bf16 weight with the compact one (``model.optimizer_state_dtype: bfloat16``:
+                         the master split into the weight and its low 16 bits, bf16 moments)
 
 Each row: median milliseconds per step over ``--steps`` steps after ``--warmup`` (CUDA events around each step),
 the bytes the step must move, GB/s (bytes / time), and that as a fraction of the copy's GB/s. The implementations
@@ -55,10 +56,11 @@ from lmtrain.optim import (
 
 #: Bytes a step moves per parameter: AdamW reads parameter, gradient, exp_avg and exp_avg_sq and writes parameter,
 #: exp_avg and exp_avg_sq, all fp32 (7 x 4); the master-weight step reads the bf16 gradient and the fp32 master and
-#: moments and writes those and the bf16 weight (2 + 12 + 12 + 2). Both 28. With bf16 moments the master-weight
-#: step moves 2 + 8 + 8 + 2 = 20.
+#: moments and writes those and the bf16 weight (2 + 12 + 12 + 2). Both 28. With the compact state the master-weight
+#: step reads the gradient, the weight, the master's low halves and the bf16 moments and writes all but the
+#: gradient: 2 + 4 + 4 + 8 = 18.
 ADAMW_BYTES = 28
-MASTER_BYTES = {"float32": 28, "bfloat16": 20}
+MASTER_BYTES = {"float32": 28, "bfloat16": 18}
 COPY_BYTES = 8  # read and write one fp32 element
 
 
@@ -164,7 +166,7 @@ def time_master(size: str, vocab_size: int, device: torch.device, clock: Clock, 
                  for p in model.parameters()) / 1e9
     rows = []
     uses_kernel = optimizer.uses_kernel and device.type == "cuda"
-    name = "master" if state_dtype == "float32" else f"master, {state_dtype} moments"
+    name = "master" if state_dtype == "float32" else f"master, {state_dtype} state"
     for block, warps in launches if uses_kernel else launches[:1]:
         optimizer.block_size, optimizer.num_warps = block, warps
         times = _time(clock, optimizer.step, warmup, steps)

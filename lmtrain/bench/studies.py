@@ -22,7 +22,7 @@ study fits a short GPU session; raise ``--steps`` for tighter error bars.
                         whether it said "fits", and the planner's record over the study (docs/long_context.md)
     speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
                         20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap,
-                        compile+graphs+master (fp32 and bf16 moments) and the plain-PyTorch reference
+                        compile+graphs+master (full and compact optimizer state) and the plain-PyTorch reference
                         (torch.compile reduce-overhead):
                         step time by the timer, by the cell's own CUDA events and per step of the pipeline,
                         tokens/s, MFU, peak, speed-up vs eager, and each variant's losses against eager's
@@ -169,7 +169,7 @@ def render_attention(rows: Rows) -> str:
 
 def variant_name(row: dict[str, Any]) -> str:
     """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
-    ``compile+graphs+overlap``, ``compile+graphs+master``, ``compile+graphs+master+bf16 moments``
+    ``compile+graphs+overlap``, ``compile+graphs+master``, ``compile+graphs+master+bf16 state``
     (``in-backward`` where the in-backward optimizer runs without overlap; ``compile(MODE)`` for a compile mode
     other than the default), and ``plain ...`` for the plain-PyTorch reference loop."""
     parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
@@ -182,7 +182,7 @@ def variant_name(row: dict[str, Any]) -> str:
     if is_on(row.get("master_weights")):
         parts.append("master")
         if row.get("optimizer_state_dtype") == "bfloat16":
-            parts.append("bf16 moments")
+            parts.append("bf16 state")
     name = "+".join(parts) or "eager"
     return f"plain {name}" if row.get("runner") == "plain" else name
 

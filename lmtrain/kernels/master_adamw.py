@@ -1,6 +1,11 @@
 """The Triton kernel of ``lmtrain.optim.MasterWeightAdamW``: AdamW on fp32 masters, bf16 weights written back.
 
-The moments are fp32, or bf16 (``STATE_BF16``) rounded stochastically: each value stored is one of the two bf16
+Two state layouts. Full (``STATE_BF16`` false): fp32 master and moments. Compact (``STATE_BF16``): the master is
+stored split, its high 16 bits as the bf16 weight itself and its low 16 bits in an int16 tensor (the weight is the
+master rounded to nearest, ties toward zero, so the low bits say which way it was rounded and the fp32 master is
+rebuilt exactly), and the moments are bf16. Bytes per element and step: 28 full, 18 compact.
+
+In the compact layout the moments are rounded stochastically: each value stored is one of the two bf16
 numbers next to the fp32 result, the larger in magnitude with probability equal to the fraction of the gap the
 result covers, so its expected value is the fp32 result (rounding to nearest would stop a moment from changing once
 its increment is below half a bf16 step). The random bits are an integer hash of the element's offset keyed by the
@@ -43,6 +48,22 @@ def round_bf16_stochastic(x, random16):
 
 
 @triton.jit
+def join_master(weight_bits, low):
+    """The fp32 master from its bf16 weight and low 16 bits (both uint32 holding 16 bits): the weight is the
+    master's top half, plus one where the low half was above one half (rounded up)."""
+    top = tl.where(low > 0x8000, weight_bits - 1, weight_bits)
+    return ((top << 16) | low).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_master(w):
+    """fp32 ``w`` -> (bf16 weight bits, low 16 bits), uint32 each: rounded to nearest, ties toward zero."""
+    bits = w.to(tl.uint32, bitcast=True)
+    low = bits & 0xFFFF
+    return tl.where(low > 0x8000, (bits >> 16) + 1, bits >> 16), low
+
+
+@triton.jit
 def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, n_elements, block,
                  lr_ptr, lr, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, seed,
                  LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -55,7 +76,11 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
     bias2_sqrt = tl.sqrt_rn(-libdevice.expm1(t * log_beta2))  # sqrt(1 - beta2**t)
 
     g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-    w = tl.load(master_ptr + offsets, mask=mask)
+    if STATE_BF16:  # master_ptr: the low halves (int16)
+        w = join_master(tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32),
+                        tl.load(master_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32))
+    else:
+        w = tl.load(master_ptr + offsets, mask=mask)
     m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
     w = w * (1 - lr * weight_decay)
@@ -63,8 +88,10 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
     w = w - step_size * tl.div_rn(m, denom)
-    tl.store(master_ptr + offsets, w, mask=mask)
     if STATE_BF16:
+        weight, low = split_master(w)
+        tl.store(param_ptr + offsets, weight.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(master_ptr + offsets, low.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
         # One 32-bit draw per element: its low half rounds m, its high half v. The key mixes the slot's seed and
         # the step count; each element hashes its offset in its tensor with it.
         key = mix32(seed.to(tl.uint32) ^ mix32(t.to(tl.uint32)))
@@ -72,9 +99,10 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
         tl.store(exp_avg_ptr + offsets, round_bf16_stochastic(m, bits & 0xFFFF), mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, round_bf16_stochastic(v, bits >> 16), mask=mask)
     else:
+        tl.store(master_ptr + offsets, w, mask=mask)
         tl.store(exp_avg_ptr + offsets, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
-    tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
 def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
