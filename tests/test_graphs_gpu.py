@@ -55,7 +55,7 @@ def _run(**options: Any) -> tuple[list[float], LMModule]:
     {"optimizer_in_backward": True, "optimizer_overlap": True},
     {"compile": True, "master_weights": True},
     {"compile": True, "master_weights": True, "optimizer_state_dtype": "bfloat16"},
-], ids=["eager-kernels", "compiled", "in-backward-overlap", "compiled-master-weights", "bf16-moments"])
+], ids=["eager-kernels", "compiled", "in-backward-overlap", "compiled-master-weights", "compact-optimizer-state"])
 def test_graphed_training_matches_eager_on_cuda(options: dict[str, Any]) -> None:
     eager, m_eager = _run(**options)
     graphed, m_graphed = _run(cuda_graphs=True, cuda_graph_warmup=3, **options)
