@@ -91,8 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warps", type=comma_list(int), default=[8],
                         help="MasterWeightAdamW warps per program, comma-separated (default 8)")
     parser.add_argument("--state-dtypes", type=comma_list(str), default=["float32"],
-                        help="MasterWeightAdamW moment dtypes to time: float32, bfloat16 or both, comma-separated "
-                             "(default float32)")
+                        help="MasterWeightAdamW states to time: float32 (full), bfloat16 (compact) or both, "
+                             "comma-separated (default float32)")
     parser.add_argument("--only", type=comma_list(str), default=["copy", "adamw", "master"],
                         help="implementations to run, comma-separated (default copy,adamw,master)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

@@ -615,9 +615,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="linear-layer weights in bf16 with fp32 masters in the optimizer (bf16-mixed only; "
                              "LMModule master_weights): off, on or off,on (default off)")
     parser.add_argument("--optimizer-state-dtype", type=comma_list(str),
-                        help="dtype of the AdamW moments of the bf16 weights under --master-weights on (LMModule "
-                             "optimizer_state_dtype): float32, bfloat16 (stochastically rounded) or both, "
-                             "comma-separated; bfloat16 applies to master-weight cells only (default float32)")
+                        help="optimizer state of the bf16 weights under --master-weights on (LMModule "
+                             "optimizer_state_dtype): float32, bfloat16 (split masters, stochastically rounded bf16 "
+                             "moments) or both, comma-separated; master-weight cells only (default float32)")
     parser.add_argument("--compile-mode", type=comma_list(str),
                         help="torch.compile modes of compiled cells (LMModule compile_mode): default, "
                              "max-autotune-no-cudagraphs or both, comma-separated (default: default)")
