@@ -10,8 +10,11 @@ the tensor. That is what keeps the general shapes working without masks in the l
 
 * any N: rows past N read as zeros and are not written (the copy engine clips at the descriptor's shape); the
   score mask still removes keys past N_k, as in the pointer kernels;
-* head dims that are not powers of two (80): the tile is ``BLOCK_D`` = next power of two wide, the columns past d
-  read as zeros and are not written; the padded columns cost matrix-unit time, not memory traffic;
+* head dims that are not powers of two (80): the backward's tiles are ``BLOCK_D`` = next power of two wide, the
+  columns past d read as zeros and are not written; the padded columns cost matrix-unit time, not memory traffic.
+  The forward splits such a head dim into two tiles instead (``split_head_dim``: 80 -> 64 + 16 columns, each
+  product over the head dim a sum of two, each output two accumulators), so it does 80 columns of matrix work
+  instead of 128; ``LMTRAIN_FLASH_TMA_SPLIT=0`` turns that off (one padded tile, as the backward);
 * strided q/k/v (e.g. heads of a fused qkv projection): the descriptor takes the tensor's own strides.
 
 The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1);
@@ -136,14 +139,18 @@ def _tile_desc(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.conste
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, hi, N_K, qk_scale,
-    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m, lo, hi, N_K, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """Online-softmax update of one query block over key blocks [lo, hi)."""
+    """Online-softmax update of one query block over key blocks [lo, hi). With a split head dim (``BLOCK_D1`` > 0)
+    the columns from ``BLOCK_D`` on come through the ``*1`` tiles and accumulate into ``acc1``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = k_desc.load([start_n, 0])
         qk = tl.dot(q, k.T)  # (BLOCK_M, BLOCK_N) fp32
+        if BLOCK_D1 > 0:
+            qk = tl.dot(q1, k1_desc.load([start_n, BLOCK_D]).T, qk)
         if MASKED:
             qk = tl.where(_keep(offs_m, start_n + offs_n, N_K, IS_CAUSAL), qk, float("-inf"))
         # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
@@ -154,8 +161,10 @@ def _fwd_inner(
         v = v_desc.load([start_n, 0])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
+        if BLOCK_D1 > 0:
+            acc1 = tl.dot(p.to(v.dtype), v1_desc.load([start_n, BLOCK_D]), acc1 * alpha[:, None])
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc1, l_i, m_i
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
@@ -168,30 +177,48 @@ def _fwd_kernel(
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     H, N_Q, N_K, N_KEY, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,).
+
+    The head dim is covered by tiles BLOCK_D wide, and with ``BLOCK_D1`` > 0 (see ``split_head_dim``) by a second
+    set of tiles BLOCK_D1 wide from column BLOCK_D on."""
     bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
-    q_desc = _tile_desc(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
-    k_desc = _tile_desc(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _tile_desc(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    q_base, k_base, v_base = Q + z * stride_qz + h * stride_qh, K + z * stride_kz + h * stride_kh, \
+        V + z * stride_vz + h * stride_vh
+    q_desc = _tile_desc(q_base, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_desc = _tile_desc(k_base, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _tile_desc(v_base, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])
+    if BLOCK_D1 > 0:
+        k1_desc = _tile_desc(k_base, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+        v1_desc = _tile_desc(v_base, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+        q1 = _tile_desc(q_base, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D1).load([start_m, BLOCK_D])
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    else:  # placeholders, never read
+        k1_desc, v1_desc, q1 = k_desc, v_desc, q
+        acc1 = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, offs_m, 0, full_end, N_K, qk_scale,
-                               BLOCK_N, IS_CAUSAL, False, WARP_SPEC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, offs_m, full_end, hi, N_K, qk_scale,
-                               BLOCK_N, IS_CAUSAL, True, WARP_SPEC)
+    acc, acc1, l_i, m_i = _fwd_inner(acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m, 0,
+                                     full_end, N_K, qk_scale, BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False,
+                                     WARP_SPEC)
+    acc, acc1, l_i, m_i = _fwd_inner(acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m,
+                                     full_end, hi, N_K, qk_scale, BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True,
+                                     WARP_SPEC)
 
-    acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
-    o_desc = _tile_desc(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D)
-    o_desc.store([start_m, 0], acc.to(OUT.dtype.element_ty))
+    o_base = OUT + z * stride_oz + h * stride_oh
+    _tile_desc(o_base, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D).store(
+        [start_m, 0], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
+    if BLOCK_D1 > 0:
+        _tile_desc(o_base, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D1).store(
+            [start_m, BLOCK_D], (acc1 / l_i[:, None]).to(OUT.dtype.element_ty))
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
 
 
@@ -347,11 +374,31 @@ def _bwd_dkdv_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+def split_head_dim(d: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D1): the widths of the forward's two column tiles for head dim ``d``, BLOCK_D1 = 0 for one.
+
+    A head dim that is a power of two is one tile. Otherwise the first tile is the largest power of two below d
+    and the second the next power of two (at least 16, the least a matrix product takes) covering the rest, where
+    that is narrower than one padded tile: 80 -> 64 + 16 (80 columns of matrix work instead of 128), 96 -> 64 + 32,
+    48 -> 32 + 16, 72 -> 64 + 16; 112 -> one tile of 128 (64 + 64 saves nothing).
+    """
+    padded = triton.next_power_of_2(d)
+    if padded == d:
+        return d, 0
+    first = padded // 2
+    second = max(16, triton.next_power_of_2(d - first))
+    return (first, second) if first + second < padded else (padded, 0)
+
+
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
             consts: dict, key: tuple) -> None:
-    """Launch the TMA forward kernel: O into o4, L into lse (``consts``, ``key``: as flash_triton's launchers)."""
+    """Launch the TMA forward kernel: O into o4, L into lse (``consts``, ``key``: as flash_triton's launchers;
+    the head dim's tiles as ``split_head_dim`` says)."""
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
+    block_d, block_d1 = split_head_dim(d) if os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "1") != "0" else (
+        triton.next_power_of_2(d), 0)
+    consts = {**consts, "BLOCK_D": block_d, "BLOCK_D1": block_d1}
     _ensure_allocator()
     _launch(_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
         q4, k4, v4, o4, lse,
@@ -393,4 +440,4 @@ def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Ten
     ), consts, key)
 
 
-__all__ = ["backward", "forward", "usable"]
+__all__ = ["backward", "forward", "split_head_dim", "usable"]
