@@ -26,6 +26,8 @@ CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 #: ``torch.compile`` modes of ``LMModule(compile_mode=...)`` (the modes that add CUDA graphs are refused: the
 #: module's ``cuda_graphs`` captures the whole step).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+#: ``optimizer_state_dtype`` values (``lmtrain.optim.OPTIMIZER_STATE_DTYPES`` maps them to torch dtypes).
+OPTIMIZER_STATES = ("float32", "bfloat16")
 
 
 def compile_kwargs(mode: str) -> dict[str, str]:
@@ -80,6 +82,12 @@ class ModelConfig:
         loss_chunk_tokens: compute the output head and the cross-entropy over this many tokens at a time, in
             the forward and the backward pass, so that the (tokens x vocabulary) logits never exist whole;
             0 computes them whole.
+        master_weights: the linear layers' weights are stored in bf16 with fp32 masters in the optimizer
+            (``lmtrain.optim.MasterWeightAdamW``; bf16-mixed only, checked by ``lmtrain.module.LMModule``).
+        optimizer_state_dtype: that optimizer's state: ``float32`` (fp32 masters and moments) or ``bfloat16``
+            (masters split into the bf16 weight and their low 16 bits, bf16 moments); ``bfloat16`` needs
+            ``master_weights``. These two fields are step options like ``optimizer_in_backward``: the memory
+            planner reads them.
     """
 
     vocab_size: int = 10_000
@@ -97,6 +105,8 @@ class ModelConfig:
     optimizer_in_backward: bool = False
     optimizer_overlap: bool = False
     loss_chunk_tokens: int = 0
+    master_weights: bool = False
+    optimizer_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         # Booleans are the older spelling of the two ends (``true`` = ``full``); the field always holds the name
@@ -116,13 +126,24 @@ class ModelConfig:
         if self.checkpoint_rest not in ("none", "selective"):
             raise LmtrainError("model.checkpoint_rest", f"unknown policy {self.checkpoint_rest!r}.",
                                "use none or selective.")
-        for name in ("optimizer_in_backward", "optimizer_overlap"):
+        for name in ("optimizer_in_backward", "optimizer_overlap", "master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise LmtrainError(f"model.{name}", f"must be true or false, got {getattr(self, name)!r}.",
                                    f"set model.{name} to true or false.")
         if self.optimizer_overlap and not self.optimizer_in_backward:
             raise LmtrainError("model.optimizer_overlap", "overlaps the in-backward optimizer updates, which are off.",
                                "also set model.optimizer_in_backward: true, or leave optimizer_overlap false.")
+        if self.optimizer_state_dtype not in OPTIMIZER_STATES:
+            raise LmtrainError("model.optimizer_state_dtype", f"unknown dtype {self.optimizer_state_dtype!r}.",
+                               f"use one of {', '.join(OPTIMIZER_STATES)}.")
+        if self.optimizer_state_dtype != "float32" and not self.master_weights:
+            raise LmtrainError("model.optimizer_state_dtype", f"{self.optimizer_state_dtype} is the state of the "
+                               "master-weight optimizer only.",
+                               "set model.master_weights: true (bf16-mixed), or optimizer_state_dtype: float32.")
+        if self.master_weights and self.optimizer_in_backward:
+            raise LmtrainError("model.master_weights", "is not available with model.optimizer_in_backward (each "
+                               "in-backward update is a plain AdamW).",
+                               "set one of model.master_weights and model.optimizer_in_backward to false.")
         chunk = self.loss_chunk_tokens
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise LmtrainError("model.loss_chunk_tokens", f"must be a whole number >= 0, got {chunk!r}.",

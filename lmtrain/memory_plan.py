@@ -13,6 +13,14 @@ Byte widths: ``c`` the compute dtype (4 fp32, 2 bf16/fp16), ``w`` the parameter 
     gradients            P * w
     optimizer states     AdamW: exp_avg + exp_avg_sq, 2 * P * w, + one fp32 ``step`` per tensor, K * 4
 
+    with ``master_weights`` (bf16-mixed only; ``lmtrain.optim.MasterWeightAdamW``) the P_mm linear-layer
+    weights and their gradients are bf16 and the optimizer holds their fp32 masters:
+    parameters           P_mm * 2 + (P - P_mm) * 4
+    gradients            P_mm * 2 + (P - P_mm) * 4
+    optimizer states     P_mm * 12 (master, exp_avg, exp_avg_sq) + (P - P_mm) * 8 + K * 4; with
+                         ``optimizer_state_dtype: bfloat16`` P_mm * 6 (the masters' low halves and the
+                         moments, 2 bytes each) instead of P_mm * 12
+
 **Saved activations** (what autograd keeps for the backward pass; the sum of the distinct storages that
 ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters and buffers excluded). Per layer, from
 ``lmtrain/model.py`` operation by operation:
@@ -28,7 +36,8 @@ Byte widths: ``c`` the compute dtype (4 fp32, 2 bf16/fp16), ``w`` the parameter 
     rope q, k            2 * n*D * c   rotated q and k (RoPE's fp32 temporaries are not saved: cos/sin are
                                        buffers and the rest of it needs no saved input)
     swiglu               4 * n*F * c   w1 x (silu input), silu(w1 x), w3 x (product inputs), product (w2 input)
-    weight casts         (4 D^2 + 3 D F) * c  autocast's bf16/fp16 copies of the layer's weights (mixed only)
+    weight casts         (4 D^2 + 3 D F) * c  autocast's bf16/fp16 copies of the layer's weights (mixed only;
+                                       none with ``master_weights``, whose weights are bf16 already)
     attention            per backend:
       naive              n*D*c (v, copied by the batched matmul's reshape) + T^2 (bool causal mask)
                          + B*H*T^2*4 (fp32 softmax output) + B*H*T^2*c (probabilities in v's dtype; shared
@@ -142,6 +151,31 @@ def _widths(precision: str) -> tuple[int, int, bool]:
     return 2, 2, False
 
 
+def linear_parameter_count(cfg: ModelConfig) -> int:
+    """P_mm: parameters used in matrix products, all but the embedding table and the RMSNorm gains (those
+    ``master_weights`` stores in bf16)."""
+    return parameter_count(cfg) - cfg.vocab_size * cfg.d_model - (2 * cfg.num_layers + 1) * cfg.d_model
+
+
+def static_bytes(cfg: ModelConfig, precision: str, mode: str = "train") -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) in bytes, RoPE buffers left out (see the module docstring).
+
+    Raises:
+        LmtrainError: ``cfg.master_weights`` with a precision other than ``bf16-mixed``.
+    """
+    _, w, _ = _widths(precision)
+    p, k = parameter_count(cfg), parameter_tensor_count(cfg)
+    if not cfg.master_weights:
+        return p * w, p * w, (2 * p * w + k * 4 if mode == "train" else 0)
+    if precision != "bf16-mixed":
+        raise LmtrainError("model.master_weights", f"needs trainer.precision bf16-mixed, got {precision}.",
+                           "use trainer.precision: bf16-mixed, or model.master_weights: false.")
+    mm = linear_parameter_count(cfg)
+    weights = mm * 2 + (p - mm) * 4
+    per_master = 12 if cfg.optimizer_state_dtype == "float32" else 6
+    return weights, weights, (mm * per_master + (p - mm) * 8 + k * 4 if mode == "train" else 0)
+
+
 def parameter_tensor_count(cfg: ModelConfig) -> int:
     """Number of parameter tensors of ``TransformerLM(cfg)`` (one AdamW ``step`` tensor each)."""
     per_layer = 2 + 2 + 3  # two RMSNorm gains, qkv + out, w1 + w2 + w3
@@ -185,7 +219,7 @@ def layer_activation_bytes(
         "linear_inputs": ((4 if mixed else 3) - (1 if shared_out else 0)) * n * d * c,
         "rope_qk": 2 * n * d * c,
         "swiglu": 4 * n * f * c,
-        "weight_casts": (4 * d * d + 3 * d * f) * c if mixed else 0,
+        "weight_casts": (4 * d * d + 3 * d * f) * c if mixed and not cfg.master_weights else 0,
     }
     if materializes_scores(cfg.attention):
         terms["attention"] = n * d * c + t * t + b * h * t * t * 4 + (b * h * t * t * c if c != 4 else 0)
@@ -209,7 +243,7 @@ def head_activation_bytes(
     return {
         "final_norm": n * d * 4 + n * d * 4 + n * 4,
         "head_input": n * d * (_residual_width(precision) if chunked else c),
-        "head_weight_cast": v * d * c if mixed and not chunked else 0,
+        "head_weight_cast": v * d * c if mixed and not chunked and not cfg.master_weights else 0,
         "log_softmax": 0 if chunked else n * v * 4,
         "tokens": batch_size * (seq_len + 1) * 8 + n * 8 + 4,  # embedding indices, flat targets, loss weight
     }
@@ -369,7 +403,7 @@ def _train_moments(
     c, w, _ = _widths(precision)
     t = seq_len
     b, n, v = batch_size, batch_size * t, cfg.vocab_size
-    grads = parameter_count(cfg) * w
+    grads = static_bytes(cfg, precision, mode)[1]
     layer = layer_activation_bytes(cfg, b, t, precision, device_type)
     head = head_activation_bytes(cfg, b, t, precision)
     details: dict[str, Any] = {}
@@ -455,17 +489,16 @@ def estimate_memory(
     t = cfg.context_length if seq_len is None else seq_len
     c, w, mixed = _widths(precision)
     b, n, v = batch_size, batch_size * t, cfg.vocab_size
-    p = parameter_count(cfg)
-    params = p * w + t * cfg.head_dim * 4  # + RoPE cos/sin buffers (built for the context length)
-    grads = p * w
-    optim = 2 * p * w + parameter_tensor_count(cfg) * 4 if mode == "train" else 0
+    params, grads, optim = static_bytes(cfg, precision, mode)
+    params += t * cfg.head_dim * 4  # + RoPE cos/sin buffers (built for the context length)
     workspace = CUDA_WORKSPACE_BYTES if device_type == "cuda" else 0
     layer = layer_activation_bytes(cfg, b, t, precision, device_type)
     head = head_activation_bytes(cfg, b, t, precision)
     details = {"layer": layer, "head": head, "gradients": {"all": grads}}
 
     if mode == "forward":
-        weight_cast = cfg.d_model * max(v, cfg.d_ff, 3 * cfg.d_model) * c if mixed else 0  # largest weight, cast
+        # The largest weight, cast (none is cast when the linear weights are bf16 already).
+        weight_cast = cfg.d_model * max(v, cfg.d_ff, 3 * cfg.d_model) * c if mixed and not cfg.master_weights else 0
         # Largest of: the loss (logits, their fp32 copy, the log-softmax) and a SwiGLU block (residual,
         # fp32 norm output and its cast, silu(w1 x), w3 x and their product).
         loss = n * v * (c + 4 + (4 if c != 4 else 0))
@@ -702,12 +735,11 @@ def estimate_memory_distributed(
         raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
     t = cfg.context_length if seq_len is None else seq_len
     c, w, _ = _widths(precision)
-    p = parameter_count(cfg)
     workspace = CUDA_WORKSPACE_BYTES if device_type == "cuda" else 0
     rope = t * cfg.head_dim * 4
 
     if strategy == "ddp":
-        buckets = p * w
+        buckets = static_bytes(cfg, precision, mode)[1]  # one bucket slot per gradient element, in its dtype
         if mode == "forward":
             single = estimate_memory(cfg, batch_size, t, precision, mode, device_type)
             components = {**single.components, "ddp_buckets": buckets}
@@ -727,6 +759,9 @@ def estimate_memory_distributed(
     # FSDP2.
     from lmtrain.distributed import FSDP_PRECISIONS
 
+    if cfg.master_weights:
+        raise LmtrainError("model.master_weights", "is not available with FSDP2 (its mixed-precision policy casts "
+                           "the sharded fp32 weights itself).", "set model.master_weights: false under FSDP2.")
     if precision not in FSDP_PRECISIONS:
         raise ValueError(f"FSDP2 runs in {FSDP_PRECISIONS}, got {precision!r}")
     # param_dtype: bf16 under bf16-mixed (the policy), else the parameters' own; reduce_dtype: fp32 or w.

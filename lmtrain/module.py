@@ -173,17 +173,7 @@ class LMModule(pl.LightningModule):
         if isinstance(cuda_graph_warmup, bool) or not isinstance(cuda_graph_warmup, int) or cuda_graph_warmup < 1:
             raise LmtrainError("model.cuda_graph_warmup", f"must be a whole number >= 1, got {cuda_graph_warmup!r}.",
                                "use 3 (compilation, autotuning and the optimizer state need eager steps first).")
-        if master_weights and self.config.optimizer_in_backward:
-            raise LmtrainError("model.master_weights", "is not available with model.optimizer_in_backward (each "
-                               "in-backward update is a plain AdamW).",
-                               "set one of model.master_weights and model.optimizer_in_backward to false.")
-        if optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
-            raise LmtrainError("model.optimizer_state_dtype", f"unknown dtype {optimizer_state_dtype!r}.",
-                               f"use one of {', '.join(OPTIMIZER_STATE_DTYPES)}.")
-        if optimizer_state_dtype != "float32" and not master_weights:
-            raise LmtrainError("model.optimizer_state_dtype", f"{optimizer_state_dtype} moments are kept by the "
-                               "master-weight optimizer only.",
-                               "set model.master_weights: true (bf16-mixed), or optimizer_state_dtype: float32.")
+        # master_weights and optimizer_state_dtype are ModelConfig fields too: checked there (self.config).
         self.step_mode = step_mode
         self.cuda_graphs = bool(cuda_graphs)
         # Forward-only and forward+backward steps must not step the optimizer, and a graphed step runs the whole

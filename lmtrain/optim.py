@@ -65,7 +65,7 @@ __all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "join_master", "linear
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-#: ``state_dtype`` choices by name (``LMModule``'s ``optimizer_state_dtype``).
+#: ``state_dtype`` choices by name (``LMModule``'s ``optimizer_state_dtype``, ``lmtrain.config.OPTIMIZER_STATES``).
 OPTIMIZER_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Elements per program: 8 per thread at 8 warps (two 16-byte loads of each fp32 tensor). On an H100 (2.7B, bench
 # optimizer) 2048 x 8 warps and 4096 x 8 both reach 98% of copy bandwidth with fp32 moments; with bf16 moments 2048
