@@ -398,14 +398,19 @@ TMA_SHAPES = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", TMA_SHAPES, ids=lambda s: _shape_id(s[:2]) + ("_fusedv" if s[2] else ""))
-def test_gpu_tma_path_matches_reference(shapes, dtype, causal, monkeypatch):
+@pytest.mark.parametrize("split", ["0", "1"], ids=["padded", "split"])
+def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatch):
     """The TMA kernels (forward and backward, chosen on Hopper for these inputs) against float64, every output
-    element written."""
+    element written; the forward with a head dim that is not a power of two padded to one tile, or split into two
+    (``LMTRAIN_FLASH_TMA_SPLIT``)."""
     from lmtrain.kernels import flash_triton_hopper
     from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
 
+    if split == "1" and flash_triton_hopper.split_head_dim(shapes[0][-1])[1] == 0:
+        pytest.skip("a head dim the forward does not split")
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
     monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA backward too (the default keeps it for the forward)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA_SPLIT", split)
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
     assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"

@@ -1,5 +1,5 @@
-"""The TMA forward's split head dims (``flash_triton_hopper.split_head_dim``): the rule, and the kernel against a
-float64 reference under Triton's interpreter (on a Hopper GPU the same cases run in
+"""The TMA forward's split head dims (``flash_triton_hopper.split_head_dim``, ``LMTRAIN_FLASH_TMA_SPLIT=1``): the
+rule, and the kernel against a float64 reference under Triton's interpreter (on a Hopper GPU the same cases run in
 ``test_flash_attention.py::test_gpu_tma_path_matches_reference``).
 
 ``usable`` never picks the TMA kernels under the interpreter, so the interpreted case launches the module's
@@ -58,7 +58,7 @@ def test_split_forward_matches_float64_reference_under_the_interpreter(tmp_path:
     out = tmp_path / "results.pt"
     root = str(Path(__file__).resolve().parents[1])
     subprocess.run([sys.executable, "-c", _SCRIPT, root, str(out), repr(CASES)], check=True, timeout=600,
-                   env={**os.environ, "TRITON_INTERPRET": "1"})
+                   env={**os.environ, "TRITON_INTERPRET": "1", "LMTRAIN_FLASH_TMA_SPLIT": "1"})  # opt-in split
     for (n_q, n_k, d, causal), (q, k, v, o, lse) in zip(CASES, torch.load(out), strict=True):
         scores = (q.double() @ k.double().transpose(-1, -2)) * d**-0.5
         if causal:  # top-left aligned
