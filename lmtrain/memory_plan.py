@@ -151,6 +151,12 @@ def _widths(precision: str) -> tuple[int, int, bool]:
     return 2, 2, False
 
 
+def _weights_cast(cfg: ModelConfig, precision: str) -> bool:
+    """Whether autocast makes bf16/fp16 copies of the linear weights: under ``*-mixed``, unless ``master_weights``
+    already stores them in bf16."""
+    return _widths(precision)[2] and not cfg.master_weights
+
+
 def linear_parameter_count(cfg: ModelConfig) -> int:
     """P_mm: parameters used in matrix products, all but the embedding table and the RMSNorm gains (those
     ``master_weights`` stores in bf16)."""
@@ -219,7 +225,7 @@ def layer_activation_bytes(
         "linear_inputs": ((4 if mixed else 3) - (1 if shared_out else 0)) * n * d * c,
         "rope_qk": 2 * n * d * c,
         "swiglu": 4 * n * f * c,
-        "weight_casts": (4 * d * d + 3 * d * f) * c if mixed and not cfg.master_weights else 0,
+        "weight_casts": (4 * d * d + 3 * d * f) * c if _weights_cast(cfg, precision) else 0,
     }
     if materializes_scores(cfg.attention):
         terms["attention"] = n * d * c + t * t + b * h * t * t * 4 + (b * h * t * t * c if c != 4 else 0)
@@ -237,13 +243,13 @@ def head_activation_bytes(
     With ``loss_chunk_tokens`` the chunks keep their inputs, views of the final norm's output (n*D in the
     residual's dtype), instead of the head's cast input, its weight cast and the log-softmax.
     """
-    c, _, mixed = _widths(precision)
+    c, _, _ = _widths(precision)
     n, d, v = batch_size * seq_len, cfg.d_model, cfg.vocab_size
     chunked = cfg.loss_chunk_tokens > 0
     return {
         "final_norm": n * d * 4 + n * d * 4 + n * 4,
         "head_input": n * d * (_residual_width(precision) if chunked else c),
-        "head_weight_cast": v * d * c if mixed and not chunked and not cfg.master_weights else 0,
+        "head_weight_cast": v * d * c if _weights_cast(cfg, precision) and not chunked else 0,
         "log_softmax": 0 if chunked else n * v * 4,
         "tokens": batch_size * (seq_len + 1) * 8 + n * 8 + 4,  # embedding indices, flat targets, loss weight
     }
@@ -497,8 +503,7 @@ def estimate_memory(
     details = {"layer": layer, "head": head, "gradients": {"all": grads}}
 
     if mode == "forward":
-        # The largest weight, cast (none is cast when the linear weights are bf16 already).
-        weight_cast = cfg.d_model * max(v, cfg.d_ff, 3 * cfg.d_model) * c if mixed and not cfg.master_weights else 0
+        weight_cast = cfg.d_model * max(v, cfg.d_ff, 3 * cfg.d_model) * c if _weights_cast(cfg, precision) else 0
         # Largest of: the loss (logits, their fp32 copy, the log-softmax) and a SwiGLU block (residual,
         # fp32 norm output and its cast, silu(w1 x), w3 x and their product).
         loss = n * v * (c + 4 + (4 if c != 4 else 0))
