@@ -162,16 +162,9 @@ def run_lightning(args: Sequence[str]) -> None:
                         save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None
-    _end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
+    from lmtrain.distributed import end_process_group
 
-
-def _end_process_group() -> None:
-    """End the process group a multi-device run made, so that its threads (gloo's, NCCL's) are gone before the
-    interpreter exits; left alive they can abort the process at exit after a successful run."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
 
 
 class _Parsed(Exception):

@@ -165,3 +165,19 @@ def fsdp_modules(model: nn.Module) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
     return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+def end_process_group() -> None:
+    """End the process group of a finished multi-process run: a barrier, then ``destroy_process_group``.
+
+    Call it after a run that finished on every rank (after a failure a rank may still wait in a collective, and
+    the barrier would hang). Without the barrier the ranks leave at different moments, and gloo's worker threads
+    can still be finishing a collective while the interpreter shuts down; they then abort the process
+    ("terminate called without an active exception") after a run that succeeded. With it, 24 two-process FSDP2
+    fits on the CPU ended cleanly where about one in five had aborted without it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

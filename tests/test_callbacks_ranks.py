@@ -274,8 +274,7 @@ def test_check_ranks() -> None:
 
 
 if __name__ == "__main__":
+    from lmtrain.distributed import end_process_group
+
     run_fit(sys.argv[1], Path(sys.argv[2]))
-    # End the gloo group before the interpreter exits: its threads outliving the group at exit can abort the
-    # process ("terminate called without an active exception") after the fit has finished.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()

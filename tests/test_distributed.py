@@ -286,7 +286,7 @@ def test_strategy_kind_maps_lightning_names() -> None:
 
 
 if __name__ == "__main__":
+    from lmtrain.distributed import end_process_group
+
     run_fit(sys.argv[1], Path(sys.argv[2]))
-    # End the gloo group before the interpreter exits (its threads outliving it can abort the process at exit).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
