@@ -178,23 +178,28 @@ def _run_worker(in_path: str, out_path: str) -> None:
     torch.save(results, out_path)
 
 
+def run_interpreter_worker(script: str, inputs, tmp: Path):
+    """Run ``script --worker IN OUT`` in a fresh process under Triton's interpreter (see the module docstring for
+    why): ``inputs`` saved to IN, what the worker saved to OUT returned."""
+    in_path, out_path = tmp / "inputs.pt", tmp / "results.pt"
+    torch.save(inputs, in_path)
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", str(in_path), str(out_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out_path)
+
+
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory) -> tuple[list[dict], dict]:
     """Run all Triton interpreter cases in one subprocess (see the module docstring for why)."""
     if not HAS_TRITON:
         pytest.skip("needs Triton")
     cases = _triton_case_list()
-    tmp = tmp_path_factory.mktemp("flash_interp")
-    in_path, out_path = tmp / "cases.pt", tmp / "results.pt"
-    torch.save(cases, in_path)
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", str(in_path), str(out_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return cases, torch.load(out_path)
+    return cases, run_interpreter_worker(__file__, cases, tmp_path_factory.mktemp("flash_interp"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,8 +393,9 @@ TMA_SHAPES = [
     ((2, 3, 257, 128), (2, 3, 257, 128), False),
     ((2, 1, 1000, 16), (2, 1, 1000, 16), False),
     ((2, 5, 333, 80), (2, 5, 333, 80), True),
-    ((1, 2, 1025, 48), (1, 2, 1025, 48), False),  # split head dims of the forward: 32 + 16, 64 + 32
+    ((1, 2, 1025, 48), (1, 2, 1025, 48), False),  # split head dims: 32 + 16, 64 + 32, 64 + 16 (N_q < N_k)
     ((1, 2, 211, 96), (1, 2, 97, 96), True),
+    ((1, 2, 130, 80), (1, 2, 300, 80), False),
 ]
 
 
@@ -401,13 +407,13 @@ TMA_SHAPES = [
 @pytest.mark.parametrize("split", ["0", "1"], ids=["padded", "split"])
 def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatch):
     """The TMA kernels (forward and backward, chosen on Hopper for these inputs) against float64, every output
-    element written; the forward with a head dim that is not a power of two padded to one tile, or split into two
+    element written; a head dim that is not a power of two padded to one tile, or split into two
     (``LMTRAIN_FLASH_TMA_SPLIT``)."""
     from lmtrain.kernels import flash_triton_hopper
     from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
 
     if split == "1" and flash_triton_hopper.split_head_dim(shapes[0][-1])[1] == 0:
-        pytest.skip("a head dim the forward does not split")
+        pytest.skip("a head dim that is not split")
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
     monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA backward too (the default keeps it for the forward)
     monkeypatch.setenv("LMTRAIN_FLASH_TMA_SPLIT", split)

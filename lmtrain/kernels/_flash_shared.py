@@ -63,7 +63,7 @@ def _prune(held: str, configs: list[triton.Config], named_args: dict, **kwargs) 
     Args:
         held: which block size is held for the whole program ("BLOCK_M" for forward and dQ, "BLOCK_N" for dK/dV).
     """
-    block_d = kwargs["BLOCK_D"] + kwargs.get("BLOCK_D1", 0)  # a split head dim's two tiles (the TMA forward)
+    block_d = kwargs["BLOCK_D"] + kwargs.get("BLOCK_D1", 0)  # a split head dim's two tiles (the TMA kernels)
     elt = named_args["Q"].element_size()
     kept = []
     for cfg in configs:

@@ -5,17 +5,25 @@ logsumexp L; a dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV k
 is deterministic; causal top-left aligned with the loops split into unmasked and masked parts). What differs is how
 tiles reach shared memory: every q/k/v/O/dO tile is loaded, and every O/dQ/dK/dV tile stored, through a tensor
 descriptor (``tl.make_tensor_descriptor``), which Triton lowers to the Hopper bulk tensor copy engine (TMA) on
-sm_90. Each program builds one 2-D descriptor per tensor for its own (batch, head): shape (N, d), row stride from
-the tensor. That is what keeps the general shapes working without masks in the loads:
+sm_90. Each program builds one 2-D descriptor per tensor (two with a split head dim, below) for its own (batch,
+head): shape (N, d), row stride from the tensor. That is what keeps the general shapes working without masks in the
+loads:
 
 * any N: rows past N read as zeros and are not written (the copy engine clips at the descriptor's shape); the
   score mask still removes keys past N_k, as in the pointer kernels;
-* head dims that are not powers of two (80): the backward's tiles are ``BLOCK_D`` = next power of two wide, the
-  columns past d read as zeros and are not written; the padded columns cost matrix-unit time, not memory traffic.
-  With ``LMTRAIN_FLASH_TMA_SPLIT=1`` the forward splits such a head dim into two tiles instead
-  (``split_head_dim``: 80 -> 64 + 16 columns, each product over the head dim a sum of two, each output two
-  accumulators), so it does 80 columns of matrix work instead of 128 (1.4x faster at d 80 on an H100). Opt-in
-  until its GPU test against float64 has run (it passes under the interpreter);
+* head dims that are not powers of two (80): by default the tiles are ``BLOCK_D`` = next power of two wide, the
+  columns past d read as zeros and are not written; the padded columns cost matrix-unit time (1.6x the products
+  at d 80), not memory traffic. With ``LMTRAIN_FLASH_TMA_SPLIT=1`` all three kernels split such a head dim into two
+  column tiles instead (``split_head_dim``, chosen on the launch side: the largest power of two below d, then the
+  next power of two, at least 16, covering the rest: 80 -> 64 + 16, 96 -> 64 + 32, 48 -> 32 + 16; one padded tile
+  where two would not be narrower, 112 -> 128). Each tensor then has two descriptors over the same (N, d) matrix,
+  moving (rows, BLOCK_D) tiles from column 0 and (rows, BLOCK_D1) tiles from column BLOCK_D (a 16-bit second tile
+  is at least 32 bytes wide, the copy engine's least being 16, and starts on a 16-byte boundary); each product over
+  the head dim (S = Q K^T, dP = dO V^T) is a sum of two, and each head-dim-wide result (O, dQ, dK, dV) two
+  accumulators, so 80 columns of matrix work are done instead of 128. The split forward was timed on an H100
+  (docs/benchmarks/2026-11-23-H100-flash-split-d80.md); the split dQ and dK/dV kernels have not run on a GPU yet.
+  Opt-in until the GPU test against float64 has run (under Triton's interpreter all three kernels match the float64
+  reference, split and padded: tests/test_flash_hopper_split.py);
 * strided q/k/v (e.g. heads of a fused qkv projection): the descriptor takes the tensor's own strides.
 
 The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1);
@@ -138,20 +146,91 @@ def _tile_desc(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.conste
                                      block_shape=[ROWS, BLOCK_D])
 
 
+# The head dim is covered by one or two column tiles (``split_head_dim``): columns [0, BLOCK_D) and, where
+# BLOCK_D1 > 0, [BLOCK_D, BLOCK_D + BLOCK_D1). The helpers below hold the two parts of a row block as a pair
+# (first, second); with one tile (BLOCK_D1 = 0) the second member is a stand-in that no helper reads or updates.
+
+
+@triton.jit
+def _col_descs(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_D1: tl.constexpr):
+    """Descriptors of the (ROWS, BLOCK_D) and (ROWS, BLOCK_D1) tiles of one (batch, head)'s (n_rows, HEAD_DIM)
+    matrix: the same matrix moved in two tile widths."""
+    first = _tile_desc(base, n_rows, stride_row, HEAD_DIM, ROWS, BLOCK_D)
+    second = first
+    if BLOCK_D1 > 0:
+        second = _tile_desc(base, n_rows, stride_row, HEAD_DIM, ROWS, BLOCK_D1)
+    return first, second
+
+
+@triton.jit
+def _load_cols(descs, row, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """The row block from ``row`` on: its tile at column 0 and its tile at column BLOCK_D."""
+    first = descs[0].load([row, 0])
+    second = first
+    if BLOCK_D1 > 0:
+        second = descs[1].load([row, BLOCK_D])
+    return first, second
+
+
+@triton.jit
+def _store_cols(descs, row, acc, scale, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """Store ``acc * scale`` (a pair of fp32 tiles) as the row block from ``row`` on, in the descriptors' dtype."""
+    descs[0].store([row, 0], (acc[0] * scale).to(descs[0].dtype))
+    if BLOCK_D1 > 0:
+        descs[1].store([row, BLOCK_D], (acc[1] * scale).to(descs[1].dtype))
+
+
+@triton.jit
+def _zeros_cols(ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """A pair of fp32 accumulators for ROWS rows of the head dim, zeroed."""
+    first = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    second = first
+    if BLOCK_D1 > 0:
+        second = tl.zeros([ROWS, BLOCK_D1], dtype=tl.float32)
+    return first, second
+
+
+@triton.jit
+def _scale_cols(acc, scale, BLOCK_D1: tl.constexpr):
+    """``acc * scale`` for a pair of accumulators."""
+    second = acc[1]
+    if BLOCK_D1 > 0:
+        second = second * scale
+    return acc[0] * scale, second
+
+
+@triton.jit
+def _dot_cols_t(a, b, BLOCK_D1: tl.constexpr):
+    """a b^T over the head dim, summed over its column parts: a (M, width) and b (N, width) tile pairs -> (M, N)
+    fp32."""
+    ab_t = tl.dot(a[0], b[0].T)
+    if BLOCK_D1 > 0:
+        ab_t = tl.dot(a[1], b[1].T, ab_t)
+    return ab_t
+
+
+@triton.jit
+def _dot_into_cols(p, b, acc, BLOCK_D1: tl.constexpr):
+    """acc + p b, column part by column part: p (M, N) times a (N, width) tile pair, added to a (M, width)
+    accumulator pair."""
+    first = tl.dot(p, b[0], acc[0])
+    second = acc[1]
+    if BLOCK_D1 > 0:
+        second = tl.dot(p, b[1], second)
+    return first, second
+
+
 @triton.jit
 def _fwd_inner(
-    acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m, lo, hi, N_K, qk_scale,
+    acc, l_i, m_i, q, k_descs, v_descs, offs_m, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """Online-softmax update of one query block over key blocks [lo, hi). With a split head dim (``BLOCK_D1`` > 0)
-    the columns from ``BLOCK_D`` on come through the ``*1`` tiles and accumulate into ``acc1``."""
+    """Online-softmax update of one query block over key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = k_desc.load([start_n, 0])
-        qk = tl.dot(q, k.T)  # (BLOCK_M, BLOCK_N) fp32
-        if BLOCK_D1 > 0:
-            qk = tl.dot(q1, k1_desc.load([start_n, BLOCK_D]).T, qk)
+        qk = _dot_cols_t(q, _load_cols(k_descs, start_n, BLOCK_D, BLOCK_D1), BLOCK_D1)  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:
             qk = tl.where(_keep(offs_m, start_n + offs_n, N_K, IS_CAUSAL), qk, float("-inf"))
         # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
@@ -159,13 +238,10 @@ def _fwd_inner(
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([start_n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        if BLOCK_D1 > 0:
-            acc1 = tl.dot(p.to(v.dtype), v1_desc.load([start_n, BLOCK_D]), acc1 * alpha[:, None])
+        v = _load_cols(v_descs, start_n, BLOCK_D, BLOCK_D1)
+        acc = _dot_into_cols(p.to(v[0].dtype), v, _scale_cols(acc, alpha[:, None], BLOCK_D1), BLOCK_D1)
         m_i = m_new
-    return acc, acc1, l_i, m_i
+    return acc, l_i, m_i
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
@@ -181,65 +257,45 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,).
-
-    The head dim is covered by tiles BLOCK_D wide, and with ``BLOCK_D1`` > 0 (see ``split_head_dim``) by a second
-    set of tiles BLOCK_D1 wide from column BLOCK_D on."""
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
     bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
-    q_base, k_base, v_base = Q + z * stride_qz + h * stride_qh, K + z * stride_kz + h * stride_kh, \
-        V + z * stride_vz + h * stride_vh
-    q_desc = _tile_desc(q_base, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
-    k_desc = _tile_desc(k_base, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _tile_desc(v_base, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    q = _load_cols(_col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
+    k_descs = _col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
+    v_descs = _col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = q_desc.load([start_m, 0])
-    if BLOCK_D1 > 0:
-        k1_desc = _tile_desc(k_base, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
-        v1_desc = _tile_desc(v_base, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
-        q1 = _tile_desc(q_base, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D1).load([start_m, BLOCK_D])
-        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
-    else:  # placeholders, never read
-        k1_desc, v1_desc, q1 = k_desc, v_desc, q
-        acc1 = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = _zeros_cols(BLOCK_M, BLOCK_D, BLOCK_D1)
     full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, acc1, l_i, m_i = _fwd_inner(acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m, 0,
-                                     full_end, N_K, qk_scale, BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False,
-                                     WARP_SPEC)
-    acc, acc1, l_i, m_i = _fwd_inner(acc, acc1, l_i, m_i, q, q1, k_desc, k1_desc, v_desc, v1_desc, offs_m,
-                                     full_end, hi, N_K, qk_scale, BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True,
-                                     WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_descs, v_descs, offs_m, 0, full_end, N_K, qk_scale,
+                               BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_descs, v_descs, offs_m, full_end, hi, N_K, qk_scale,
+                               BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
 
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
-    o_base = OUT + z * stride_oz + h * stride_oh
-    _tile_desc(o_base, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D).store(
-        [start_m, 0], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
-    if BLOCK_D1 > 0:
-        _tile_desc(o_base, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D1).store(
-            [start_m, BLOCK_D], (acc1 / l_i[:, None]).to(OUT.dtype.element_ty))
+    o_descs = _col_descs(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D1)
+    _store_cols(o_descs, start_m, acc, (1.0 / l_i)[:, None], BLOCK_D, BLOCK_D1)
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_desc, v_desc, offs_m, lo, hi, N_K, qk_scale,
-    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    dq, q, do, lse2, delta, k_descs, v_descs, offs_m, lo, hi, N_K, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = k_desc.load([start_n, 0])
-        v = v_desc.load([start_n, 0])
-        qk = tl.dot(q, k.T)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        k = _load_cols(k_descs, start_n, BLOCK_D, BLOCK_D1)
+        v = _load_cols(v_descs, start_n, BLOCK_D, BLOCK_D1)
+        p = tl.math.exp2(_dot_cols_t(q, k, BLOCK_D1) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(_keep(offs_m, start_n + offs_n, N_K, IS_CAUSAL), p, 0.0)
-        dp = tl.dot(do, v.T)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        ds = p * (_dot_cols_t(do, v, BLOCK_D1) - delta[:, None])
+        dq = _dot_into_cols(ds.to(k[0].dtype), k, dq, BLOCK_D1)
     return dq
 
 
@@ -255,46 +311,52 @@ def _bwd_dq_kernel(
     stride_doz, stride_doh, stride_dom,
     stride_dqz, stride_dqh, stride_dqm,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,).
 
     Also writes ``D = rowsum(O * dO)`` (fp32) of its rows, which it needs itself and the dK/dV kernel reads after it.
     """
     bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
-    q = _tile_desc(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D).load([start_m, 0])
-    do = _tile_desc(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D).load(
-        [start_m, 0])
-    o = _tile_desc(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D).load([start_m, 0])
-    k_desc = _tile_desc(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _tile_desc(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    q = _load_cols(_col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
+    do = _load_cols(_col_descs(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
+                               BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
+    o = _load_cols(_col_descs(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
+    k_descs = _col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
+    v_descs = _col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < N_Q
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    delta = tl.sum(o[0].to(tl.float32) * do[0].to(tl.float32), axis=1)
+    if BLOCK_D1 > 0:
+        delta += tl.sum(o[1].to(tl.float32) * do[1].to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=m_ok)
     lse2 = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _zeros_cols(BLOCK_M, BLOCK_D, BLOCK_D1)
     full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, 0, full_end, N_K, qk_scale,
-                       BLOCK_N, IS_CAUSAL, False, WARP_SPEC)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, full_end, hi, N_K, qk_scale,
-                       BLOCK_N, IS_CAUSAL, True, WARP_SPEC)
-    dq_desc = _tile_desc(DQ + z * stride_dqz + h * stride_dqh, N_Q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D)
-    dq_desc.store([start_m, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_descs, v_descs, offs_m, 0, full_end, N_K, qk_scale,
+                       BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_descs, v_descs, offs_m, full_end, hi, N_K, qk_scale,
+                       BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
+    dq_descs = _col_descs(DQ + z * stride_dqz + h * stride_dqh, N_Q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D,
+                          BLOCK_D1)
+    _store_cols(dq_descs, start_m, dq, sm_scale, BLOCK_D, BLOCK_D1)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, offs_n, lo, hi, N_Q, qk_scale,
-    BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, lo, hi, N_Q, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi). Works on transposed tiles (keys x queries)."""
     offs_i = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPEC):
         m_idx = start_m + offs_i
-        q = q_desc.load([start_m, 0])
+        q = _load_cols(q_descs, start_m, BLOCK_D, BLOCK_D1)
         if MASKED:
             m_ok = m_idx < N_Q
             lse = tl.load(lse_base + m_idx, mask=m_ok, other=float("inf"))  # padded rows: P = 0
@@ -302,16 +364,15 @@ def _bwd_dkdv_inner(
         else:
             lse = tl.load(lse_base + m_idx)
             delta = tl.load(delta_base + m_idx)
-        qk_t = tl.dot(k, q.T)  # (BLOCK_N, BLOCK_M)
+        qk_t = _dot_cols_t(k, q, BLOCK_D1)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASKED:
             if IS_CAUSAL:
                 p_t = tl.where(m_idx[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = do_desc.load([start_m, 0])
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dp_t = tl.dot(v, do.T)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        do = _load_cols(do_descs, start_m, BLOCK_D, BLOCK_D1)
+        dv = _dot_into_cols(p_t.to(do[0].dtype), do, dv, BLOCK_D1)
+        ds_t = p_t * (_dot_cols_t(v, do, BLOCK_D1) - delta[None, :])
+        dk = _dot_into_cols(ds_t.to(q[0].dtype), q, dk, BLOCK_D1)
     return dk, dv
 
 
@@ -327,8 +388,8 @@ def _bwd_dkdv_kernel(
     stride_dkz, stride_dkh, stride_dkn,
     stride_dvz, stride_dvh, stride_dvn,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (batch, head). Grid: (cdiv(N_K, BLOCK_N) * Z * H,).
 
@@ -342,32 +403,38 @@ def _bwd_dkdv_kernel(
     z = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _tile_desc(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D).load([start_n, 0])
-    v = _tile_desc(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D).load([start_n, 0])
-    q_desc = _tile_desc(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
-    do_desc = _tile_desc(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k = _load_cols(_col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              BLOCK_D1), start_n, BLOCK_D, BLOCK_D1)
+    v = _load_cols(_col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              BLOCK_D1), start_n, BLOCK_D, BLOCK_D1)
+    q_descs = _col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D1)
+    do_descs = _col_descs(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
+                          BLOCK_D1)
     lse_base = LSE + bh.to(tl.int64) * N_Q
     delta_base = DELTA + bh.to(tl.int64) * N_Q
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk = _zeros_cols(BLOCK_N, BLOCK_D, BLOCK_D1)
+    dv = _zeros_cols(BLOCK_N, BLOCK_D, BLOCK_D1)
     full_end = (N_Q // BLOCK_M) * BLOCK_M
     if IS_CAUSAL:
         # Queries before start_n see none of these keys. Diagonal blocks first (masked), then the rest.
         diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, offs_n, start_n, diag_end,
-                                 N_Q, qk_scale, BLOCK_M, IS_CAUSAL, True, WARP_SPEC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, start_n, diag_end,
+                                 N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
         below = start_n + BLOCK_N
     else:
         below = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, offs_n, below, full_end,
-                             N_Q, qk_scale, BLOCK_M, IS_CAUSAL, False, WARP_SPEC)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, offs_n,
-                             tl.maximum(full_end, below), N_Q, N_Q, qk_scale, BLOCK_M, IS_CAUSAL, True, WARP_SPEC)
-    dk_desc = _tile_desc(DK + z * stride_dkz + h * stride_dkh, N_K, stride_dkn, HEAD_DIM, BLOCK_N, BLOCK_D)
-    dv_desc = _tile_desc(DV + z * stride_dvz + h * stride_dvh, N_K, stride_dvn, HEAD_DIM, BLOCK_N, BLOCK_D)
-    dk_desc.store([start_n, 0], (dk * sm_scale).to(DK.dtype.element_ty))
-    dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, below, full_end,
+                             N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n,
+                             tl.maximum(full_end, below), N_Q, N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL,
+                             True, WARP_SPEC)
+    dk_descs = _col_descs(DK + z * stride_dkz + h * stride_dkh, N_K, stride_dkn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                          BLOCK_D1)
+    dv_descs = _col_descs(DV + z * stride_dvz + h * stride_dvh, N_K, stride_dvn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                          BLOCK_D1)
+    _store_cols(dk_descs, start_n, dk, sm_scale, BLOCK_D, BLOCK_D1)
+    _store_cols(dv_descs, start_n, dv, 1.0, BLOCK_D, BLOCK_D1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +443,7 @@ def _bwd_dkdv_kernel(
 
 
 def split_head_dim(d: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_D1): the widths of the forward's two column tiles for head dim ``d``, BLOCK_D1 = 0 for one.
+    """(BLOCK_D, BLOCK_D1): the widths of the two column tiles for head dim ``d``, BLOCK_D1 = 0 for one.
 
     A head dim that is a power of two is one tile. Otherwise the first tile is the largest power of two below d
     and the second the next power of two (at least 16, the least a matrix product takes) covering the rest, where
@@ -391,15 +458,21 @@ def split_head_dim(d: int) -> tuple[int, int]:
     return (first, second) if first + second < padded else (padded, 0)
 
 
+def _with_head_dim_tiles(consts: dict, d: int) -> dict:
+    """``consts`` with the head dim's tile widths: split as ``split_head_dim`` says with ``LMTRAIN_FLASH_TMA_SPLIT=1``,
+    else one tile of the next power of two."""
+    split = os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "0") == "1"
+    block_d, block_d1 = split_head_dim(d) if split else (triton.next_power_of_2(d), 0)
+    return {**consts, "BLOCK_D": block_d, "BLOCK_D1": block_d1}
+
+
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
             consts: dict, key: tuple) -> None:
     """Launch the TMA forward kernel: O into o4, L into lse (``consts``, ``key``: as flash_triton's launchers;
     the head dim's tiles as ``split_head_dim`` says)."""
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
-    block_d, block_d1 = split_head_dim(d) if os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "0") == "1" else (
-        triton.next_power_of_2(d), 0)
-    consts = {**consts, "BLOCK_D": block_d, "BLOCK_D1": block_d1}
+    consts = _with_head_dim_tiles(consts, d)
     _ensure_allocator()
     _launch(_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
         q4, k4, v4, o4, lse,
@@ -414,10 +487,12 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
 def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
              consts: dict, key: tuple) -> None:
-    """Launch the TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel."""
+    """Launch the TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel (the head dim's tiles as
+    for ``forward``)."""
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
     sm_scale = d**-0.5
+    consts = _with_head_dim_tiles(consts, d)
     _ensure_allocator()
     _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
         q4, k4, v4, o4, do4, lse, delta, dq4,
