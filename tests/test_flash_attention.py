@@ -409,14 +409,15 @@ def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatc
     """The TMA kernels (forward and backward, chosen on Hopper for these inputs) against float64, every output
     element written; a head dim that is not a power of two padded to one tile, or split into two
     (``LMTRAIN_FLASH_TMA_SPLIT``)."""
-    from lmtrain.kernels import flash_triton_hopper
+    from lmtrain.kernels import _flash_shared, flash_triton_hopper
     from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
 
     if split == "1" and flash_triton_hopper.split_head_dim(shapes[0][-1])[1] == 0:
         pytest.skip("a head dim that is not split")
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA backward too (the default keeps it for the forward)
+    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA path for both passes (the default)
     monkeypatch.setenv("LMTRAIN_FLASH_TMA_SPLIT", split)
+    monkeypatch.setattr(_flash_shared, "_CHOSEN", {})  # no launch cached from another setting
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
     assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"
@@ -440,10 +441,9 @@ def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
     from lmtrain.kernels.flash_triton import _as_4d, flash_attention
 
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
-    assert flash_triton_hopper.usable(_as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)))
-    assert not flash_triton_hopper.usable(_as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)),
-                                          backward=True), "by default the backward takes the pointer kernels"
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")
+    monkeypatch.delenv("LMTRAIN_FLASH_TMA", raising=False)
+    x = _as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16))
+    assert flash_triton_hopper.usable(x) and flash_triton_hopper.usable(x, backward=True), "both passes by default"
 
     def usable(*ts):
         return flash_triton_hopper.usable(*(_as_4d(t) for t in ts))
@@ -456,6 +456,9 @@ def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
     wide = torch.randn(1, 2, 200, 72, **bf16)
     q, k, v = (wide[..., i : i + 64] for i in (1, 3, 5))  # base pointers 2 bytes off 16-byte alignment
     assert not usable(q, k, v)
+    assert not usable(torch.randn(1, 1, 64, 64, **bf16).expand(2, 3, 64, 64))  # stride 0: no descriptor
+    odd = torch.randn(1, 3, 64, 64, **bf16).as_strided((1, 3, 64, 64), (7, 64 * 64, 64, 1))
+    assert usable(odd), "the stride of a dimension of size 1 is never used"
     monkeypatch.setenv("LMTRAIN_FLASH_TMA", "forward")
     assert usable(wide) and not flash_triton_hopper.usable(_as_4d(wide), backward=True)
     monkeypatch.setenv("LMTRAIN_FLASH_TMA", "0")

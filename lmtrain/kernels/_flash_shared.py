@@ -64,7 +64,8 @@ def _prune(held: str, configs: list[triton.Config], named_args: dict, **kwargs) 
         held: which block size is held for the whole program ("BLOCK_M" for forward and dQ, "BLOCK_N" for dK/dV).
     """
     block_d = kwargs["BLOCK_D"] + kwargs.get("BLOCK_D1", 0)  # a split head dim's two tiles (the TMA kernels)
-    elt = named_args["Q"].element_size()
+    q = named_args["Q"]
+    elt = getattr(q, "base", q).element_size()  # a tensor, or a tensor descriptor (the TMA kernels)
     kept = []
     for cfg in configs:
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -120,9 +121,11 @@ def _launch(kernel, grid, args: tuple, consts: dict, key: tuple) -> None:
     if cfg is None:
         kernel[grid](*args, **consts)
         chosen = getattr(kernel, "best_config", None)  # set by every autotuned launch
-        if chosen is not None and chosen.pre_hook is None:
+        if chosen is not None:
             _CHOSEN[(kernel, *key)] = chosen
         return
+    if cfg.pre_hook is not None:  # what the autotuner does before each launch (the TMA kernels set their boxes)
+        cfg.pre_hook({**dict(zip(kernel.arg_names, args, strict=False)), **consts, **cfg.all_kwargs()})
     kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **consts, **cfg.all_kwargs())
 
 

@@ -4,41 +4,34 @@ Same algorithm, outputs and properties as ``flash_triton`` (online-softmax forwa
 logsumexp L; a dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV kernel; no atomics, so the backward
 is deterministic; causal top-left aligned with the loops split into unmasked and masked parts). What differs is how
 tiles reach shared memory: every q/k/v/O/dO tile is loaded, and every O/dQ/dK/dV tile stored, through a tensor
-descriptor (``tl.make_tensor_descriptor``), which Triton lowers to the Hopper bulk tensor copy engine (TMA) on
-sm_90. Each program builds one 2-D descriptor per tensor (two with a split head dim, below) for its own (batch,
-head): shape (N, d), row stride from the tensor. That is what keeps the general shapes working without masks in the
-loads:
+descriptor, which Triton lowers to the Hopper bulk tensor copy engine (TMA).
 
-* any N: rows past N read as zeros and are not written (the copy engine clips at the descriptor's shape); the
-  score mask still removes keys past N_k, as in the pointer kernels;
-* head dims that are not powers of two (80): by default the tiles are ``BLOCK_D`` = next power of two wide, the
-  columns past d read as zeros and are not written; the padded columns cost matrix-unit time (1.6x the products
-  at d 80), not memory traffic. With ``LMTRAIN_FLASH_TMA_SPLIT=1`` all three kernels split such a head dim into two
-  column tiles instead (``split_head_dim``, chosen on the launch side: the largest power of two below d, then the
-  next power of two, at least 16, covering the rest: 80 -> 64 + 16, 96 -> 64 + 32, 48 -> 32 + 16; one padded tile
-  where two would not be narrower, 112 -> 128). Each tensor then has two descriptors over the same (N, d) matrix,
-  moving (rows, BLOCK_D) tiles from column 0 and (rows, BLOCK_D1) tiles from column BLOCK_D (a 16-bit second tile
-  is at least 32 bytes wide, the copy engine's least being 16, and starts on a 16-byte boundary); each product over
-  the head dim (S = Q K^T, dP = dO V^T) is a sum of two, and each head-dim-wide result (O, dQ, dK, dV) two
-  accumulators, so 80 columns of matrix work are done instead of 128. The split forward was timed on an H100
-  (docs/benchmarks/2026-11-23-H100-flash-split-d80.md); the split dQ and dK/dV kernels have not run on a GPU yet.
-  Opt-in until the GPU test against float64 has run (under Triton's interpreter all three kernels match the float64
-  reference, split and padded: tests/test_flash_hopper_split.py);
-* strided q/k/v (e.g. heads of a fused qkv projection): the descriptor takes the tensor's own strides.
+The descriptors are built on the host, one per tensor and launch (``TensorDescriptor`` over the whole (Z, H, N, d)
+tensor with its own strides, moving (1, 1, rows, width) boxes), and a program addresses its tiles by (batch, head,
+row, column). An earlier version built a 2-D descriptor per program inside the kernel (``tl.make_tensor_descriptor``);
+each program then wrote its descriptors to global memory and fenced them before its first load, which cost most at
+short sequences, where programs are short: host descriptors made the forward 1.26-1.33x faster at N 1024 and the
+forward+backward 1.22-1.41x (docs/benchmarks/2026-11-23-H100-flash-tma-host.md). The box shapes depend on the
+autotuned block sizes, so each configuration's pre-launch hook sets them (``_set_boxes``). What the copy engine does
+at the edges keeps the general shapes working without masks in the loads:
 
-The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1);
-``usable`` checks that and the dtype (fp16/bf16; fp32 stays on the pointer kernels, whose IEEE products run on CUDA
-cores anyway), the head dim (a multiple of 8 up to 128) and the GPU (compute capability 9.0 or later, a Triton with
-in-kernel descriptors). Anything else runs the pointer kernels of ``flash_triton``, which also serve older GPUs and
-Triton's interpreter. By default only the forward takes this path (``LMTRAIN_FLASH_TMA=forward``): on an H100 the TMA
-forward followed by the pointer backward was the fastest of the three choices on the leaderboard problem, and the TMA
-backward was slower than the pointer one (docs/benchmarks/2026-11-23-H100-flash-hopper.md).
-``LMTRAIN_FLASH_TMA=1`` takes it for both passes, ``LMTRAIN_FLASH_TMA=0`` for neither.
+* any N: rows past N (of this batch and head: the box never crosses into the next head) read as zeros and are not
+  written; the score mask still removes keys past N_k, as in the pointer kernels;
+* head dims that are not powers of two are split into two column tiles (``split_head_dim``: the largest power of two
+  below d, then the next power of two, at least 16, covering the rest: 80 -> 64 + 16, 96 -> 64 + 32, 48 -> 32 + 16;
+  one padded tile where two would not be narrower, 112 -> 128), each moved through its own descriptor; each product
+  over the head dim (S = Q K^T, dP = dO V^T) is a sum of two and each head-dim-wide result (O, dQ, dK, dV) two
+  accumulators, so d 80 does 80 columns of matrix work instead of 128. ``LMTRAIN_FLASH_TMA_SPLIT=0`` pads to one
+  tile instead, the columns past d reading as zeros and not written;
+* strided q/k/v (e.g. heads of a fused qkv projection): the descriptors take the tensors' own strides.
 
-The descriptors are built in the kernel, in a small global-memory scratch area that Triton asks its allocator for at
-launch (128 bytes per descriptor per program); ``_ensure_allocator`` installs one backed by PyTorch's caching
-allocator when none is set. Triton keeps the allocator in a context variable, so the check runs at every launch:
-the backward runs on autograd's own thread.
+The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1), and
+strides that are not zero; ``usable`` checks that (a dimension of size 1 takes a dense stride, as it is never
+stepped over) and the dtype (fp16/bf16; fp32 stays on the pointer kernels, whose IEEE products run on CUDA cores
+anyway), the head dim (a multiple of 8 up to 128) and the GPU (compute capability 9.0 or later, a Triton with host
+tensor descriptors). Anything else runs the pointer kernels of ``flash_triton``, which also serve older GPUs and
+Triton's interpreter. ``LMTRAIN_FLASH_TMA=1`` (default) takes this path for both passes, ``forward`` for the forward
+only, ``0`` for neither.
 
 Causal programs of one (batch, head) are launched longest rows first (forward, dQ) or longest columns first (dK/dV),
 and heads one after the other, so the programs that run together share their K/V (or Q/dO) tiles in L2.
@@ -62,28 +55,57 @@ from lmtrain.kernels._flash_shared import (
     _launch,
     _prune_held_m,
     _prune_held_n,
-    _query_block,
     _tuning_bench,
 )
 
-_HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+try:  # host-side tensor descriptors: Triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernels serve every call
+    TensorDescriptor = None
+
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _ws_configs(blocks: list[tuple[int, int, int, int, bool]]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, warp-specialised loops) tuples -> triton configs."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPEC": ws}, num_warps=w, num_stages=s)
+def _set_boxes(rows: dict[str, str]):
+    """A configuration's pre-launch hook: give each descriptor argument its box for the configuration,
+    (1, 1, rows, width) with rows ``BLOCK_M`` or ``BLOCK_N`` as ``rows`` says (argument name -> block) and width
+    ``BLOCK_D`` (the argument X) or ``BLOCK_D1`` (X1, the second column tile of a split head dim)."""
+
+    def hook(nargs: dict) -> None:
+        for name, block in rows.items():
+            for suffix, width in (("", "BLOCK_D"), ("1", "BLOCK_D1")):
+                desc = nargs.get(name + suffix)
+                if desc is not None:
+                    desc.block_shape = [1, 1, nargs[block], nargs[width]]
+
+    return hook
+
+
+def _configs(blocks: list[tuple[int, int, int, int, bool]], rows: dict[str, str]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, warp-specialised loops) tuples -> triton configs whose pre-launch
+    hook sets the descriptors' boxes (``_set_boxes``)."""
+    hook = _set_boxes(rows)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPEC": ws}, num_warps=w, num_stages=s, pre_hook=hook)
             for bm, bn, w, s, ws in blocks]
 
 
-# Chosen from a sweep on an H100 (bf16, causal, B*H*N = 2^21; see docs/benchmarks/2026-11-23-H100-flash-hopper.md):
-# forward 128 x 128 with 8 warps and 3 stages for head dims above 64, 128 x 64 with 4 warps for 64; dQ 128 x 128 (d 128)
-# or 64 x 64 (d 64); dK/dV 128 keys x 64 queries with 8 warps (d 80, 128) or x 32 with 4 warps (d 64, where its
-# two accumulators fit). Warp-specialised loops (``WARP_SPEC``) were no faster than the best plain ones there, or did
-# not compile, so none of the candidates uses them. The first fitting one is the default when autotuning is off.
-_FWD_CONFIGS = _ws_configs([(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False)])
-_DQ_CONFIGS = _ws_configs([(128, 128, 8, 2, False), (64, 64, 4, 3, False), (128, 32, 4, 3, False)])
-_DKDV_CONFIGS = _ws_configs([(64, 128, 8, 3, False), (32, 128, 4, 3, False), (32, 128, 8, 3, False)])
+_M, _N = "BLOCK_M", "BLOCK_N"
+
+# Candidates from pinned sweeps on an H100 (bf16, causal, B*H*N = 2^21, N 1024 and 16384, head dims 64/80/128; see
+# docs/benchmarks/2026-11-23-H100-flash-tma-host.md). Forward: 128 x 128 with 8 warps at d 128, 128 x 64 with 4
+# warps at d 64 and split 80. dQ: 128 x 64 with 8 warps at long N, 64/128 x 32 with 4 warps at N 1024. dK/dV
+# (keys x queries held x streamed): 64 x 64 with 4 warps at d 64/80, 64 x 32 with 4 warps and 2 stages at d 128,
+# 128 x 64 with 8 warps close behind. Warp-specialised loops (``WARP_SPEC``) were no faster than the plain ones on the
+# earlier sweep, 16-warp and 256-row tiles slower; none is a candidate. The first fitting one is the default when
+# autotuning is off; the last is the smallest (what the pruning keeps when nothing else fits).
+_FWD_CONFIGS = _configs([(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False)],
+                        {"Q": _M, "K": _N, "V": _N, "OUT": _M})
+_DQ_CONFIGS = _configs([(128, 128, 8, 2, False), (128, 64, 8, 3, False), (64, 64, 4, 3, False),
+                        (128, 32, 4, 3, False), (64, 32, 4, 3, False)],
+                       {"Q": _M, "K": _N, "V": _N, "OUT": _M, "DO": _M, "DQ": _M})
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3, False), (32, 128, 4, 3, False), (64, 128, 8, 2, False),
+                          (64, 64, 4, 3, False), (32, 64, 4, 2, False)],
+                         {"Q": _M, "K": _N, "V": _N, "DO": _M, "DK": _N, "DV": _N})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,19 +122,31 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _CAPABILITY[index]
 
 
+def _tma_strides(t: torch.Tensor) -> list[int]:
+    """The strides a descriptor of the (Z, H, N, d) tensor ``t`` gets: its own, except that a dimension of size 1
+    (never stepped over) takes the dense stride of the dimensions inside it, so an odd stride there does not matter."""
+    strides = list(t.stride())
+    for i in (2, 1, 0):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return strides
+
+
 def _aligned(t: torch.Tensor) -> bool:
-    """16-byte aligned base and strides (but the last, which must be 1): what a TMA descriptor needs."""
+    """What a TMA descriptor needs: a 16-byte aligned base, positive 16-byte multiples as strides (but the last,
+    which must be 1)."""
     elt = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * elt % 16 == 0 for s in t.stride()[:-1])
+    strides = _tma_strides(t)
+    return strides[-1] == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s * elt % 16 == 0 for s in strides[:-1])
 
 
 def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
     """Whether the TMA kernels serve these (Z, H, N, d) tensors (inputs and output buffers alike).
 
-    ``LMTRAIN_FLASH_TMA``: ``forward`` (default) the forward only, ``1`` forward and backward, ``0`` neither.
+    ``LMTRAIN_FLASH_TMA``: ``1`` (default) forward and backward, ``forward`` the forward only, ``0`` neither.
     """
-    setting = os.environ.get("LMTRAIN_FLASH_TMA", "forward")
-    if _INTERPRET or not _HAS_DESCRIPTORS or setting == "0" or (backward and setting == "forward"):
+    setting = os.environ.get("LMTRAIN_FLASH_TMA", "1")
+    if _INTERPRET or TensorDescriptor is None or setting == "0" or (backward and setting == "forward"):
         return False
     q = tensors[0]
     d = q.shape[-1]
@@ -121,64 +155,46 @@ def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
     return _capability(q.device) >= (9, 0) and all(_aligned(t) for t in tensors)
 
 
-def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for in-kernel descriptors, from PyTorch's caching allocator (stream-ordered like the launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    from triton.runtime import _allocation
-
-    current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), _allocation.NullAllocator):
-        triton.set_allocator(_alloc_scratch)
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
 
-
-@triton.jit
-def _tile_desc(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Descriptor of one (batch, head)'s (n_rows, HEAD_DIM) matrix, moved in (ROWS, BLOCK_D) tiles."""
-    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
-                                     block_shape=[ROWS, BLOCK_D])
-
-
-# The head dim is covered by one or two column tiles (``split_head_dim``): columns [0, BLOCK_D) and, where
-# BLOCK_D1 > 0, [BLOCK_D, BLOCK_D + BLOCK_D1). The helpers below hold the two parts of a row block as a pair
-# (first, second); with one tile (BLOCK_D1 = 0) the second member is a stand-in that no helper reads or updates.
+# Every q/k/v/O/dO/dQ/dK/dV argument of the kernels below is a host descriptor of the whole (Z, H, N, d) tensor,
+# moving (1, 1, rows, width) boxes; a program addresses its tiles by (batch, head, row, column). The head dim is
+# covered by one or two column tiles (``split_head_dim``): columns [0, BLOCK_D) through the descriptor X and, where
+# BLOCK_D1 > 0, [BLOCK_D, BLOCK_D + BLOCK_D1) through the descriptor X1 (None without a split). The helpers hold
+# the two parts of a row block as a pair (first, second); with one tile the second member is a stand-in that no
+# helper reads or updates.
 
 
 @triton.jit
-def _col_descs(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_D1: tl.constexpr):
-    """Descriptors of the (ROWS, BLOCK_D) and (ROWS, BLOCK_D1) tiles of one (batch, head)'s (n_rows, HEAD_DIM)
-    matrix: the same matrix moved in two tile widths."""
-    first = _tile_desc(base, n_rows, stride_row, HEAD_DIM, ROWS, BLOCK_D)
-    second = first
-    if BLOCK_D1 > 0:
-        second = _tile_desc(base, n_rows, stride_row, HEAD_DIM, ROWS, BLOCK_D1)
-    return first, second
+def _load_tile(desc, z, h, row, col):
+    """The (rows, width) tile of (batch z, head h) at (row, col): the descriptor's box without its two unit dims."""
+    t = desc.load([z, h, row, col])
+    return tl.reshape(t, [t.shape[2], t.shape[3]])
 
 
 @triton.jit
-def _load_cols(descs, row, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
+def _store_tile(desc, z, h, row, col, x):
+    desc.store([z, h, row, col], tl.reshape(x, [1, 1, x.shape[0], x.shape[1]]))
+
+
+@triton.jit
+def _load_cols(descs, z, h, row, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
     """The row block from ``row`` on: its tile at column 0 and its tile at column BLOCK_D."""
-    first = descs[0].load([row, 0])
+    first = _load_tile(descs[0], z, h, row, 0)
     second = first
     if BLOCK_D1 > 0:
-        second = descs[1].load([row, BLOCK_D])
+        second = _load_tile(descs[1], z, h, row, BLOCK_D)
     return first, second
 
 
 @triton.jit
-def _store_cols(descs, row, acc, scale, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
-    """Store ``acc * scale`` (a pair of fp32 tiles) as the row block from ``row`` on, in the descriptors' dtype."""
-    descs[0].store([row, 0], (acc[0] * scale).to(descs[0].dtype))
+def _store_cols(descs, z, h, row, acc, scale, dtype: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr):
+    """Store ``acc * scale`` (a pair of fp32 tiles) in ``dtype`` as the row block from ``row`` on."""
+    _store_tile(descs[0], z, h, row, 0, (acc[0] * scale).to(dtype))
     if BLOCK_D1 > 0:
-        descs[1].store([row, BLOCK_D], (acc[1] * scale).to(descs[1].dtype))
+        _store_tile(descs[1], z, h, row, BLOCK_D, (acc[1] * scale).to(dtype))
 
 
 @triton.jit
@@ -222,75 +238,86 @@ def _dot_into_cols(p, b, acc, BLOCK_D1: tl.constexpr):
 
 
 @triton.jit
+def _block_of(pid, N, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """(batch x head index, batch, head, first row) of program ``pid`` in a grid of cdiv(N, BLOCK) programs per
+    (batch, head); REVERSE takes the blocks of a head last to first."""
+    num = tl.cdiv(N, BLOCK)
+    bh = pid // num
+    blk = pid % num
+    if REVERSE:
+        blk = num - 1 - blk
+    return bh, bh // H, bh % H, blk * BLOCK
+
+
+@triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_descs, v_descs, offs_m, lo, hi, N_K, qk_scale,
+    acc, l_i, m_i, q, k_descs, v_descs, z, h, offs_m, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Online-softmax update of one query block over key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        qk = _dot_cols_t(q, _load_cols(k_descs, start_n, BLOCK_D, BLOCK_D1), BLOCK_D1)  # (BLOCK_M, BLOCK_N) fp32
+        k = _load_cols(k_descs, z, h, start_n, BLOCK_D, BLOCK_D1)
+        qk = _dot_cols_t(q, k, BLOCK_D1)  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:
             qk = tl.where(_keep(offs_m, start_n + offs_n, N_K, IS_CAUSAL), qk, float("-inf"))
-        # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_cols(v_descs, start_n, BLOCK_D, BLOCK_D1)
+        # Every row sees key 0 in the first block it processes, so the new maximum is finite: no NaN guard needed.
+        p, alpha, l_i, m_i = _softmax_step(qk, l_i, m_i, qk_scale)
+        v = _load_cols(v_descs, z, h, start_n, BLOCK_D, BLOCK_D1)
         acc = _dot_into_cols(p.to(v[0].dtype), v, _scale_cols(acc, alpha[:, None], BLOCK_D1), BLOCK_D1)
-        m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _softmax_step(qk, l_i, m_i, qk_scale):
+    """One online-softmax step on the scores ``qk``: (P, the factor alpha that rescales the old sums, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, V, OUT, LSE,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_oz, stride_oh, stride_om,
+    Q, Q1, K, K1, V, V1, OUT, OUT1, LSE,
     H, N_Q, N_K, N_KEY, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,)."""
-    bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
-    q = _load_cols(_col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
-    k_descs = _col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
-    v_descs = _col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
+    """One program = one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * Z * H,).
+    Causal programs of a head take the longest rows first, so the short ones fill the tail."""
+    bh, z, h, start_m = _block_of(tl.program_id(0), N_Q, H, BLOCK_M, IS_CAUSAL)
+    q = _load_cols((Q, Q1), z, h, start_m, BLOCK_D, BLOCK_D1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = _zeros_cols(BLOCK_M, BLOCK_D, BLOCK_D1)
     full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_descs, v_descs, offs_m, 0, full_end, N_K, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, (K, K1), (V, V1), z, h, offs_m, 0, full_end, N_K, qk_scale,
                                BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_descs, v_descs, offs_m, full_end, hi, N_K, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, (K, K1), (V, V1), z, h, offs_m, full_end, hi, N_K, qk_scale,
                                BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
 
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
-    o_descs = _col_descs(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D1)
-    _store_cols(o_descs, start_m, acc, (1.0 / l_i)[:, None], BLOCK_D, BLOCK_D1)
+    _store_cols((OUT, OUT1), z, h, start_m, acc, (1.0 / l_i)[:, None], q[0].dtype, BLOCK_D, BLOCK_D1)
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_descs, v_descs, offs_m, lo, hi, N_K, qk_scale,
+    dq, q, do, lse2, delta, k_descs, v_descs, z, h, offs_m, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = _load_cols(k_descs, start_n, BLOCK_D, BLOCK_D1)
-        v = _load_cols(v_descs, start_n, BLOCK_D, BLOCK_D1)
+        k = _load_cols(k_descs, z, h, start_n, BLOCK_D, BLOCK_D1)
+        v = _load_cols(v_descs, z, h, start_n, BLOCK_D, BLOCK_D1)
         p = tl.math.exp2(_dot_cols_t(q, k, BLOCK_D1) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(_keep(offs_m, start_n + offs_n, N_K, IS_CAUSAL), p, 0.0)
@@ -303,13 +330,7 @@ def _bwd_dq_inner(
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, OUT, DO, LSE, DELTA, DQ,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_oz, stride_oh, stride_om,
-    stride_doz, stride_doh, stride_dom,
-    stride_dqz, stride_dqh, stride_dqm,
+    Q, Q1, K, K1, V, V1, OUT, OUT1, DO, DO1, DQ, DQ1, LSE, DELTA,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -318,15 +339,10 @@ def _bwd_dq_kernel(
 
     Also writes ``D = rowsum(O * dO)`` (fp32) of its rows, which it needs itself and the dK/dV kernel reads after it.
     """
-    bh, z, h, start_m = _query_block(N_Q, H, BLOCK_M, IS_CAUSAL)
-    q = _load_cols(_col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
-    do = _load_cols(_col_descs(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
-                               BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
-    o = _load_cols(_col_descs(OUT + z * stride_oz + h * stride_oh, N_Q, stride_om, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              BLOCK_D1), start_m, BLOCK_D, BLOCK_D1)
-    k_descs = _col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
-    v_descs = _col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D1)
+    bh, z, h, start_m = _block_of(tl.program_id(0), N_Q, H, BLOCK_M, IS_CAUSAL)
+    q = _load_cols((Q, Q1), z, h, start_m, BLOCK_D, BLOCK_D1)
+    do = _load_cols((DO, DO1), z, h, start_m, BLOCK_D, BLOCK_D1)
+    o = _load_cols((OUT, OUT1), z, h, start_m, BLOCK_D, BLOCK_D1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < N_Q
     delta = tl.sum(o[0].to(tl.float32) * do[0].to(tl.float32), axis=1)
@@ -337,18 +353,16 @@ def _bwd_dq_kernel(
 
     dq = _zeros_cols(BLOCK_M, BLOCK_D, BLOCK_D1)
     full_end, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_descs, v_descs, offs_m, 0, full_end, N_K, qk_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, (K, K1), (V, V1), z, h, offs_m, 0, full_end, N_K, qk_scale,
                        BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_descs, v_descs, offs_m, full_end, hi, N_K, qk_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, (K, K1), (V, V1), z, h, offs_m, full_end, hi, N_K, qk_scale,
                        BLOCK_N, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
-    dq_descs = _col_descs(DQ + z * stride_dqz + h * stride_dqh, N_Q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D,
-                          BLOCK_D1)
-    _store_cols(dq_descs, start_m, dq, sm_scale, BLOCK_D, BLOCK_D1)
+    _store_cols((DQ, DQ1), z, h, start_m, dq, sm_scale, q[0].dtype, BLOCK_D, BLOCK_D1)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, lo, hi, N_Q, qk_scale,
+    dk, dv, k, v, q_descs, do_descs, z, h, lse_base, delta_base, offs_n, lo, hi, N_Q, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
@@ -356,7 +370,7 @@ def _bwd_dkdv_inner(
     offs_i = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPEC):
         m_idx = start_m + offs_i
-        q = _load_cols(q_descs, start_m, BLOCK_D, BLOCK_D1)
+        q = _load_cols(q_descs, z, h, start_m, BLOCK_D, BLOCK_D1)
         if MASKED:
             m_ok = m_idx < N_Q
             lse = tl.load(lse_base + m_idx, mask=m_ok, other=float("inf"))  # padded rows: P = 0
@@ -369,7 +383,7 @@ def _bwd_dkdv_inner(
         if MASKED:
             if IS_CAUSAL:
                 p_t = tl.where(m_idx[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = _load_cols(do_descs, start_m, BLOCK_D, BLOCK_D1)
+        do = _load_cols(do_descs, z, h, start_m, BLOCK_D, BLOCK_D1)
         dv = _dot_into_cols(p_t.to(do[0].dtype), do, dv, BLOCK_D1)
         ds_t = p_t * (_dot_cols_t(v, do, BLOCK_D1) - delta[None, :])
         dk = _dot_into_cols(ds_t.to(q[0].dtype), q, dk, BLOCK_D1)
@@ -380,13 +394,7 @@ def _bwd_dkdv_inner(
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_doz, stride_doh, stride_dom,
-    stride_dkz, stride_dkh, stride_dkn,
-    stride_dvz, stride_dvh, stride_dvn,
+    Q, Q1, K, K1, V, V1, DO, DO1, DK, DK1, DV, DV1, LSE, DELTA,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -396,20 +404,10 @@ def _bwd_dkdv_kernel(
     Causal programs start at their diagonal, so low key blocks (the longest loops) come first in launch order.
     Reads ``D`` (DELTA), which the dQ kernel writes, so it runs after that kernel.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N_K, BLOCK_N)
-    bh = pid // num_n
-    start_n = (pid % num_n) * BLOCK_N
-    z = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, z, h, start_n = _block_of(tl.program_id(0), N_K, H, BLOCK_N, False)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_cols(_col_descs(K + z * stride_kz + h * stride_kh, N_K, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              BLOCK_D1), start_n, BLOCK_D, BLOCK_D1)
-    v = _load_cols(_col_descs(V + z * stride_vz + h * stride_vh, N_K, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              BLOCK_D1), start_n, BLOCK_D, BLOCK_D1)
-    q_descs = _col_descs(Q + z * stride_qz + h * stride_qh, N_Q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D1)
-    do_descs = _col_descs(DO + z * stride_doz + h * stride_doh, N_Q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
-                          BLOCK_D1)
+    k = _load_cols((K, K1), z, h, start_n, BLOCK_D, BLOCK_D1)
+    v = _load_cols((V, V1), z, h, start_n, BLOCK_D, BLOCK_D1)
     lse_base = LSE + bh.to(tl.int64) * N_Q
     delta_base = DELTA + bh.to(tl.int64) * N_Q
 
@@ -419,22 +417,18 @@ def _bwd_dkdv_kernel(
     if IS_CAUSAL:
         # Queries before start_n see none of these keys. Diagonal blocks first (masked), then the rest.
         diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, start_n, diag_end,
-                                 N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, (Q, Q1), (DO, DO1), z, h, lse_base, delta_base, offs_n, start_n,
+                                 diag_end, N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL, True, WARP_SPEC)
         below = start_n + BLOCK_N
     else:
         below = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n, below, full_end,
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, (Q, Q1), (DO, DO1), z, h, lse_base, delta_base, offs_n, below, full_end,
                              N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL, False, WARP_SPEC)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_descs, do_descs, lse_base, delta_base, offs_n,
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, (Q, Q1), (DO, DO1), z, h, lse_base, delta_base, offs_n,
                              tl.maximum(full_end, below), N_Q, N_Q, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D1, IS_CAUSAL,
                              True, WARP_SPEC)
-    dk_descs = _col_descs(DK + z * stride_dkz + h * stride_dkh, N_K, stride_dkn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                          BLOCK_D1)
-    dv_descs = _col_descs(DV + z * stride_dvz + h * stride_dvh, N_K, stride_dvn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                          BLOCK_D1)
-    _store_cols(dk_descs, start_n, dk, sm_scale, BLOCK_D, BLOCK_D1)
-    _store_cols(dv_descs, start_n, dv, 1.0, BLOCK_D, BLOCK_D1)
+    _store_cols((DK, DK1), z, h, start_n, dk, sm_scale, k[0].dtype, BLOCK_D, BLOCK_D1)
+    _store_cols((DV, DV1), z, h, start_n, dv, 1.0, k[0].dtype, BLOCK_D, BLOCK_D1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,9 +455,17 @@ def split_head_dim(d: int) -> tuple[int, int]:
 def _with_head_dim_tiles(consts: dict, d: int) -> dict:
     """``consts`` with the head dim's tile widths: split as ``split_head_dim`` says with ``LMTRAIN_FLASH_TMA_SPLIT=1``,
     else one tile of the next power of two."""
-    split = os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "0") == "1"
+    split = os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "1") == "1"
     block_d, block_d1 = split_head_dim(d) if split else (triton.next_power_of_2(d), 0)
     return {**consts, "BLOCK_D": block_d, "BLOCK_D1": block_d1}
+
+
+def _descs(t: torch.Tensor, block_d: int, block_d1: int) -> tuple[TensorDescriptor, TensorDescriptor | None]:
+    """Host descriptors of a (Z, H, N, d) tensor: columns from 0 in BLOCK_D-wide boxes and, with a split head dim,
+    from BLOCK_D in BLOCK_D1-wide ones (None without). Box rows are set per configuration by ``_set_boxes``."""
+    shape, strides = list(t.shape), _tma_strides(t)
+    first = TensorDescriptor(t, shape, strides, [1, 1, 16, block_d])
+    return first, (TensorDescriptor(t, shape, strides, [1, 1, 16, block_d1]) if block_d1 else None)
 
 
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
@@ -473,13 +475,9 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
     consts = _with_head_dim_tiles(consts, d)
-    _ensure_allocator()
+    widths = consts["BLOCK_D"], consts["BLOCK_D1"]
     _launch(_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-        q4, k4, v4, o4, lse,
-        q4.stride(0), q4.stride(1), q4.stride(2),
-        k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2),
-        o4.stride(0), o4.stride(1), o4.stride(2),
+        *_descs(q4, *widths), *_descs(k4, *widths), *_descs(v4, *widths), *_descs(o4, *widths), lse,
         h, n_q, n_k, key[0], d**-0.5 * _LOG2E,
     ), consts, key)
 
@@ -493,25 +491,16 @@ def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Ten
     n_k = k4.shape[2]
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
-    _ensure_allocator()
+    widths = consts["BLOCK_D"], consts["BLOCK_D1"]
+    q, k, v, do = (_descs(t, *widths) for t in (q4, k4, v4, do4))
     _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-        q4, k4, v4, o4, do4, lse, delta, dq4,
-        q4.stride(0), q4.stride(1), q4.stride(2),
-        k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2),
-        o4.stride(0), o4.stride(1), o4.stride(2),
-        do4.stride(0), do4.stride(1), do4.stride(2),
-        dq4.stride(0), dq4.stride(1), dq4.stride(2),
+        *q, *k, *v, *_descs(o4, *widths), *do, *_descs(dq4, *widths), lse, delta,
         h, n_q, n_k, key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
+    # Fresh descriptors for the second kernel: its pre-launch hook sets other box rows on q, k, v and dO.
+    q, k, v, do = (_descs(t, *widths) for t in (q4, k4, v4, do4))
     _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-        q4, k4, v4, do4, lse, delta, dk4, dv4,
-        q4.stride(0), q4.stride(1), q4.stride(2),
-        k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2),
-        do4.stride(0), do4.stride(1), do4.stride(2),
-        dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        dv4.stride(0), dv4.stride(1), dv4.stride(2),
+        *q, *k, *v, *do, *_descs(dk4, *widths), *_descs(dv4, *widths), lse, delta,
         h, n_q, n_k, key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
 

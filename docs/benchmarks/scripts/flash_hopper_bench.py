@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from triton.testing import do_bench
 
 from lmtrain.bench.attention import attention_flops
 from lmtrain.kernels.flash_triton import FlashAttentionTriton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from flash_leaderboard import scalar_loss  # noqa: E402  (the script beside this one)
 
 HEADS, TOKENS_HEADS = 16, 2**21
 BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
@@ -64,13 +68,7 @@ def leaderboard_ms(backend: str, seed: int, env: dict[str, str] | None = None) -
     """Batch 1 x 16 heads x 16384 x 64, causal bf16: compiled forward + backward of a scalar loss, do_bench mean."""
     q, k, v, _ = _inputs(1, HEADS, 16384, 64, seed)
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    if backend == "flash_triton":
-        def loss(q, k, v):
-            return FlashAttentionTriton.apply(q, k, v, True).sum()
-    else:
-        def loss(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
-    compiled = torch.compile(loss)
+    compiled = torch.compile(scalar_loss(backend))
     env = env or {}
 
     def step():
