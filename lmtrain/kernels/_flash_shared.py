@@ -139,16 +139,34 @@ def _keep(offs_m, n_idx, N_K, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _block_of(pid, N, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """(batch x head index, batch, head, first row) of program ``pid`` in a grid of cdiv(N, BLOCK) programs per
+    (batch, head), all int32; REVERSE takes the blocks of a head last to first."""
+    num = tl.cdiv(N, BLOCK)
+    bh = pid // num
+    blk = pid % num
+    if REVERSE:
+        blk = num - 1 - blk
+    return bh, bh // H, bh % H, blk * BLOCK
+
+
+@triton.jit
 def _query_block(N_Q, H, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """This program's (batch x head index, batch, head, first query row) for kernels with one program per query
-    block. Causal programs take the longest rows first (reverse block order) so the short ones fill the tail."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    bh = pid // num_m
-    m_blk = pid % num_m
-    if IS_CAUSAL:
-        m_blk = num_m - 1 - m_blk
-    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), m_blk * BLOCK_M
+    block, batch and head as int64 (pointer offsets). Causal programs take the longest rows first (reverse block
+    order) so the short ones fill the tail."""
+    bh, z, h, start_m = _block_of(tl.program_id(0), N_Q, H, BLOCK_M, IS_CAUSAL)
+    return bh, z.to(tl.int64), h.to(tl.int64), start_m
+
+
+@triton.jit
+def _softmax_step(qk, l_i, m_i, qk_scale):
+    """One online-softmax step on the scores ``qk`` (log2 domain after ``qk_scale``): (P, the factor alpha that
+    rescales the old sums, the new row sums l, the new row maxima m)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit

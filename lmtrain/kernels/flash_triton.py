@@ -67,12 +67,14 @@ from lmtrain.kernels._flash_shared import (  # shared with the TMA kernels of fl
     _LOG2E,
     _NO_SPECIALIZE,
     _TUNE_KEY,
+    _block_of,
     _keep,
     _key_range,
     _launch,
     _prune_held_m,
     _prune_held_n,
     _query_block,
+    _softmax_step,
     _tuning_bench,
 )
 
@@ -156,15 +158,11 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:
             qk = tl.where(_keep(offs_m, n_idx, N_K, IS_CAUSAL), qk, float("-inf"))
-        # Every row sees key 0 in the first block it processes, so m_new is finite: no NaN guard needed.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # Every row sees key 0 in the first block it processes, so the new maximum is finite: no NaN guard needed.
+        p, alpha, l_i, m_i = _softmax_step(qk, l_i, m_i, qk_scale)
         v = _load_rows(v_base + start * stride_vn + v_tile, n_idx, N_K, d_ok, MASKED, HEAD_DIM, BLOCK_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -341,12 +339,8 @@ def _bwd_dkdv_kernel(
     Causal programs start at their diagonal, so low key blocks (the longest loops) come first in launch order.
     Reads ``D`` (DELTA), which the dQ kernel writes, so it runs after that kernel.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N_K, BLOCK_N)
-    bh = pid // num_n
-    start_n = (pid % num_n) * BLOCK_N
-    z = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, z, h, start_n = _block_of(tl.program_id(0), N_K, H, BLOCK_N, False)
+    z, h = z.to(tl.int64), h.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_n.to(tl.int64)[:, None]

@@ -50,11 +50,13 @@ from lmtrain.kernels._flash_shared import (
     _LOG2E,
     _NO_SPECIALIZE,
     _TUNE_KEY,
+    _block_of,
     _keep,
     _key_range,
     _launch,
     _prune_held_m,
     _prune_held_n,
+    _softmax_step,
     _tuning_bench,
 )
 
@@ -238,18 +240,6 @@ def _dot_into_cols(p, b, acc, BLOCK_D1: tl.constexpr):
 
 
 @triton.jit
-def _block_of(pid, N, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """(batch x head index, batch, head, first row) of program ``pid`` in a grid of cdiv(N, BLOCK) programs per
-    (batch, head); REVERSE takes the blocks of a head last to first."""
-    num = tl.cdiv(N, BLOCK)
-    bh = pid // num
-    blk = pid % num
-    if REVERSE:
-        blk = num - 1 - blk
-    return bh, bh // H, bh % H, blk * BLOCK
-
-
-@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_descs, v_descs, z, h, offs_m, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -267,15 +257,6 @@ def _fwd_inner(
         v = _load_cols(v_descs, z, h, start_n, BLOCK_D, BLOCK_D1)
         acc = _dot_into_cols(p.to(v[0].dtype), v, _scale_cols(acc, alpha[:, None], BLOCK_D1), BLOCK_D1)
     return acc, l_i, m_i
-
-
-@triton.jit
-def _softmax_step(qk, l_i, m_i, qk_scale):
-    """One online-softmax step on the scores ``qk``: (P, the factor alpha that rescales the old sums, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
