@@ -416,6 +416,7 @@ def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatc
         pytest.skip("a head dim that is not split")
     monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
     monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA path for both passes (the default)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")  # not the Gluon forward (tests/test_flash_gluon.py)
     monkeypatch.setenv("LMTRAIN_FLASH_TMA_SPLIT", split)
     monkeypatch.setattr(_flash_shared, "_CHOSEN", {})  # no launch cached from another setting
     sq, sk, fused_v = shapes

@@ -497,6 +497,9 @@ def _forward(
     consts = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
     key = (n_key, d, bool(is_causal), precision, q.dtype)
     with _device_guard(q):
+        if _gluon.usable(q4, k4, v4, o4):
+            _gluon.forward(q4, k4, v4, o4, lse, bool(is_causal))
+            return o, lse
         if _hopper.usable(q4, k4, v4, o4):
             _hopper.forward(q4, k4, v4, o4, lse, consts, key)
             return o, lse
@@ -537,6 +540,9 @@ def _backward(
             raise ValueError(f"flash_attention: {name} buffer must be contiguous with shape {tuple(ref.shape)}.")
     q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
     dq4, dk4, dv4 = _as_4d(dq), _as_4d(dk), _as_4d(dv)
+    if not _hopper.usable(do4, backward=True) and _hopper.usable(q4, backward=True):
+        # The TMA kernels cannot read this gradient (the expanded ones of ``O.sum()``, say): one copy lets them.
+        do4 = do4.contiguous()
     lse = lse.contiguous()
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -551,6 +557,9 @@ def _backward(
     key = (n_key, d, bool(is_causal), precision, q.dtype)
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
     with _device_guard(q):
+        if _gluon.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
+            _gluon.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, bool(is_causal))
+            return dq, dk, dv
         if _hopper.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
             _hopper.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, common, key)
             return dq, dk, dv
@@ -683,7 +692,8 @@ def flash_attention(
     return FlashAttentionTriton.apply(q, k, v, bool(causal), bool(allow_tf32))
 
 
-# The TMA kernels import the helpers above, so they are imported after them.
+# The TMA and Gluon kernels import the helpers above, so they are imported after them.
+from lmtrain.kernels import flash_gluon_hopper as _gluon  # noqa: E402
 from lmtrain.kernels import flash_triton_hopper as _hopper  # noqa: E402
 
 __all__ = ["FlashAttentionTriton", "flash_attention"]

@@ -1,0 +1,184 @@
+"""The Gluon kernels on the GPU: correctness through ``flash_triton``'s entry points against float64 on odd shapes
+(forward O and L, backward dQ/dK/dV into NaN-poisoned buffers, determinism), then per-kernel configuration sweeps and
+forward / forward+backward TFLOP/s against SDPA's cuDNN backend (bf16, causal, 16 heads, B*H*N = 2^21).
+
+    PYTHONPATH=. python docs/benchmarks/scripts/gluon_probe.py [--check-only] [--no-sweep] [--leaderboard]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from lmtrain.kernels import flash_gluon_hopper as fg
+from lmtrain.kernels import flash_triton as ft
+from lmtrain.kernels.flash_triton import _as_4d
+
+
+def reference(q, k, v, causal, do):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ v64
+    o.backward(do.double())
+    return o.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def make(z, h, n_q, n_k, d, dtype, fused, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if fused:  # heads of a fused qkv projection: strided (b, h, n, d) views
+        assert n_q == n_k
+        qkv = torch.randn(z, n_q, 3, h, d, device="cuda", dtype=dtype, generator=g)
+        return qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+    return (torch.randn(z, h, n, d, device="cuda", dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
+
+
+def check() -> bool:
+    ok = True
+    shapes = [(1, 2, 97, 97, 64, False), (2, 3, 1025, 1025, 128, False), (1, 2, 257, 333, 64, False),
+              (1, 2, 333, 257, 128, False), (1, 1, 30, 30, 128, False), (2, 2, 1025, 1025, 64, True),
+              (1, 2, 2048, 2048, 128, True), (1, 1, 200, 1000, 64, False), (1, 1, 1000, 200, 128, False)]
+    for z, h, n_q, n_k, d, fused in shapes:
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (True, False):
+                q, k, v = make(z, h, n_q, n_k, d, dtype, fused, n_q * 131 + n_k + d)
+                do = torch.randn(q.shape, device="cuda", dtype=dtype)
+                assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "should take the Gluon path"
+                o = torch.full(q.shape, float("nan"), device="cuda", dtype=dtype)
+                lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
+                ft._forward(q, k, v, causal, o=o, lse=lse)
+                bufs = [torch.full(t.shape, float("nan"), device="cuda", dtype=dtype) for t in (q, k, v)]
+                dq, dk, dv = ft._backward(do, q, k, v, o, lse, causal, dq=bufs[0], dk=bufs[1], dv=bufs[2])
+                again = ft._backward(do, q, k, v, o, lse, causal)
+                torch.cuda.synchronize()
+                ro, rl, rdq, rdk, rdv = reference(q, k, v, causal, do)
+                errs = [rel(o, ro), (lse.double() - rl).abs().max().item(), rel(dq, rdq), rel(dk, rdk), rel(dv, rdv)]
+                limit = 1e-2 if dtype == torch.bfloat16 else 2e-3
+                det = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+                bad = (not all(e < limit for e in errs) or any(t.isnan().any().item() for t in (o, lse, dq, dk, dv))
+                       or not det)
+                ok &= not bad
+                print(f"check {(z, h, n_q, n_k, d)}{' fused' if fused else ''} {str(dtype)[6:]} causal={causal}: "
+                      f"o {errs[0]:.1e} lse {errs[1]:.0e} dq {errs[2]:.1e} dk {errs[3]:.1e} dv {errs[4]:.1e} "
+                      f"det={det} {'FAIL' if bad else 'ok'}", flush=True)
+    return ok
+
+
+def tflops(ms, b, h, n, d, factor=1.0):
+    return factor * 4 * b * h * n * n * d / 2 / ms * 1e-9
+
+
+def inputs(d, n):
+    b, h = 2**21 // (16 * n), 16
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return b, h, q, k, v, do
+
+
+def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
+    """Each kernel and configuration alone, one program per tile and persistent (``p`` suffix, one program per
+    multiprocessor); the tl TMA kernels of the same pass for comparison (exec TFLOP/s: fwd 2 products, dq 3, dkdv
+    4; ``tl_bwd`` the tl dQ + dK/dV pair at 7)."""
+    for d in head_dims:
+        for n in seq_lens:
+            b, h, q, k, v, do = inputs(d, n)
+            o = torch.empty_like(q)
+            lse = torch.empty(b, h, n, device="cuda")
+            ft._forward(q, k, v, True, o=o, lse=lse)
+            dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+            delta = torch.empty(b * h, n, device="cuda")
+            res = []
+            for c in fwd_cfgs[d]:
+                for progs, tag in ((None, ""), (sms, "p")):
+                    grid, args, kw = fg.forward_args(q, k, v, o, lse, True, fg.Config.parse(c), progs)
+                    ms = do_bench(lambda: fg._fwd_kernel[grid](*args, **kw), return_mode="median")
+                    res.append(f"fwd{c}{tag}={tflops(ms, b, h, n, d):.0f}")
+            for c in dq_cfgs[d]:
+                for progs, tag in ((None, ""), (sms, "p")):
+                    grid, args, kw = fg.dq_args(q, k, v, o, do, dq, lse, delta, True, fg.Config.parse(c), progs)
+                    ms = do_bench(lambda: fg._dq_kernel[grid](*args, **kw), return_mode="median")
+                    res.append(f"dq{c}{tag}={tflops(ms, b, h, n, d, 1.5):.0f}")
+            for c in dkdv_cfgs[d]:
+                for progs, tag in ((None, ""), (sms, "p")):
+                    grid, args, kw = fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, fg.Config.parse(c), progs)
+                    ms = do_bench(lambda: fg._dkdv_kernel[grid](*args, **kw), return_mode="median")
+                    res.append(f"dkdv{c}{tag}={tflops(ms, b, h, n, d, 2.0):.0f}")
+            os.environ["LMTRAIN_FLASH_GLUON"] = "0"
+            ms = do_bench(lambda: ft._forward(q, k, v, True, o=o, lse=lse), return_mode="median")
+            res.append(f"tl_fwd={tflops(ms, b, h, n, d):.0f}")
+            ms = do_bench(lambda: ft._backward(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv), return_mode="median")
+            res.append(f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}")
+            os.environ["LMTRAIN_FLASH_GLUON"] = "1"
+            print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
+
+
+def compare(head_dims, seq_lens):
+    rows = []
+    for d in head_dims:
+        for n in seq_lens:
+            b, h, q, k, v, do = inputs(d, n)
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            out = {}
+            for name in ("flash_triton", "cudnn"):
+                if name == "cudnn":
+                    ctx = sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+                    fn = lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)  # noqa: E731
+                else:
+                    ctx = sdpa_kernel(SDPBackend.CUDNN_ATTENTION)  # unused
+                    fn = lambda: ft.FlashAttentionTriton.apply(qg, kg, vg, True)  # noqa: E731
+                with ctx:
+                    fwd = do_bench(fn, return_mode="median")
+                    fb = do_bench(lambda: fn().backward(do), grad_to_none=[qg, kg, vg], return_mode="median")
+                out[name] = (tflops(fwd, b, h, n, d), tflops(fb, b, h, n, d, 3.5))
+            r = tuple(out["flash_triton"][i] / out["cudnn"][i] for i in (0, 1))
+            rows.append((d, n, out, r))
+            print(f"compare d={d} N={n}: flash_triton {out['flash_triton'][0]:.0f}/{out['flash_triton'][1]:.0f} "
+                  f"cudnn {out['cudnn'][0]:.0f}/{out['cudnn'][1]:.0f} ratio {r[0]:.2f}/{r[1]:.2f}", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--leaderboard", action="store_true")
+    p.add_argument("--no-compare", action="store_true")
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 4096, 16384])
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    t0 = time.time()
+    if not a.no_check:
+        ok = check()
+        print("CHECK", "PASSED" if ok else "FAILED", f"{time.time() - t0:.0f}s", flush=True)
+        if a.check_only or not ok:
+            sys.exit(0 if ok else 1)
+    if not a.no_sweep:
+        sweep(a.head_dims, a.seq_lens,
+              fwd_cfgs={64: ["3,128,2", "2,128,3", "2,128,2"], 128: ["2,128,2", "3,64,3"]},
+              dq_cfgs={64: ["2,128,3", "2,64,3"], 128: ["2,128,2", "2,64,3"]},
+              dkdv_cfgs={64: ["2,64,2", "2,64,3"], 128: ["2,32,2", "2,32,3"]},
+              sms=torch.cuda.get_device_properties(0).multi_processor_count)
+        print(f"sweep done {time.time() - t0:.0f}s", flush=True)
+    if not a.no_compare:
+        compare(a.head_dims, a.seq_lens)
+    if a.leaderboard:
+        sys.argv = [sys.argv[0]]
+        sys.path.insert(0, os.path.dirname(__file__))
+        import flash_leaderboard
+        flash_leaderboard.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,802 @@
+"""FlashAttention forward and backward for Hopper GPUs (sm_90) written in Gluon: warp-specialised, persistent, with
+the softmax work of one block overlapping the matrix products of the next.
+
+Same algorithm, outputs and properties as the kernels of ``flash_triton`` (online softmax in the log2 domain with the
+scale folded into one multiply-add before ``exp2``; O in the input dtype and the natural-log logsumexp L in fp32; a
+dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV kernel, no atomics, so the backward is
+deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), for fp16/bf16 inputs with head dims
+64 and 128. What differs is the schedule, which plain ``tl`` code does not let one write:
+
+* **Warp specialisation.** A program runs ``NUM_WG`` consumer warpgroups of 4 warps, each owning 64 rows of the
+  program's *stationary* tile (queries in the forward and dQ kernels, keys in the dK/dV kernel), and one producer
+  warp that only issues tensor-memory-accelerator (TMA) copies: the stationary tiles, then the *streamed* blocks (keys
+  and values; queries and output gradients for dK/dV) into a ring of ``NUM_STAGES`` shared-memory buffers, each
+  guarded by a "ready" barrier (the copy's bytes arrived) and an "empty" barrier (every consumer is done with it).
+  Registers move from the producer to the consumers (``setmaxnreg``), so a consumer keeps its fp32 accumulators and
+  score tiles in registers without spilling.
+* **Overlap inside a warpgroup.** Matrix products are issued asynchronously and waited for only when their result is
+  needed: the forward issues the scores of key block j+1 and ``O += P V`` of block j, waits for the scores only and
+  computes block j+1's softmax while ``P V`` runs; the backward kernels issue both score-like products (``Q K^T`` and
+  ``dO V^T``), compute P while the second runs, and let each gradient product (``dQ += dS K``; ``dV += P^T dO``,
+  ``dK += dS^T Q``) run on while the next block's products are issued. P and dS stay in registers as the first
+  operand of the products that need them. With two or three consumers on a multiprocessor, one's exponentials also
+  overlap the others' products.
+* **Persistent programs.** One program per multiprocessor walks over tiles p, p + grid, ... (causal query tiles of a
+  head longest first), so the producer loads the next tile's stationary rows and first blocks while the consumers
+  finish the current one, and the output tile leaves through its own buffer and a TMA store that overlaps the next
+  tile.
+* **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
+  causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
+
+The dK/dV kernel works on transposed scores (keys x queries), so P^T and dS^T come out of its products already as
+the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory.
+
+Tiles move through host-side TMA descriptors over the whole (Z, H, N, d) tensors, with (1, 1, rows, d) boxes, as in
+``flash_triton_hopper``, so strided views (heads of a fused qkv projection) are read in place.
+
+``usable`` says which calls these kernels serve: a GPU of compute capability 9.0 (warpgroup MMA is an sm_90a
+instruction), a Triton with Gluon's Hopper module, fp16/bf16, head dim 64 or 128, the TMA alignment rules, and
+``LMTRAIN_FLASH_GLUON`` not ``0``. Other calls run the ``tl`` kernels (``flash_triton_hopper``, ``flash_triton``),
+which also serve Triton's interpreter: Gluon kernels do not run there, so the CPU tests compile these kernels for
+sm_90a (no GPU needed) and check their machine code, and the GPU tests compare them with a float64 reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+import triton
+
+try:  # Gluon with Hopper's warpgroup MMA and TMA: Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The TMA copies' names: async_copy_global_to_shared / async_copy_shared_to_global until Triton 3.6,
+    # async_load / async_store after.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _HAS_GLUON = True
+except ImportError:  # pragma: no cover - older Triton: the tl kernels serve every call
+    _HAS_GLUON = False
+
+from lmtrain.kernels._flash_shared import _INTERPRET, _LOG2E
+
+HEAD_DIMS = (64, 128)
+WG_ROWS = 64  # stationary rows per consumer warpgroup: the M of one warpgroup MMA (4 warps x 16 rows)
+_REGISTERS = 64 * 1024  # 32-bit registers per multiprocessor (every Hopper GPU)
+_PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer warp only issues copies
+_SMEM_LIMIT = 227 * 1024  # shared memory one program may use on an H100/H200
+
+# What a kernel's programs hold and stream (the ``MODE`` constexpr of the shared producer).
+_FWD, _DQ, _DKDV = 0, 1, 2
+
+
+class Config:
+    """One launch configuration: consumer warpgroups, streamed block rows, ring depth.
+
+    Args:
+        num_wg: consumer warpgroups per program (2 or 3); a tile has ``64 * num_wg`` stationary rows.
+        block: rows of each streamed block (keys in the forward and dQ kernels, queries in dK/dV); a power of two
+            from 16 to 256 (Gluon tiles have power-of-two shapes).
+        num_stages: streamed blocks in flight (the ring's buffers); the backward kernels release a block's buffers
+            one block late (its last product runs on while the next block's are issued), so they need two.
+    """
+
+    def __init__(self, num_wg: int, block: int, num_stages: int) -> None:
+        if num_wg not in (2, 3) or block not in (16, 32, 64, 128, 256) or num_stages < 1:
+            raise ValueError(f"Config({num_wg}, {block}, {num_stages}): num_wg 2 or 3, block a power of two from 16 "
+                             "to 256, num_stages >= 1.")
+        self.num_wg, self.block, self.num_stages = num_wg, block, num_stages
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        """``"num_wg,block,num_stages"`` -> Config."""
+        try:
+            return cls(*(int(x) for x in text.split(",")))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad Gluon flash configuration {text!r}: expected num_wg,block,num_stages ({exc})") \
+                from None
+
+    @property
+    def tile_rows(self) -> int:
+        return WG_ROWS * self.num_wg
+
+    def registers(self) -> tuple[int, int]:
+        """(maxnreg for the launch, registers per consumer thread): all warps of one program share the register file
+        (one program per multiprocessor), the producer's warpgroup keeps the minimum and the consumers split the
+        rest, rounded down to multiples of 8 as setmaxnreg requires."""
+        warpgroups = self.num_wg + 1
+        maxnreg = _REGISTERS // (warpgroups * 128) // 8 * 8
+        consumer = (maxnreg * warpgroups - _PRODUCER_REGS) // self.num_wg // 8 * 8
+        return maxnreg, min(consumer, 256)
+
+    def smem_bytes(self, mode: int, head_dim: int, elt: int = 2) -> int:
+        """Shared memory of the tiles of kernel ``mode``: stationary tiles and output tiles (one 64-row tile each per
+        consumer and tensor), two streamed tensors in the ring."""
+        stationary, outputs = {_FWD: (1, 1), _DQ: (2, 1), _DKDV: (2, 2)}[mode]
+        rows = (stationary + outputs) * self.tile_rows + 2 * self.num_stages * self.block
+        return rows * head_dim * elt
+
+    def __repr__(self) -> str:
+        return f"Config({self.num_wg},{self.block},{self.num_stages})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+# Defaults per (kernel, head dim) from the sweeps in docs/benchmarks/2026-11-25-H100-flash-gluon.md (bf16, causal,
+# B*H*N = 2^21): the forward at head dim 64 takes three consumers from 8192 keys on, two below.
+_DEFAULTS = {
+    (_FWD, 64): Config(2, 128, 3), (_FWD, 128): Config(2, 128, 2),
+    (_DQ, 64): Config(2, 128, 3), (_DQ, 128): Config(2, 128, 2),
+    (_DKDV, 64): Config(2, 64, 2), (_DKDV, 128): Config(2, 32, 2),
+}
+_FWD_64_LONG = Config(3, 128, 2)
+_ENV = {_FWD: "LMTRAIN_FLASH_GLUON_FWD", _DQ: "LMTRAIN_FLASH_GLUON_DQ", _DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
+
+# Where the Gluon forward is the default: head dim 128 always; head dim 64 from this many keys on (below, the tl
+# kernel's forward measured faster: 296 against 258 TFLOP/s at N 1024).
+_FWD_64_MIN_KEYS = 4096
+
+
+def config(mode: int, head_dim: int, n_keys: int = 0) -> Config:
+    """The configuration of kernel ``mode`` (0 forward, 1 dQ, 2 dK/dV) for ``head_dim`` and ``n_keys`` keys;
+    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages`` overrides it (for sweeps)."""
+    override = os.environ.get(_ENV[mode])
+    if override:
+        return Config.parse(override)
+    if mode == _FWD and head_dim == 64 and n_keys >= 8192:
+        return _FWD_64_LONG
+    return _DEFAULTS[(mode, head_dim)]
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+_SMS: dict[int, int] = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = _device_index(device)
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = _device_index(device)
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+_BOUND = threading.local()
+
+
+def _bind_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current in this thread, once per thread.
+
+    The host descriptors are encoded (``cuTensorMapEncodeTiled``) before the launch, and that needs a current
+    context; autograd runs the backward pass in its own threads, where none may be current yet (a kernel launch
+    would bind one, but only after the encoding has failed). Done through the driver, which is legal at any time,
+    also while a CUDA graph is being captured.
+    """
+    index = _device_index(device)
+    if getattr(_BOUND, "index", None) == index:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        dev = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(dev), index) != 0 or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) \
+                or cuda.cuCtxSetCurrent(ctx):
+            raise RuntimeError(f"flash_attention: could not make the CUDA context of device {index} current")
+    _BOUND.index = index
+
+
+def setting() -> str:
+    """``LMTRAIN_FLASH_GLUON``: ``1`` (default) the Gluon forward where it is the faster kernel, ``all`` the Gluon
+    forward and backward wherever they apply, ``0`` neither."""
+    value = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
+    if value not in ("0", "1", "all"):
+        raise ValueError(f"LMTRAIN_FLASH_GLUON={value!r}: use 1 (Gluon forward where faster, the default), all "
+                         "(forward and backward) or 0 (off).")
+    return value
+
+
+def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
+    """Whether the Gluon kernels serve these (Z, H, N, d) tensors (inputs and output buffers alike; q first, k
+    second) for the forward or, with ``backward``, the backward pass, as ``setting()`` says.
+
+    The backward kernels are correct and deterministic but slower than the tl kernels of ``flash_triton_hopper``
+    (docs/benchmarks/2026-11-25-H100-flash-gluon.md), so only ``LMTRAIN_FLASH_GLUON=all`` takes them; by default the
+    forward runs here for head dim 128 and for head dim 64 from 4096 keys on.
+    """
+    mode = setting()
+    if not _HAS_GLUON or _INTERPRET or mode == "0" or (backward and mode != "all"):
+        return False
+    q4 = tensors[0]
+    d = q4.shape[-1]
+    if q4.device.type != "cuda" or q4.dtype not in (torch.float16, torch.bfloat16) or d not in HEAD_DIMS:
+        return False
+    if mode == "1" and d == 64 and len(tensors) > 1 and tensors[1].shape[-2] < _FWD_64_MIN_KEYS:
+        return False
+    from lmtrain.kernels.flash_triton_hopper import _aligned  # the TMA rules, stated once
+
+    return _capability(q4.device) == (9, 0) and all(_aligned(t) for t in tensors)
+
+
+if _HAS_GLUON:
+
+    # -----------------------------------------------------------------------------------------
+    # Tiles, streamed ranges, the producer
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _tile_coords(tile, N, H, BLOCK_T: gl.constexpr, REVERSE: gl.constexpr):
+        """(batch x head index, batch, head, first stationary row) of tile ``tile``, tiles numbered head by head;
+        REVERSE takes a head's tiles last to first (causal query tiles: the longest first, the short ones fill the
+        tail)."""
+        num = gl.cdiv(N, BLOCK_T)
+        bh = tile // num
+        blk = tile % num
+        if REVERSE:
+            blk = num - 1 - blk
+        return bh, bh // H, bh % H, blk * BLOCK_T
+
+    @gluon.jit
+    def _tile_of(tile, N_Q, N_K, H, BLOCK_T: gl.constexpr, IS_CAUSAL: gl.constexpr, MODE: gl.constexpr):
+        if MODE == 2:
+            return _tile_coords(tile, N_K, H, BLOCK_T, False)  # key tiles: the first (longest causal) first
+        return _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+
+    @gluon.jit
+    def _streamed(start, N_Q, N_K, BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  MODE: gl.constexpr):
+        """(first, end, boundary) streamed block indices of the tile whose stationary rows start at ``start``.
+
+        Forward and dQ (keys streamed): blocks [first, boundary) are wholly visible to every query of the tile, the
+        rest need the causal or key-range mask. dK/dV (queries streamed): blocks [first, boundary) cross the causal
+        diagonal and need the mask, the rest do not (queries past N_Q read as zero rows and get P = 0 from their
+        infinite logsumexp, so the ragged tail needs none).
+        """
+        if MODE == 2:
+            if IS_CAUSAL:
+                first = start // BLOCK_S  # queries before ``start`` see none of these keys
+                boundary = gl.cdiv(start + BLOCK_T - 1, BLOCK_S)
+            else:
+                first = start * 0
+                boundary = first
+            return first, gl.cdiv(N_Q, BLOCK_S), boundary
+        if IS_CAUSAL:
+            end = gl.cdiv(gl.minimum(start + BLOCK_T, N_K), BLOCK_S)
+            boundary = gl.minimum(start + 1, N_K) // BLOCK_S
+        else:
+            end = gl.cdiv(N_K, BLOCK_S)
+            boundary = N_K // BLOCK_S
+        return start * 0, end, boundary
+
+    @gluon.jit
+    def _producer(stat_a, stat_b, strm_a, strm_b, stat_a_smem, stat_b_smem, strm_a_smem, strm_b_smem,
+                  stat_ready, stat_empty, a_ready, a_empty, b_ready, b_empty, H, N_Q, N_K, NUM_TILES,
+                  BLOCK_S: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  MODE: gl.constexpr):
+        """One warp: for each tile of this program, its stationary tiles (once the consumers are done with the
+        previous ones; ``stat_b`` unused in the forward), then every streamed block of ``strm_a`` and ``strm_b``
+        through the ring. Runs ahead of the consumers, across tiles too."""
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        c = 0  # streamed blocks issued so far: the ring position
+        it = 0  # tiles issued so far: the stationary barriers' phase
+        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
+            bh, z, h, start = _tile_of(tile, N_Q, N_K, H, BLOCK_T, IS_CAUSAL, MODE)
+            for w in gl.static_range(NUM_WG):
+                # A fresh barrier counts as having completed the phase before phase 0: the first round does not wait.
+                mbarrier.wait(stat_empty.index(w), (it & 1) ^ 1)
+                if MODE == 0:
+                    mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes)
+                else:
+                    mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes + stat_b.block_type.nbytes)
+                    _tma_load(stat_b, [z, h, start + w * 64, 0], stat_ready.index(w),
+                                                    stat_b_smem.index(w))
+                _tma_load(stat_a, [z, h, start + w * 64, 0], stat_ready.index(w),
+                                                stat_a_smem.index(w))
+            first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_S, IS_CAUSAL, MODE)
+            for j in range(first, end):
+                s = c % NUM_STAGES
+                phase = (c // NUM_STAGES) & 1
+                mbarrier.wait(a_empty.index(s), phase ^ 1)
+                mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes)
+                _tma_load(strm_a, [z, h, j * BLOCK_S, 0], a_ready.index(s), strm_a_smem.index(s))
+                mbarrier.wait(b_empty.index(s), phase ^ 1)
+                mbarrier.expect(b_ready.index(s), strm_b.block_type.nbytes)
+                _tma_load(strm_b, [z, h, j * BLOCK_S, 0], b_ready.index(s), strm_b_smem.index(s))
+                c += 1
+            it += 1
+
+    @gluon.jit
+    def _store_tile(desc, smem, z, h, row, x, PENDING: gl.constexpr):
+        """``x`` (64 x d) to rows [row, row + 64) of (batch z, head h) through the tile buffer ``smem``, once this
+        buffer's previous store has left it: that is, with at most PENDING later stores still in flight."""
+        tma.store_wait(PENDING)
+        smem.reshape([x.shape[0], x.shape[1]]).store(x)
+        fence_async_shared()
+        _tma_store(desc, [z, h, row, 0], smem)
+
+    @gluon.jit
+    def _causal_keep(offs_q, offs_k, N_K, IS_CAUSAL: gl.constexpr):
+        """(queries x keys) mask of the scores that exist: key in range and, if causal, not after the query."""
+        keep = offs_k[None, :] < N_K
+        if IS_CAUSAL:
+            keep = keep & (offs_q[:, None] >= offs_k[None, :])
+        return keep
+
+    # -----------------------------------------------------------------------------------------
+    # Forward
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                      LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+        """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = o_desc.dtype
+        q = q_smem.index(WG).reshape([64, HEAD_DIM])
+        zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+
+        c = 0  # key/value blocks consumed so far: the ring position
+        it = 0  # tiles done so far: the query barrier's phase
+        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
+            bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+            first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
+            row0 = start + WG * 64
+            offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+            # Key block 0: its scores and softmax, no P V yet.
+            stage = c % NUM_STAGES
+            mbarrier.wait(q_ready.index(WG), it & 1)
+            mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
+            k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
+            s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+            m_i = gl.max(s, 1) * qk_scale
+            p = gl.exp2(s * qk_scale - m_i[:, None])
+            l_i = gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+
+            for j in range(1, n_blocks):
+                stage = (c + j) % NUM_STAGES
+                prev = (c + j - 1) % NUM_STAGES
+                mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
+                k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_STAGES) & 1)
+                v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; P V may still run
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                if j >= n_full:
+                    s = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                p = gl.exp2(s * qk_scale - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+            # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
+            mbarrier.arrive(q_empty.index(WG), count=1)
+            last = (c + n_blocks - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // NUM_STAGES) & 1)
+            v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(v_empty.index(last), count=1)
+
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
+            gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+            acc = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
+            _store_tile(o_desc, o_smem.index(WG), z, h, row0, acc.to(dtype), 0)
+            c += n_blocks
+            it += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Persistent: grid (min(tiles, multiprocessors),); program p takes tiles p, p + grid, ... of the
+        cdiv(N_Q, 64 NUM_WG) * Z * H. Shared memory and barriers are allocated here, then the warps split into
+        NUM_WG consumers (the first in the default partition) and the producer."""
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + o_desc.block_type.shape, o_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(NUM_WG):
+            mbarrier.init(q_ready.index(w), count=1)
+            mbarrier.init(q_empty.index(w), count=1)
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=NUM_WG)
+            mbarrier.init(v_empty.index(s), count=NUM_WG)
+        # Partitions take their arguments spelled out: a tuple built here would turn constexprs into values.
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 0)),
+                (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 1)),
+                (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
+                             k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 0)),
+            ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+        else:
+            gl.warp_specialize([
+                (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 0)),
+                (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 1)),
+                (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 2)),
+                (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
+                             k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 0)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+
+    # -----------------------------------------------------------------------------------------
+    # Backward: dQ (and D), then dK/dV
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready, k_empty,
+                     v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
+                     qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+        """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        COLS_T: gl.constexpr = HEAD_DIM // 8  # threads along the head dim when reading O and dO, 8 elements each
+        od_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS_T, COLS_T], [4, 1], [1, 0])
+        dtype: gl.constexpr = dq_desc.dtype
+        q = q_smem.index(WG).reshape([64, HEAD_DIM])
+        do = do_smem.index(WG).reshape([64, HEAD_DIM])
+        zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+
+        c = 0
+        it = 0
+        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
+            bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+            first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 1)
+            row0 = start + WG * 64
+            offs_m = row0 + gl.arange(0, 64, layout=rows)
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            m_ok = offs_m < N_Q
+            lse2 = gl.load(LSE + bh.to(gl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+
+            # D = rowsum(O * dO) of these rows: O read here, dO from the tile the producer loaded.
+            o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, od_layout))
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, od_layout))
+            o_ptrs = (OUT + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+                      + o_rows.to(gl.int64)[:, None] * stride_on + o_cols[None, :])
+            o = gl.load(o_ptrs, mask=(o_rows < N_Q)[:, None], other=0.0)
+            mbarrier.wait(qdo_ready.index(WG), it & 1)
+            delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(od_layout).to(gl.float32), 1), rows)
+            gl.store(DELTA + bh.to(gl.int64) * N_Q + offs_m, delta, mask=m_ok)
+
+            dq = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, dq_layout))
+            for j in range(0, n_blocks):
+                stage = (c + j) % NUM_STAGES
+                phase = ((c + j) // NUM_STAGES) & 1
+                mbarrier.wait(k_ready.index(stage), phase)
+                k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(stage), phase)
+                v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                dp_tok = warpgroup_mma(do, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s, dq = warpgroup_mma_wait(1, deps=(s_tok, dq))  # also the previous block's dQ product
+                if j > 0:
+                    mbarrier.arrive(k_empty.index((c + j - 1) % NUM_STAGES), count=1)
+                p = gl.exp2(s * qk_scale - lse2[:, None])
+                if j >= n_full:
+                    p = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), p, 0.0)
+                dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+                ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+                dq = warpgroup_mma(ds, k, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(k_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(qdo_empty.index(WG), count=1)
+            _store_tile(dq_desc, dq_smem.index(WG), z, h, row0, (dq * sm_scale).to(dtype), 0)
+            c += n_blocks
+            it += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA,
+                   H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Persistent over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
+        values streamed."""
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + do_desc.block_type.shape, do_desc.layout)
+        dq_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dq_desc.block_type.shape, dq_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(NUM_WG):
+            mbarrier.init(qdo_ready.index(w), count=1)
+            mbarrier.init(qdo_empty.index(w), count=1)
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=NUM_WG)
+            mbarrier.init(v_empty.index(s), count=NUM_WG)
+        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                            k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
+                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0)),
+            (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                            k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
+                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
+                         k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
+                         IS_CAUSAL, 1)),
+        ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty,
+                       q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                       BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+        """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
+        (keys x queries) score tiles."""
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+        dtype: gl.constexpr = dk_desc.dtype
+        k = k_smem.index(WG).reshape([64, HEAD_DIM])
+        v = v_smem.index(WG).reshape([64, HEAD_DIM])
+        zero_st = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
+
+        c = 0
+        it = 0
+        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
+            bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, False)
+            first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
+            row0 = start + WG * 64
+            offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+            offs_i = gl.arange(0, BLOCK_M, layout=cols)
+            lse_base = LSE + bh.to(gl.int64) * N_Q
+            delta_base = DELTA + bh.to(gl.int64) * N_Q
+
+            mbarrier.wait(kv_ready.index(WG), it & 1)
+            dk = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, acc_layout))
+            dv = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, acc_layout))
+            for i in range(first, end):
+                n = c + i - first
+                stage = n % NUM_STAGES
+                phase = (n // NUM_STAGES) & 1
+                offs_q = i * BLOCK_M + offs_i
+                q_ok = offs_q < N_Q
+                lse2 = gl.load(lse_base + offs_q, mask=q_ok, other=float("inf")) * 1.4426950408889634
+                delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
+                mbarrier.wait(q_ready.index(stage), phase)
+                qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+                st_tok = warpgroup_mma(k, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                mbarrier.wait(do_ready.index(stage), phase)
+                dos = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+                dpt_tok = warpgroup_mma(v, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                # The scores, and the previous block's dK and dV products: its buffers are free again.
+                st, dk, dv = warpgroup_mma_wait(1, deps=(st_tok, dk, dv))
+                if i > first:
+                    mbarrier.arrive(q_empty.index((n - 1) % NUM_STAGES), count=1)
+                    mbarrier.arrive(do_empty.index((n - 1) % NUM_STAGES), count=1)
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if i < boundary:
+                    # The diagonal: query i sees key j only when i >= j (keys past N_K are never stored).
+                    pt = gl.where(offs_q[None, :] >= offs_k[:, None], pt, 0.0)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), dos, dv, is_async=True)
+                dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+                dst = pt * (dpt - delta[None, :])
+                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), qs, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            n_blocks = end - first
+            if n_blocks > 0:
+                mbarrier.arrive(q_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
+                mbarrier.arrive(do_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(kv_empty.index(WG), count=1)
+            # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
+            _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
+            _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
+            c += n_blocks
+            it += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+                     H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Persistent over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
+        stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
+        dk_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dk_desc.block_type.shape, dk_desc.layout)
+        dv_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dv_desc.block_type.shape, dv_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(NUM_WG):
+            mbarrier.init(kv_ready.index(w), count=1)
+            mbarrier.init(kv_empty.index(w), count=1)
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(do_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=NUM_WG)
+            mbarrier.init(do_empty.index(s), count=NUM_WG)
+        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
+                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
+                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                         q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
+                         IS_CAUSAL, 2)),
+        ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: (Z, H, N, d) views prepared and checked by flash_triton's _forward / _backward
+# ---------------------------------------------------------------------------------------------
+
+
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes, with the widest swizzle
+    the rows allow (what the warpgroup MMA reads fastest)."""
+    from lmtrain.kernels.flash_triton_hopper import _tma_strides
+
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, layout)
+
+
+def _launch_shape(mode: int, n_stat: int, z: int, h: int, cfg: Config, device: torch.device,
+                  programs: int | None) -> tuple[tuple[int], int, dict]:
+    """(grid, tiles, launch options) of a persistent launch of kernel ``mode`` over ``n_stat`` stationary rows."""
+    maxnreg, consumer_regs = cfg.registers()
+    tiles = triton.cdiv(n_stat, cfg.tile_rows) * z * h
+    # Default: one program per tile. The hardware then hands tiles to multiprocessors as they free up, so the programs
+    # running at any moment hold neighbouring tiles of one head and share its streamed blocks in L2; a persistent
+    # grid with a static tile order lost that locality as causal tiles of different lengths drifted apart.
+    grid = (max(1, min(tiles, programs or tiles)),)
+    options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs, num_warps=4,
+                   maxnreg=maxnreg)
+    return grid, tiles, options
+
+
+def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None,
+                 programs: int | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of one launch of the forward kernel; ``programs`` (default:
+    one per tile) caps the grid, each program then taking tiles p, p + grid, ..."""
+    z, h, n_q, d = q4.shape
+    cfg = cfg or config(_FWD, d, k4.shape[2])
+    grid, tiles, options = _launch_shape(_FWD, n_q, z, h, cfg, q4.device, programs)
+    args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
+            lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E)
+    return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
+
+
+def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config | None = None,
+            programs: int | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of one launch of the dQ kernel (which also writes D)."""
+    z, h, n_q, d = q4.shape
+    cfg = cfg or config(_DQ, d, k4.shape[2])
+    grid, tiles, options = _launch_shape(_DQ, n_q, z, h, cfg, q4.device, programs)
+    args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(do4, WG_ROWS),
+            descriptor(dq4, WG_ROWS), o4, o4.stride(0), o4.stride(1), o4.stride(2), lse, delta,
+            h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, d**-0.5)
+    return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
+
+
+def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Config | None = None,
+              programs: int | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel."""
+    z, h, n_k, d = k4.shape
+    cfg = cfg or config(_DKDV, d, n_k)
+    grid, tiles, options = _launch_shape(_DKDV, n_k, z, h, cfg, q4.device, programs)
+    args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
+            descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), lse, delta,
+            h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
+    return grid, args, dict(HEAD_DIM=d, BLOCK_M=cfg.block, IS_CAUSAL=bool(is_causal), **options)
+
+
+def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+            is_causal: bool, cfg: Config | None = None) -> None:
+    """O into ``o4`` and L into ``lse`` for (Z, H, N, d) views that ``usable`` accepted."""
+    _bind_context(q4.device)
+    grid, args, kwargs = forward_args(q4, k4, v4, o4, lse, is_causal, cfg)
+    _fwd_kernel[grid](*args, **kwargs)
+
+
+def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
+             is_causal: bool, dq_cfg: Config | None = None, dkdv_cfg: Config | None = None) -> None:
+    """The dQ kernel (which writes D into ``delta``), then the dK/dV kernel, for views that ``usable`` accepted."""
+    _bind_context(q4.device)
+    grid, args, kwargs = dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal, dq_cfg)
+    _dq_kernel[grid](*args, **kwargs)
+    grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, dkdv_cfg)
+    _dkdv_kernel[grid](*args, **kwargs)
+
+
+__all__ = ["HEAD_DIMS", "Config", "backward", "config", "forward", "setting", "usable"]

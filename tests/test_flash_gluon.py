@@ -1,0 +1,228 @@
+"""The Gluon FlashAttention kernels (``lmtrain.kernels.flash_gluon_hopper``).
+
+Gluon kernels do not run under Triton's interpreter. On the CPU these tests check the configuration arithmetic and
+the selection rules, and compile every default configuration for sm_90a (Triton compiles without a GPU): the
+machine code must use warpgroup MMA (``HGMMA``), move registers to the consumers (``setmaxnreg``), fit shared
+memory, and (two-consumer configurations) keep everything in registers. On a Hopper GPU (``-m gpu``) the kernels
+are compared with the float64 reference of ``test_flash_attention`` on odd shapes, every output NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from test_flash_attention import HAS_HOPPER, HAS_TRITON, _inputs, _reference_results, assert_matches_reference
+
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper GPU and Triton")
+
+
+@requires_triton
+def test_config_checks_and_parsing():
+    from lmtrain.kernels.flash_gluon_hopper import Config
+
+    assert Config.parse("3,128,2") == Config(3, 128, 2)
+    assert Config(3, 128, 2).tile_rows == 192
+    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0)):
+        with pytest.raises(ValueError, match="num_wg 2 or 3"):
+            Config(*bad)
+    with pytest.raises(ValueError, match="expected num_wg,block,num_stages"):
+        Config.parse("2,128")
+
+
+@requires_triton
+@pytest.mark.parametrize("num_wg", [2, 3])
+def test_registers_fill_the_register_file(num_wg):
+    """One program per multiprocessor: all its warps' registers within 64K, the producer at 24, consumers as many as
+    fit (multiples of 8)."""
+    from lmtrain.kernels.flash_gluon_hopper import Config
+
+    maxnreg, consumer = Config(num_wg, 128, 2).registers()
+    warpgroups = num_wg + 1
+    assert maxnreg % 8 == 0 and consumer % 8 == 0
+    assert maxnreg * warpgroups * 128 <= 65536
+    assert consumer * num_wg * 128 + 24 * 128 <= maxnreg * warpgroups * 128
+    assert (consumer + 8) * num_wg * 128 + 24 * 128 > maxnreg * warpgroups * 128, "8 more would not fit"
+    assert (maxnreg, consumer) == {2: (168, 240), 3: (128, 160)}[num_wg]
+
+
+@requires_triton
+def test_default_configurations_fit_shared_memory():
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    for mode in (fg._FWD, fg._DQ, fg._DKDV):
+        for d in fg.HEAD_DIMS:
+            for n in (1024, 16384):
+                cfg = fg.config(mode, d, n)
+                assert cfg.smem_bytes(mode, d) <= fg._SMEM_LIMIT, (mode, d, n, cfg)
+                if mode != fg._FWD:
+                    assert cfg.num_stages >= 2, "the backward kernels release a block one block late"
+
+
+@requires_triton
+def test_setting_and_cpu_tensors(monkeypatch):
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    x = torch.randn(1, 2, 4096, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "sometimes")
+    with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON='sometimes'"):
+        fg.setting()
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    assert not fg.usable(x, x) and not fg.usable(x, x, backward=True), "CPU tensors never take a GPU kernel"
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FWD", "3,64,3")
+    assert fg.config(fg._FWD, 128) == fg.Config(3, 64, 3)
+    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
+    assert fg.config(fg._FWD, 64, 16384) == fg.Config(3, 128, 2) and fg.config(fg._FWD, 64, 1024) == fg.Config(2, 128, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled for sm_90a on the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile_sm90(kernel, args: tuple, kwargs: dict):
+    """Compile a Gluon kernel for compute capability 9.0 without a GPU (Triton's own binder and compiler)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def _launches(d: int, n: int):
+    """(name, kernel, config, grid/args/kwargs) of every kernel's default launch for CPU stand-in tensors."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    q, k, v, o, do, dq, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(8))
+    lse, delta = torch.empty(6, n), torch.empty(6, n)
+    return [
+        ("forward", fg._fwd_kernel, fg.config(fg._FWD, d, n), fg.forward_args(q, k, v, o, lse, True, programs=132)),
+        ("dq", fg._dq_kernel, fg.config(fg._DQ, d, n), fg.dq_args(q, k, v, o, do, dq, lse, delta, True, programs=132)),
+        ("dkdv", fg._dkdv_kernel, fg.config(fg._DKDV, d, n),
+         fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, programs=132)),
+    ]
+
+
+@requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("d,n", [(64, 1024), (64, 16384), (128, 1024)])
+def test_default_kernels_compile_for_sm90a(d, n):
+    import triton
+
+    pytest.importorskip("triton.experimental.gluon")
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump = os.path.join(bin_dir, "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    for name, kernel, cfg, (grid, args, kwargs) in _launches(d, n):
+        if name != "forward" and n == 16384:
+            continue  # the backward's defaults do not depend on N
+        compiled = _compile_sm90(kernel, args, kwargs)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        label = f"{name} d={d} {cfg}"
+        assert "HGMMA" in sass, f"{label}: no warpgroup MMA in the machine code"
+        _, consumer_regs = cfg.registers()
+        counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
+        assert {str(consumer_regs), "24"} <= counts, f"{label}: register counts {counts}"
+        assert compiled.metadata.shared <= fg._SMEM_LIMIT, f"{label}: {compiled.metadata.shared} bytes of shared memory"
+        if cfg.num_wg == 2:
+            spills = re.findall(r"\b(LDL|STL)\b", sass)
+            assert not spills, f"{label}: {len(spills)} local-memory accesses (register spills)"
+
+
+# ---------------------------------------------------------------------------------------------
+# On a Hopper GPU
+# ---------------------------------------------------------------------------------------------
+
+# (q shape, k shape, v from a fused qkv tensor): odd lengths, N_q != N_k both ways, fewer rows than one tile.
+GLUON_SHAPES = [
+    ((1, 2, 97, 64), (1, 2, 97, 64), False),
+    ((2, 3, 1025, 128), (2, 3, 1025, 128), False),
+    ((1, 2, 257, 64), (1, 2, 333, 64), False),
+    ((1, 2, 333, 128), (1, 2, 257, 128), True),
+    ((1, 1, 30, 128), (1, 1, 30, 128), False),
+    ((2, 2, 1025, 64), (2, 2, 1025, 64), True),
+    ((1, 1, 200, 64), (1, 1, 4100, 64), False),
+]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shapes", GLUON_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
+                         + ("_fused" if s[2] else ""))
+def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
+    """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
+
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    sq, sk, fused_v = shapes
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=21, fused_v=fused_v)
+    assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), backward=True), "these inputs should take the Gluon kernels"
+    nan = float("nan")
+    o = torch.full(q.shape, nan, dtype=dtype, device="cuda")
+    lse = torch.full(q.shape[:-1], nan, dtype=torch.float32, device="cuda")
+    _forward(q, k, v, causal, o=o, lse=lse)
+    grads = [torch.full(t.shape, nan, dtype=dtype, device="cuda") for t in (q, k, v)]
+    _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
+    again = _backward(do, q, k, v, o, lse, causal)
+    out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    ref = _reference_results(q, k, v, do, causal, upcast=True)
+    base = _reference_results(q, k, v, do, causal, upcast=False)
+    assert_matches_reference(out, ref, base, dtype, f"Gluon {shapes} {dtype} causal={causal}")
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "the backward is not deterministic"
+
+
+@pytest.mark.gpu
+@requires_hopper
+def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
+    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on; never the Gluon backward."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d
+
+    monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
+
+    def usable(n, d, **kw):
+        x = _as_4d(torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16))
+        return fg.usable(x, x, **kw)
+
+    assert usable(1024, 128) and usable(4096, 64) and not usable(1024, 64)
+    assert not usable(4096, 80) and not usable(4096, 128, backward=True)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")
+    assert not usable(4096, 128)
+
+
+@pytest.mark.gpu
+@requires_hopper
+def test_gpu_gluon_backward_in_autograd_threads(monkeypatch):
+    """Autograd runs the backward in its own threads, where the descriptors need a current CUDA context."""
+    from lmtrain.kernels.flash_triton import flash_attention
+
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    q, k, v, do = _inputs((2, 4, 1000, 128), (2, 4, 1000, 128), torch.bfloat16, device="cuda", seed=22)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*leaves, causal=True).backward(do)
+    ref = _reference_results(q, k, v, do, True, upcast=True)
+    base = _reference_results(q, k, v, do, True, upcast=False)
+    out = {"dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    assert_matches_reference(out, ref, base, torch.bfloat16, "Gluon through autograd")
