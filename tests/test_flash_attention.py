@@ -383,6 +383,20 @@ def test_gpu_triton_matches_reference(shapes, dtype, causal, monkeypatch):
 
 
 HAS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def launch_into_poisoned(q, k, v, do, causal: bool) -> dict[str, torch.Tensor]:
+    """O, L, dQ, dK, dV from ``flash_triton``'s launchers, written into buffers filled with NaN beforehand (so an
+    element no program writes shows up as NaN)."""
+    from lmtrain.kernels.flash_triton import _backward, _forward
+
+    nan = float("nan")
+    o = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], nan, dtype=torch.float32, device=q.device)
+    _forward(q, k, v, causal, o=o, lse=lse)
+    grads = [torch.full(t.shape, nan, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
+    return {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper (sm_90+) GPU and Triton")
 
 # (q shape, k shape, v from a fused qkv tensor): odd lengths, N_q != N_k both ways, head dims 16-128 incl. 80.
@@ -410,7 +424,7 @@ def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatc
     element written; a head dim that is not a power of two padded to one tile, or split into two
     (``LMTRAIN_FLASH_TMA_SPLIT``)."""
     from lmtrain.kernels import _flash_shared, flash_triton_hopper
-    from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
+    from lmtrain.kernels.flash_triton import _as_4d
 
     if split == "1" and flash_triton_hopper.split_head_dim(shapes[0][-1])[1] == 0:
         pytest.skip("a head dim that is not split")
@@ -422,13 +436,7 @@ def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatc
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
     assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"
-    nan = float("nan")
-    o = torch.full(q.shape, nan, dtype=dtype, device="cuda")
-    lse = torch.full(q.shape[:-1], nan, dtype=torch.float32, device="cuda")
-    _forward(q, k, v, causal, o=o, lse=lse)
-    grads = [torch.full(t.shape, nan, dtype=dtype, device="cuda") for t in (q, k, v)]
-    _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
-    out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
     assert_matches_reference(out, ref, base, dtype, f"TMA path {shapes} {dtype} causal={causal}")

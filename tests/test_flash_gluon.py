@@ -16,7 +16,14 @@ import tempfile
 
 import pytest
 import torch
-from test_flash_attention import HAS_HOPPER, HAS_TRITON, _inputs, _reference_results, assert_matches_reference
+from test_flash_attention import (
+    HAS_HOPPER,
+    HAS_TRITON,
+    _inputs,
+    _reference_results,
+    assert_matches_reference,
+    launch_into_poisoned,
+)
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper GPU and Triton")
@@ -77,7 +84,8 @@ def test_setting_and_cpu_tensors(monkeypatch):
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FWD", "3,64,3")
     assert fg.config(fg._FWD, 128) == fg.Config(3, 64, 3)
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
-    assert fg.config(fg._FWD, 64, 16384) == fg.Config(3, 128, 2) and fg.config(fg._FWD, 64, 1024) == fg.Config(2, 128, 3)
+    assert fg.config(fg._FWD, 64, 16384) == fg.Config(3, 128, 2)
+    assert fg.config(fg._FWD, 64, 1024) == fg.Config(2, 128, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +137,7 @@ def test_default_kernels_compile_for_sm90a(d, n):
     cuobjdump = os.path.join(bin_dir, "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("this Triton ships no cuobjdump")
-    for name, kernel, cfg, (grid, args, kwargs) in _launches(d, n):
+    for name, kernel, cfg, (_, args, kwargs) in _launches(d, n):
         if name != "forward" and n == 16384:
             continue  # the backward's defaults do not depend on N
         compiled = _compile_sm90(kernel, args, kwargs)
@@ -173,23 +181,18 @@ GLUON_SHAPES = [
 def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
     """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, _backward, _forward
+    from lmtrain.kernels.flash_triton import _as_4d, _backward
 
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=21, fused_v=fused_v)
     assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), backward=True), "these inputs should take the Gluon kernels"
-    nan = float("nan")
-    o = torch.full(q.shape, nan, dtype=dtype, device="cuda")
-    lse = torch.full(q.shape[:-1], nan, dtype=torch.float32, device="cuda")
-    _forward(q, k, v, causal, o=o, lse=lse)
-    grads = [torch.full(t.shape, nan, dtype=dtype, device="cuda") for t in (q, k, v)]
-    _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
-    again = _backward(do, q, k, v, o, lse, causal)
-    out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    out = launch_into_poisoned(q, k, v, do, causal)
+    again = _backward(do, q, k, v, out["o"], out["lse"], causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
     assert_matches_reference(out, ref, base, dtype, f"Gluon {shapes} {dtype} causal={causal}")
+    grads = (out["dq"], out["dk"], out["dv"])
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "the backward is not deterministic"
 
 

@@ -1,5 +1,5 @@
-"""FlashAttention forward and backward for Hopper GPUs (sm_90) written in Gluon: warp-specialised, persistent, with
-the softmax work of one block overlapping the matrix products of the next.
+"""FlashAttention forward and backward for Hopper GPUs (sm_90) written in Gluon: warp-specialised, with the softmax
+work of one block overlapping the matrix products of the next.
 
 Same algorithm, outputs and properties as the kernels of ``flash_triton`` (online softmax in the log2 domain with the
 scale folded into one multiply-add before ``exp2``; O in the input dtype and the natural-log logsumexp L in fp32; a
@@ -21,10 +21,13 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   ``dK += dS^T Q``) run on while the next block's products are issued. P and dS stay in registers as the first
   operand of the products that need them. With two or three consumers on a multiprocessor, one's exponentials also
   overlap the others' products.
-* **Persistent programs.** One program per multiprocessor walks over tiles p, p + grid, ... (causal query tiles of a
-  head longest first), so the producer loads the next tile's stationary rows and first blocks while the consumers
-  finish the current one, and the output tile leaves through its own buffer and a TMA store that overlaps the next
-  tile.
+* **Tiles and programs.** Each program loops over tiles p, p + grid, ...; by default the grid has one program per
+  tile, so the hardware hands tiles to multiprocessors as they free up and the programs running at one time hold
+  neighbouring tiles of one head (causal query tiles longest first), sharing its streamed blocks in L2. A smaller
+  grid (``programs``) makes the programs persistent: the producer then loads the next tile's rows while the consumers
+  finish the current one, and each output tile leaves through its own buffer and a TMA store that overlaps the next
+  tile; with a static tile order that measured slower (docs/benchmarks/2026-11-25-H100-flash-gluon.md), since causal
+  tiles of different lengths drift apart and lose the L2 sharing.
 * **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
 
@@ -249,6 +252,11 @@ if _HAS_GLUON:
     # Tiles, streamed ranges, the producer
     # -----------------------------------------------------------------------------------------
 
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        """The register layout of one warpgroup's (64 x n) fp32 MMA accumulator."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _tile_coords(tile, N, H, BLOCK_T: gl.constexpr, REVERSE: gl.constexpr):
         """(batch x head index, batch, head, first stationary row) of tile ``tile``, tiles numbered head by head;
@@ -331,6 +339,14 @@ if _HAS_GLUON:
             it += 1
 
     @gluon.jit
+    def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
+        """N mbarriers in shared memory, each completing a phase after COUNT arrivals."""
+        bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(N):
+            mbarrier.init(bars.index(i), count=COUNT)
+        return bars
+
+    @gluon.jit
     def _store_tile(desc, smem, z, h, row, x, PENDING: gl.constexpr):
         """``x`` (64 x d) to rows [row, row + 64) of (batch z, head h) through the tile buffer ``smem``, once this
         buffer's previous store has left it: that is, with at most PENDING later stores still in flight."""
@@ -356,10 +372,8 @@ if _HAS_GLUON:
                       LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = o_desc.dtype
@@ -444,20 +458,9 @@ if _HAS_GLUON:
         o_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + o_desc.block_type.shape, o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(NUM_WG):
-            mbarrier.init(q_ready.index(w), count=1)
-            mbarrier.init(q_empty.index(w), count=1)
-        for s in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=NUM_WG)
-            mbarrier.init(v_empty.index(s), count=NUM_WG)
+        q_ready, q_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
+        k_ready, k_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        v_ready, v_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         # Partitions take their arguments spelled out: a tuple built here would turn constexprs into values.
         if NUM_WG == 2:
             gl.warp_specialize([
@@ -497,10 +500,8 @@ if _HAS_GLUON:
                      qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
         """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         COLS_T: gl.constexpr = HEAD_DIM // 8  # threads along the head dim when reading O and dO, 8 elements each
@@ -573,20 +574,9 @@ if _HAS_GLUON:
         dq_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dq_desc.block_type.shape, dq_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(NUM_WG):
-            mbarrier.init(qdo_ready.index(w), count=1)
-            mbarrier.init(qdo_empty.index(w), count=1)
-        for s in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=NUM_WG)
-            mbarrier.init(v_empty.index(s), count=NUM_WG)
+        qdo_ready, qdo_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
+        k_ready, k_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        v_ready, v_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
         gl.warp_specialize([
             (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
@@ -607,10 +597,8 @@ if _HAS_GLUON:
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles."""
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+        acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         cols: gl.constexpr = gl.SliceLayout(0, st_layout)
         dtype: gl.constexpr = dk_desc.dtype
@@ -687,20 +675,9 @@ if _HAS_GLUON:
         dv_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dv_desc.block_type.shape, dv_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(NUM_WG):
-            mbarrier.init(kv_ready.index(w), count=1)
-            mbarrier.init(kv_empty.index(w), count=1)
-        for s in gl.static_range(NUM_STAGES):
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(do_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=NUM_WG)
-            mbarrier.init(do_empty.index(s), count=NUM_WG)
+        kv_ready, kv_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
+        q_ready, q_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        do_ready, do_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,

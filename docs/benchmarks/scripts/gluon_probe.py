@@ -45,6 +45,7 @@ def make(z, h, n_q, n_k, d, dtype, fused, seed):
 
 
 def check() -> bool:
+    os.environ["LMTRAIN_FLASH_GLUON"] = "all"  # the Gluon forward and backward wherever they apply
     ok = True
     shapes = [(1, 2, 97, 97, 64, False), (2, 3, 1025, 1025, 128, False), (1, 2, 257, 333, 64, False),
               (1, 2, 333, 257, 128, False), (1, 1, 30, 30, 128, False), (2, 2, 1025, 1025, 64, True),
@@ -54,7 +55,7 @@ def check() -> bool:
             for causal in (True, False):
                 q, k, v = make(z, h, n_q, n_k, d, dtype, fused, n_q * 131 + n_k + d)
                 do = torch.randn(q.shape, device="cuda", dtype=dtype)
-                assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "should take the Gluon path"
+                assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), backward=True), "should take the Gluon path"
                 o = torch.full(q.shape, float("nan"), device="cuda", dtype=dtype)
                 lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
                 ft._forward(q, k, v, causal, o=o, lse=lse)
@@ -65,7 +66,7 @@ def check() -> bool:
                 ro, rl, rdq, rdk, rdv = reference(q, k, v, causal, do)
                 errs = [rel(o, ro), (lse.double() - rl).abs().max().item(), rel(dq, rdq), rel(dk, rdk), rel(dv, rdv)]
                 limit = 1e-2 if dtype == torch.bfloat16 else 2e-3
-                det = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again))
+                det = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again, strict=True))
                 bad = (not all(e < limit for e in errs) or any(t.isnan().any().item() for t in (o, lse, dq, dk, dv))
                        or not det)
                 ok &= not bad
@@ -85,6 +86,12 @@ def inputs(d, n):
     return b, h, q, k, v, do
 
 
+def _median_ms(kernel, launch) -> float:
+    """Median milliseconds of ``kernel[grid](*args, **kwargs)`` for ``launch = (grid, args, kwargs)``."""
+    grid, args, kwargs = launch
+    return do_bench(lambda: kernel[grid](*args, **kwargs), return_mode="median")
+
+
 def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
     """Each kernel and configuration alone, one program per tile and persistent (``p`` suffix, one program per
     multiprocessor); the tl TMA kernels of the same pass for comparison (exec TFLOP/s: fwd 2 products, dq 3, dkdv
@@ -100,25 +107,28 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             res = []
             for c in fwd_cfgs[d]:
                 for progs, tag in ((None, ""), (sms, "p")):
-                    grid, args, kw = fg.forward_args(q, k, v, o, lse, True, fg.Config.parse(c), progs)
-                    ms = do_bench(lambda: fg._fwd_kernel[grid](*args, **kw), return_mode="median")
+                    ms = _median_ms(fg._fwd_kernel, fg.forward_args(q, k, v, o, lse, True, fg.Config.parse(c), progs))
                     res.append(f"fwd{c}{tag}={tflops(ms, b, h, n, d):.0f}")
             for c in dq_cfgs[d]:
                 for progs, tag in ((None, ""), (sms, "p")):
-                    grid, args, kw = fg.dq_args(q, k, v, o, do, dq, lse, delta, True, fg.Config.parse(c), progs)
-                    ms = do_bench(lambda: fg._dq_kernel[grid](*args, **kw), return_mode="median")
+                    ms = _median_ms(fg._dq_kernel,
+                                    fg.dq_args(q, k, v, o, do, dq, lse, delta, True, fg.Config.parse(c), progs))
                     res.append(f"dq{c}{tag}={tflops(ms, b, h, n, d, 1.5):.0f}")
             for c in dkdv_cfgs[d]:
                 for progs, tag in ((None, ""), (sms, "p")):
-                    grid, args, kw = fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, fg.Config.parse(c), progs)
-                    ms = do_bench(lambda: fg._dkdv_kernel[grid](*args, **kw), return_mode="median")
+                    ms = _median_ms(fg._dkdv_kernel,
+                                    fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, fg.Config.parse(c), progs))
                     res.append(f"dkdv{c}{tag}={tflops(ms, b, h, n, d, 2.0):.0f}")
+            setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
             os.environ["LMTRAIN_FLASH_GLUON"] = "0"
-            ms = do_bench(lambda: ft._forward(q, k, v, True, o=o, lse=lse), return_mode="median")
+            tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
+            ms = do_bench(lambda t=tensors: ft._forward(t["q"], t["k"], t["v"], True, o=t["o"], lse=t["lse"]),
+                          return_mode="median")
             res.append(f"tl_fwd={tflops(ms, b, h, n, d):.0f}")
-            ms = do_bench(lambda: ft._backward(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv), return_mode="median")
+            ms = do_bench(lambda t=tensors: ft._backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True,
+                                                         dq=t["dq"], dk=t["dk"], dv=t["dv"]), return_mode="median")
             res.append(f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}")
-            os.environ["LMTRAIN_FLASH_GLUON"] = "1"
+            os.environ["LMTRAIN_FLASH_GLUON"] = setting
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
 
@@ -129,16 +139,17 @@ def compare(head_dims, seq_lens):
             b, h, q, k, v, do = inputs(d, n)
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             out = {}
+            leaves = (qg, kg, vg)
             for name in ("flash_triton", "cudnn"):
                 if name == "cudnn":
-                    ctx = sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
-                    fn = lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)  # noqa: E731
+                    def fn(t=leaves):
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            return F.scaled_dot_product_attention(*t, is_causal=True)
                 else:
-                    ctx = sdpa_kernel(SDPBackend.CUDNN_ATTENTION)  # unused
-                    fn = lambda: ft.FlashAttentionTriton.apply(qg, kg, vg, True)  # noqa: E731
-                with ctx:
-                    fwd = do_bench(fn, return_mode="median")
-                    fb = do_bench(lambda: fn().backward(do), grad_to_none=[qg, kg, vg], return_mode="median")
+                    def fn(t=leaves):
+                        return ft.FlashAttentionTriton.apply(*t, True)
+                fwd = do_bench(fn, return_mode="median")
+                fb = do_bench(lambda f=fn, g=do: f().backward(g), grad_to_none=list(leaves), return_mode="median")
                 out[name] = (tflops(fwd, b, h, n, d), tflops(fb, b, h, n, d, 3.5))
             r = tuple(out["flash_triton"][i] / out["cudnn"][i] for i in (0, 1))
             rows.append((d, n, out, r))
@@ -159,11 +170,13 @@ def main():
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     t0 = time.time()
+    default_setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
     if not a.no_check:
         ok = check()
         print("CHECK", "PASSED" if ok else "FAILED", f"{time.time() - t0:.0f}s", flush=True)
         if a.check_only or not ok:
             sys.exit(0 if ok else 1)
+        os.environ["LMTRAIN_FLASH_GLUON"] = default_setting
     if not a.no_sweep:
         sweep(a.head_dims, a.seq_lens,
               fwd_cfgs={64: ["3,128,2", "2,128,3", "2,128,2"], 128: ["2,128,2", "3,64,3"]},
