@@ -172,7 +172,9 @@ def test_bf16_optimizer_moments_train_close_to_fp32_moments_on_cpu() -> None:
         module = LMModule(**TINY, master_weights=True, optimizer_state_dtype=dtype)
         runs[dtype] = (_fit(module, precision="bf16-mixed"), module)
     (ref, _), (cb, module) = runs["float32"], runs["bfloat16"]
-    assert cb.losses == pytest.approx(ref.losses, rel=1e-3)
+    # Stochastic rounding perturbs each moment by about 2^-9 a step: with torch 2.13's CPU build the per-step losses
+    # differ by 8e-6 .. 1.4e-3 relative (one step of eight above 5e-4), so 1e-3 was tighter than the rounding noise.
+    assert cb.losses == pytest.approx(ref.losses, rel=3e-3)
     opt = module.trainer.optimizers[0]
     for p in module.parameters():
         expected = torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
