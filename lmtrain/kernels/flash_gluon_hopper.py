@@ -449,8 +449,8 @@ if _HAS_GLUON:
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Persistent: grid (min(tiles, multiprocessors),); program p takes tiles p, p + grid, ... of the
-        cdiv(N_Q, 64 NUM_WG) * Z * H. Shared memory and barriers are allocated here, then the warps split into
+        """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H (by default the grid has one
+        program per tile). Shared memory and barriers are allocated here, then the warps split into
         NUM_WG consumers (the first in the default partition) and the producer."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         dtype: gl.constexpr = q_desc.dtype
@@ -565,7 +565,7 @@ if _HAS_GLUON:
                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Persistent over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
+        """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         dtype: gl.constexpr = q_desc.dtype
@@ -665,7 +665,7 @@ if _HAS_GLUON:
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Persistent over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
+        """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
         stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -709,7 +709,8 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def _launch_shape(mode: int, n_stat: int, z: int, h: int, cfg: Config, device: torch.device,
                   programs: int | None) -> tuple[tuple[int], int, dict]:
-    """(grid, tiles, launch options) of a persistent launch of kernel ``mode`` over ``n_stat`` stationary rows."""
+    """(grid, tiles, launch options) of a launch of kernel ``mode`` over ``n_stat`` stationary rows, at most
+    ``programs`` programs (default: one per tile)."""
     maxnreg, consumer_regs = cfg.registers()
     tiles = triton.cdiv(n_stat, cfg.tile_rows) * z * h
     # Default: one program per tile. The hardware then hands tiles to multiprocessors as they free up, so the programs
