@@ -47,6 +47,7 @@ sm_90a (no GPU needed) and check their machine code, and the GPU tests compare t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 
@@ -75,6 +76,7 @@ except ImportError:  # pragma: no cover - older Triton: the tl kernels serve eve
     _HAS_GLUON = False
 
 from lmtrain.kernels._flash_shared import _INTERPRET, _LOG2E
+from lmtrain.kernels.flash_triton_hopper import _aligned, _capability, _tma_strides  # the TMA rules, once
 
 HEAD_DIMS = (64, 128)
 WG_ROWS = 64  # stationary rows per consumer warpgroup: the M of one warpgroup MMA (4 warps x 16 rows)
@@ -86,6 +88,7 @@ _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on an H100/H200
 _FWD, _DQ, _DKDV = 0, 1, 2
 
 
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One launch configuration: consumer warpgroups, streamed block rows, ring depth.
 
@@ -97,11 +100,14 @@ class Config:
             one block late (its last product runs on while the next block's are issued), so they need two.
     """
 
-    def __init__(self, num_wg: int, block: int, num_stages: int) -> None:
-        if num_wg not in (2, 3) or block not in (16, 32, 64, 128, 256) or num_stages < 1:
-            raise ValueError(f"Config({num_wg}, {block}, {num_stages}): num_wg 2 or 3, block a power of two from 16 "
-                             "to 256, num_stages >= 1.")
-        self.num_wg, self.block, self.num_stages = num_wg, block, num_stages
+    num_wg: int
+    block: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1:
+            raise ValueError(f"Config({self.num_wg}, {self.block}, {self.num_stages}): num_wg 2 or 3, block a power of "
+                             "two from 16 to 256, num_stages >= 1.")
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -132,15 +138,6 @@ class Config:
         rows = (stationary + outputs) * self.tile_rows + 2 * self.num_stages * self.block
         return rows * head_dim * elt
 
-    def __repr__(self) -> str:
-        return f"Config({self.num_wg},{self.block},{self.num_stages})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Config) and repr(self) == repr(other)
-
-    def __hash__(self) -> int:
-        return hash(repr(self))
-
 
 # Defaults per (kernel, head dim) from the sweeps in docs/benchmarks/2026-11-25-H100-flash-gluon.md (bf16, causal,
 # B*H*N = 2^21): the forward at head dim 64 takes three consumers from 8192 keys on, two below.
@@ -168,28 +165,6 @@ def config(mode: int, head_dim: int, n_keys: int = 0) -> Config:
     return _DEFAULTS[(mode, head_dim)]
 
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-_SMS: dict[int, int] = {}
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = _device_index(device)
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
-
-
-def _multiprocessors(device: torch.device) -> int:
-    index = _device_index(device)
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 _BOUND = threading.local()
 
 
@@ -201,7 +176,7 @@ def _bind_context(device: torch.device) -> None:
     would bind one, but only after the encoding has failed). Done through the driver, which is legal at any time,
     also while a CUDA graph is being captured.
     """
-    index = _device_index(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if getattr(_BOUND, "index", None) == index:
         return
     cuda = ctypes.CDLL("libcuda.so.1")
@@ -241,8 +216,6 @@ def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
         return False
     if mode == "1" and d == 64 and len(tensors) > 1 and tensors[1].shape[-2] < _FWD_64_MIN_KEYS:
         return False
-    from lmtrain.kernels.flash_triton_hopper import _aligned  # the TMA rules, stated once
-
     return _capability(q4.device) == (9, 0) and all(_aligned(t) for t in tensors)
 
 
@@ -700,16 +673,13 @@ if _HAS_GLUON:
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes, with the widest swizzle
     the rows allow (what the warpgroup MMA reads fastest)."""
-    from lmtrain.kernels.flash_triton_hopper import _tma_strides
-
     block = [1, 1, rows, t.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, layout)
 
 
-def _launch_shape(mode: int, n_stat: int, z: int, h: int, cfg: Config, device: torch.device,
-                  programs: int | None) -> tuple[tuple[int], int, dict]:
-    """(grid, tiles, launch options) of a launch of kernel ``mode`` over ``n_stat`` stationary rows, at most
+def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None) -> tuple[tuple[int], int, dict]:
+    """(grid, tiles, launch options) of a launch over ``n_stat`` stationary rows, at most
     ``programs`` programs (default: one per tile)."""
     maxnreg, consumer_regs = cfg.registers()
     tiles = triton.cdiv(n_stat, cfg.tile_rows) * z * h
@@ -728,7 +698,7 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     one per tile) caps the grid, each program then taking tiles p, p + grid, ..."""
     z, h, n_q, d = q4.shape
     cfg = cfg or config(_FWD, d, k4.shape[2])
-    grid, tiles, options = _launch_shape(_FWD, n_q, z, h, cfg, q4.device, programs)
+    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
             lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E)
     return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
@@ -739,7 +709,7 @@ def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config |
     """(grid, positional arguments, keyword arguments) of one launch of the dQ kernel (which also writes D)."""
     z, h, n_q, d = q4.shape
     cfg = cfg or config(_DQ, d, k4.shape[2])
-    grid, tiles, options = _launch_shape(_DQ, n_q, z, h, cfg, q4.device, programs)
+    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(do4, WG_ROWS),
             descriptor(dq4, WG_ROWS), o4, o4.stride(0), o4.stride(1), o4.stride(2), lse, delta,
             h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, d**-0.5)
@@ -751,7 +721,7 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
     """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel."""
     z, h, n_k, d = k4.shape
     cfg = cfg or config(_DKDV, d, n_k)
-    grid, tiles, options = _launch_shape(_DKDV, n_k, z, h, cfg, q4.device, programs)
+    grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs)
     args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
             descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), lse, delta,
             h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
