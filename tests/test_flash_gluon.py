@@ -38,8 +38,9 @@ def test_config_checks_and_parsing():
     for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0)):
         with pytest.raises(ValueError, match="num_wg 2 or 3"):
             Config(*bad)
-    with pytest.raises(ValueError, match="expected num_wg,block,num_stages"):
-        Config.parse("2,128")
+    for bad in ("2,128", "2,128,2,1,1", "2,x,2"):
+        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\]"):
+            Config.parse(bad)
 
 
 @requires_triton
@@ -59,15 +60,29 @@ def test_registers_fill_the_register_file(num_wg):
 
 
 @requires_triton
+def test_two_programs_per_multiprocessor_halve_the_registers():
+    """per_sm=2: both programs' warpgroups within 64K registers, each program's producer at 24."""
+    from lmtrain.kernels.flash_gluon_hopper import Config
+
+    cfg = Config.parse("2,64,3,2")
+    assert cfg == Config(2, 64, 3, per_sm=2)
+    maxnreg, consumer = cfg.registers()
+    assert 2 * maxnreg * 3 * 128 <= 65536 and consumer * 2 * 128 + 24 * 128 <= maxnreg * 3 * 128
+    assert (maxnreg, consumer) == (80, 104)
+    with pytest.raises(ValueError, match="per_sm 1 or 2"):
+        Config(2, 64, 3, per_sm=3)
+
+
+@requires_triton
 def test_default_configurations_fit_shared_memory():
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    for mode in (fg._FWD, fg._DQ, fg._DKDV):
+    for mode in (fg.FWD, fg.DQ, fg.DKDV):
         for d in fg.HEAD_DIMS:
             for n in (1024, 16384):
                 cfg = fg.config(mode, d, n)
                 assert cfg.smem_bytes(mode, d) <= fg._SMEM_LIMIT, (mode, d, n, cfg)
-                if mode != fg._FWD:
+                if mode != fg.FWD:
                     assert cfg.num_stages >= 2, "the backward kernels release a block one block late"
 
 
@@ -79,13 +94,18 @@ def test_setting_and_cpu_tensors(monkeypatch):
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "sometimes")
     with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON='sometimes'"):
         fg.setting()
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dkdv, fwd")
+    assert fg.setting() == frozenset({fg.FWD, fg.DKDV})
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "fwd,bwd")
+    with pytest.raises(ValueError, match="a list of kernels from fwd, dq, dkdv"):
+        fg.setting()
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
-    assert not fg.usable(x, x) and not fg.usable(x, x, backward=True), "CPU tensors never take a GPU kernel"
+    assert not any(fg.usable(x, x, kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)), "CPU tensors never take a GPU kernel"
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FWD", "3,64,3")
-    assert fg.config(fg._FWD, 128) == fg.Config(3, 64, 3)
+    assert fg.config(fg.FWD, 128) == fg.Config(3, 64, 3)
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
-    assert fg.config(fg._FWD, 64, 16384) == fg.Config(3, 128, 2)
-    assert fg.config(fg._FWD, 64, 1024) == fg.Config(2, 128, 3)
+    assert fg.config(fg.FWD, 64, 16384) == fg.Config(3, 128, 2)
+    assert fg.config(fg.FWD, 64, 1024) == fg.Config(2, 128, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,43 +137,65 @@ def _launches(d: int, n: int):
     q, k, v, o, do, dq, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(8))
     lse, delta = torch.empty(6, n), torch.empty(6, n)
     return [
-        ("forward", fg._fwd_kernel, fg.config(fg._FWD, d, n), fg.forward_args(q, k, v, o, lse, True, programs=132)),
-        ("dq", fg._dq_kernel, fg.config(fg._DQ, d, n), fg.dq_args(q, k, v, o, do, dq, lse, delta, True, programs=132)),
-        ("dkdv", fg._dkdv_kernel, fg.config(fg._DKDV, d, n),
+        ("forward", fg._fwd_kernel, fg.config(fg.FWD, d, n), fg.forward_args(q, k, v, o, lse, True, programs=132)),
+        ("dq", fg._dq_kernel, fg.config(fg.DQ, d, n), fg.dq_args(q, k, v, o, do, dq, lse, delta, True, programs=132)),
+        ("dkdv", fg._dkdv_kernel, fg.config(fg.DKDV, d, n),
          fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, programs=132)),
     ]
+
+
+def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spill_free: bool = True) -> None:
+    """Compile for sm_90a and check the SASS: warpgroup MMA, the setmaxnreg counts of ``cfg``, shared memory within
+    what ``cfg.per_sm`` programs may share, and (two consumers, ``spill_free``) no register spills."""
+    import triton
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    compiled = _compile_sm90(kernel, args, kwargs)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass, f"{label}: no warpgroup MMA in the machine code"
+    _, consumer_regs = cfg.registers()
+    counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
+    assert {str(consumer_regs), "24"} <= counts, f"{label}: register counts {counts}"
+    assert compiled.metadata.shared <= fg._SMEM_LIMIT, f"{label}: {compiled.metadata.shared} bytes of shared memory"
+    assert cfg.per_sm * (compiled.metadata.shared + 1024) <= fg._SMEM_PER_SM, f"{label}: {cfg.per_sm} do not fit"
+    if cfg.num_wg == 2 and spill_free:
+        spills = re.findall(r"\b(LDL|STL)\b", sass)
+        assert not spills, f"{label}: {len(spills)} local-memory accesses (register spills)"
 
 
 @requires_triton
 @pytest.mark.slow
 @pytest.mark.parametrize("d,n", [(64, 1024), (64, 16384), (128, 1024)])
 def test_default_kernels_compile_for_sm90a(d, n):
-    import triton
-
     pytest.importorskip("triton.experimental.gluon")
-    from lmtrain.kernels import flash_gluon_hopper as fg
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    cuobjdump = os.path.join(bin_dir, "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
     for name, kernel, cfg, (_, args, kwargs) in _launches(d, n):
         if name != "forward" and n == 16384:
             continue  # the backward's defaults do not depend on N
-        compiled = _compile_sm90(kernel, args, kwargs)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        label = f"{name} d={d} {cfg}"
-        assert "HGMMA" in sass, f"{label}: no warpgroup MMA in the machine code"
-        _, consumer_regs = cfg.registers()
-        counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
-        assert {str(consumer_regs), "24"} <= counts, f"{label}: register counts {counts}"
-        assert compiled.metadata.shared <= fg._SMEM_LIMIT, f"{label}: {compiled.metadata.shared} bytes of shared memory"
-        if cfg.num_wg == 2:
-            spills = re.findall(r"\b(LDL|STL)\b", sass)
-            assert not spills, f"{label}: {len(spills)} local-memory accesses (register spills)"
+        _check_machine_code(f"{name} d={d} {cfg}", kernel, cfg, args, kwargs)
+
+
+@requires_triton
+@pytest.mark.slow
+def test_two_programs_per_multiprocessor_compile_for_sm90a():
+    """The head-dim-64 forward and dQ kernels with two programs per multiprocessor (104 registers a consumer; the
+    forward spills a few registers there, 16 bytes with Triton 3.6, which is one reason it is not a default)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    q, k, v, o, do, dq = (torch.randn(2, 3, 1024, 64, dtype=torch.bfloat16) for _ in range(6))
+    lse, delta = torch.empty(6, 1024), torch.empty(6, 1024)
+    fwd, dq_cfg = fg.Config.parse("2,64,3,2"), fg.Config.parse("2,32,3,2")
+    _, args, kwargs = fg.forward_args(q, k, v, o, lse, True, fwd)
+    _check_machine_code(f"forward {fwd}", fg._fwd_kernel, fwd, args, kwargs, spill_free=False)
+    _, args, kwargs = fg.dq_args(q, k, v, o, do, dq, lse, delta, True, dq_cfg)
+    _check_machine_code(f"dq {dq_cfg}", fg._dq_kernel, dq_cfg, args, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +228,8 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=21, fused_v=fused_v)
-    assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), backward=True), "these inputs should take the Gluon kernels"
+    assert all(fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)), \
+        "these inputs should take the Gluon kernels"
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
@@ -199,20 +242,48 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
 @pytest.mark.gpu
 @requires_hopper
 def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
-    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on; never the Gluon backward."""
+    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on; never a Gluon backward kernel. A
+    list takes the kernels it names wherever they apply."""
     from lmtrain.kernels import flash_gluon_hopper as fg
     from lmtrain.kernels.flash_triton import _as_4d
 
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
 
-    def usable(n, d, **kw):
+    def usable(n, d, kernel=fg.FWD):
         x = _as_4d(torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16))
-        return fg.usable(x, x, **kw)
+        return fg.usable(x, x, kernel=kernel)
 
     assert usable(1024, 128) and usable(4096, 64) and not usable(1024, 64)
-    assert not usable(4096, 80) and not usable(4096, 128, backward=True)
+    assert not usable(4096, 80) and not usable(4096, 128, fg.DQ) and not usable(4096, 128, fg.DKDV)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dq")
+    assert usable(1024, 64, fg.DQ) and not usable(1024, 64, fg.DKDV) and not usable(4096, 128)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")
     assert not usable(4096, 128)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("setting,env", [("dq", {}), ("fwd,dkdv", {}),
+                                         ("all", {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,2",
+                                                  "LMTRAIN_FLASH_GLUON_DQ": "2,32,3,2"})],
+                         ids=["gluon_dq_tl_dkdv", "tl_dq_gluon_dkdv", "two_per_sm"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_gluon_mixed_with_tl_kernels(setting, env, causal, monkeypatch):
+    """A backward whose dQ kernel (which writes D) and dK/dV kernel (which reads it) come from different paths, and
+    the two-programs-per-multiprocessor configurations, against float64 (head dim 64, N 1025, bf16)."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d
+
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", setting)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    q, k, v, do = _inputs((2, 3, 1025, 64), (2, 3, 1025, 64), dtype=torch.bfloat16, device="cuda", seed=23)
+    picked = [fg.usable(_as_4d(q), _as_4d(k), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)]
+    assert picked == {"dq": [False, True, False], "fwd,dkdv": [True, False, True], "all": [True] * 3}[setting]
+    out = launch_into_poisoned(q, k, v, do, causal)
+    ref = _reference_results(q, k, v, do, causal, upcast=True)
+    base = _reference_results(q, k, v, do, causal, upcast=False)
+    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {setting} {env} causal={causal}")
 
 
 @pytest.mark.gpu

@@ -83,9 +83,10 @@ WG_ROWS = 64  # stationary rows per consumer warpgroup: the M of one warpgroup M
 _REGISTERS = 64 * 1024  # 32-bit registers per multiprocessor (every Hopper GPU)
 _PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer warp only issues copies
 _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on an H100/H200
+_SMEM_PER_SM = 228 * 1024  # shared memory of a multiprocessor; each resident program also reserves 1 KiB
 
-# What a kernel's programs hold and stream (the ``MODE`` constexpr of the shared producer).
-_FWD, _DQ, _DKDV = 0, 1, 2
+# The kernels (also the ``MODE`` constexpr of the shared producer: what a kernel's programs hold and stream).
+FWD, DQ, DKDV = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,71 +99,81 @@ class Config:
             from 16 to 256 (Gluon tiles have power-of-two shapes).
         num_stages: streamed blocks in flight (the ring's buffers); the backward kernels release a block's buffers
             one block late (its last product runs on while the next block's are issued), so they need two.
+        per_sm: programs sharing a multiprocessor (1 or 2). Two halve each program's registers and shared memory,
+            but one program's first loads and last store then overlap the other's products: what short causal
+            tiles (a few key blocks each) need.
     """
 
     num_wg: int
     block: int
     num_stages: int
+    per_sm: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1:
-            raise ValueError(f"Config({self.num_wg}, {self.block}, {self.num_stages}): num_wg 2 or 3, block a power of "
-                             "two from 16 to 256, num_stages >= 1.")
+        if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1 \
+                or self.per_sm not in (1, 2):
+            raise ValueError(f"{self}: num_wg 2 or 3, block a power of two from 16 to 256, num_stages >= 1, "
+                             "per_sm 1 or 2.")
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``"num_wg,block,num_stages"`` -> Config."""
+        """``"num_wg,block,num_stages[,per_sm]"`` -> Config."""
         try:
-            return cls(*(int(x) for x in text.split(",")))
+            parts = [int(x) for x in text.split(",")]
+            if len(parts) not in (3, 4):
+                raise ValueError(f"{len(parts)} numbers")
+            return cls(*parts)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad Gluon flash configuration {text!r}: expected num_wg,block,num_stages ({exc})") \
-                from None
+            raise ValueError(f"bad Gluon flash configuration {text!r}: expected num_wg,block,num_stages[,per_sm] "
+                             f"({exc})") from None
 
     @property
     def tile_rows(self) -> int:
         return WG_ROWS * self.num_wg
 
     def registers(self) -> tuple[int, int]:
-        """(maxnreg for the launch, registers per consumer thread): all warps of one program share the register file
-        (one program per multiprocessor), the producer's warpgroup keeps the minimum and the consumers split the
-        rest, rounded down to multiples of 8 as setmaxnreg requires."""
+        """(maxnreg for the launch, registers per consumer thread): all warps of the ``per_sm`` programs on a
+        multiprocessor share its register file (the launch reserves them per warpgroup), the producer's warpgroup
+        keeps the minimum and the consumers split the rest, rounded down to multiples of 8 as setmaxnreg requires."""
         warpgroups = self.num_wg + 1
-        maxnreg = _REGISTERS // (warpgroups * 128) // 8 * 8
+        maxnreg = _REGISTERS // self.per_sm // (warpgroups * 128) // 8 * 8
         consumer = (maxnreg * warpgroups - _PRODUCER_REGS) // self.num_wg // 8 * 8
         return maxnreg, min(consumer, 256)
 
     def smem_bytes(self, mode: int, head_dim: int, elt: int = 2) -> int:
-        """Shared memory of the tiles of kernel ``mode``: stationary tiles and output tiles (one 64-row tile each per
-        consumer and tensor), two streamed tensors in the ring."""
-        stationary, outputs = {_FWD: (1, 1), _DQ: (2, 1), _DKDV: (2, 2)}[mode]
+        """Shared memory of the tiles of one program of kernel ``mode``: stationary tiles and output tiles (one
+        64-row tile each per consumer and tensor), two streamed tensors in the ring."""
+        stationary, outputs = {FWD: (1, 1), DQ: (2, 1), DKDV: (2, 2)}[mode]
         rows = (stationary + outputs) * self.tile_rows + 2 * self.num_stages * self.block
         return rows * head_dim * elt
 
 
-# Defaults per (kernel, head dim) from the sweeps in docs/benchmarks/2026-11-25-H100-flash-gluon.md (bf16, causal,
-# B*H*N = 2^21): the forward at head dim 64 takes three consumers from 8192 keys on, two below.
-_DEFAULTS = {
-    (_FWD, 64): Config(2, 128, 3), (_FWD, 128): Config(2, 128, 2),
-    (_DQ, 64): Config(2, 128, 3), (_DQ, 128): Config(2, 128, 2),
-    (_DKDV, 64): Config(2, 64, 2), (_DKDV, 128): Config(2, 32, 2),
+# Per (kernel, head dim): steps (from this many keys on, configuration, Gluon by default), the last step at or below
+# the key count applying; where a step says False the tl kernel of flash_triton_hopper runs by default (it measured
+# faster there) and the configuration serves LMTRAIN_FLASH_GLUON=all. From the sweeps in
+# docs/benchmarks/2026-11-25-H100-flash-gluon.md (bf16, causal, B*H*N = 2^21).
+_TABLE = {
+    (FWD, 64): ((0, Config(2, 128, 3), False), (4096, Config(2, 128, 3), True), (8192, Config(3, 128, 2), True)),
+    (FWD, 128): ((0, Config(2, 128, 2), True),),
+    (DQ, 64): ((0, Config(2, 128, 3), False),),
+    (DQ, 128): ((0, Config(2, 128, 2), False),),
+    (DKDV, 64): ((0, Config(2, 64, 2), False),),
+    (DKDV, 128): ((0, Config(2, 32, 2), False),),
 }
-_FWD_64_LONG = Config(3, 128, 2)
-_ENV = {_FWD: "LMTRAIN_FLASH_GLUON_FWD", _DQ: "LMTRAIN_FLASH_GLUON_DQ", _DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
-
-# Where the Gluon forward is the default: head dim 128 always; head dim 64 from this many keys on (below, the tl
-# kernel's forward measured faster: 296 against 258 TFLOP/s at N 1024).
-_FWD_64_MIN_KEYS = 4096
+_ENV = {FWD: "LMTRAIN_FLASH_GLUON_FWD", DQ: "LMTRAIN_FLASH_GLUON_DQ", DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
 
 
-def config(mode: int, head_dim: int, n_keys: int = 0) -> Config:
-    """The configuration of kernel ``mode`` (0 forward, 1 dQ, 2 dK/dV) for ``head_dim`` and ``n_keys`` keys;
-    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages`` overrides it (for sweeps)."""
-    override = os.environ.get(_ENV[mode])
+def _step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
+    return [step for step in _TABLE[(kernel, head_dim)] if n_keys >= step[0]][-1]
+
+
+def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
+    """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys;
+    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm]`` overrides it (for sweeps)."""
+    override = os.environ.get(_ENV[kernel])
     if override:
         return Config.parse(override)
-    if mode == _FWD and head_dim == 64 and n_keys >= 8192:
-        return _FWD_64_LONG
-    return _DEFAULTS[(mode, head_dim)]
+    return _step(kernel, head_dim, n_keys)[1]
 
 
 _BOUND = threading.local()
@@ -189,32 +200,37 @@ def _bind_context(device: torch.device) -> None:
     _BOUND.index = index
 
 
-def setting() -> str:
-    """``LMTRAIN_FLASH_GLUON``: ``1`` (default) the Gluon forward where it is the faster kernel, ``all`` the Gluon
-    forward and backward wherever they apply, ``0`` neither."""
+_NAMES = {"fwd": FWD, "dq": DQ, "dkdv": DKDV}
+
+
+def setting() -> str | frozenset[int]:
+    """``LMTRAIN_FLASH_GLUON``: ``1`` (default) each Gluon kernel where it is the faster one, ``all`` every Gluon
+    kernel wherever it applies, ``0`` none, or a comma-separated list of the kernels to take wherever they apply
+    (``fwd``, ``dq``, ``dkdv``; for example ``fwd,dq``), returned as a set of FWD/DQ/DKDV."""
     value = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
-    if value not in ("0", "1", "all"):
-        raise ValueError(f"LMTRAIN_FLASH_GLUON={value!r}: use 1 (Gluon forward where faster, the default), all "
-                         "(forward and backward) or 0 (off).")
-    return value
+    if value in ("0", "1", "all"):
+        return value
+    names = [name.strip() for name in value.split(",")]
+    if not names or any(name not in _NAMES for name in names):
+        raise ValueError(f"LMTRAIN_FLASH_GLUON={value!r}: use 1 (each Gluon kernel where it is faster, the "
+                         "default), all (every Gluon kernel), 0 (none) or a list of kernels from fwd, dq, dkdv "
+                         "(e.g. fwd,dq).")
+    return frozenset(_NAMES[name] for name in names)
 
 
-def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
-    """Whether the Gluon kernels serve these (Z, H, N, d) tensors (inputs and output buffers alike; q first, k
-    second) for the forward or, with ``backward``, the backward pass, as ``setting()`` says.
-
-    The backward kernels are correct and deterministic but slower than the tl kernels of ``flash_triton_hopper``
-    (docs/benchmarks/2026-11-25-H100-flash-gluon.md), so only ``LMTRAIN_FLASH_GLUON=all`` takes them; by default the
-    forward runs here for head dim 128 and for head dim 64 from 4096 keys on.
+def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
+    """Whether the Gluon ``kernel`` (FWD, DQ or DKDV) serves these (Z, H, N, d) tensors (inputs and output buffers
+    alike; q first, k second), as ``setting()`` says: with ``1`` only where ``_TABLE`` makes it the default (it
+    measured faster than the tl kernel there), with ``all`` or a list naming it wherever it applies.
     """
     mode = setting()
-    if not _HAS_GLUON or _INTERPRET or mode == "0" or (backward and mode != "all"):
+    if not _HAS_GLUON or _INTERPRET or mode == "0" or (isinstance(mode, frozenset) and kernel not in mode):
         return False
     q4 = tensors[0]
     d = q4.shape[-1]
     if q4.device.type != "cuda" or q4.dtype not in (torch.float16, torch.bfloat16) or d not in HEAD_DIMS:
         return False
-    if mode == "1" and d == 64 and len(tensors) > 1 and tensors[1].shape[-2] < _FWD_64_MIN_KEYS:
+    if mode == "1" and not _step(kernel, d, tensors[1].shape[-2] if len(tensors) > 1 else q4.shape[-2])[2]:
         return False
     return _capability(q4.device) == (9, 0) and all(_aligned(t) for t in tensors)
 
@@ -697,7 +713,7 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     """(grid, positional arguments, keyword arguments) of one launch of the forward kernel; ``programs`` (default:
     one per tile) caps the grid, each program then taking tiles p, p + grid, ..."""
     z, h, n_q, d = q4.shape
-    cfg = cfg or config(_FWD, d, k4.shape[2])
+    cfg = cfg or config(FWD, d, k4.shape[2])
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
             lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E)
@@ -708,7 +724,7 @@ def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config |
             programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the dQ kernel (which also writes D)."""
     z, h, n_q, d = q4.shape
-    cfg = cfg or config(_DQ, d, k4.shape[2])
+    cfg = cfg or config(DQ, d, k4.shape[2])
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(do4, WG_ROWS),
             descriptor(dq4, WG_ROWS), o4, o4.stride(0), o4.stride(1), o4.stride(2), lse, delta,
@@ -720,7 +736,7 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
               programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel."""
     z, h, n_k, d = k4.shape
-    cfg = cfg or config(_DKDV, d, n_k)
+    cfg = cfg or config(DKDV, d, n_k)
     grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs)
     args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
             descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), lse, delta,
@@ -736,15 +752,21 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
     _fwd_kernel[grid](*args, **kwargs)
 
 
-def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
-             lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
-             is_causal: bool, dq_cfg: Config | None = None, dkdv_cfg: Config | None = None) -> None:
-    """The dQ kernel (which writes D into ``delta``), then the dK/dV kernel, for views that ``usable`` accepted."""
+def dq(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, dq4: torch.Tensor,
+       lse: torch.Tensor, delta: torch.Tensor, is_causal: bool, cfg: Config | None = None) -> None:
+    """dQ into ``dq4`` and D into ``delta`` for views that ``usable(..., kernel=DQ)`` accepted."""
     _bind_context(q4.device)
-    grid, args, kwargs = dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal, dq_cfg)
+    grid, args, kwargs = dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal, cfg)
     _dq_kernel[grid](*args, **kwargs)
-    grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, dkdv_cfg)
+
+
+def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, dk4: torch.Tensor,
+         dv4: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, is_causal: bool, cfg: Config | None = None) -> None:
+    """dK and dV into ``dk4``, ``dv4`` for views that ``usable(..., kernel=DKDV)`` accepted; reads the D that a dQ
+    kernel (this module's or the tl one) wrote into ``delta``."""
+    _bind_context(q4.device)
+    grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, cfg)
     _dkdv_kernel[grid](*args, **kwargs)
 
 
-__all__ = ["HEAD_DIMS", "Config", "backward", "config", "forward", "setting", "usable"]
+__all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "config", "dkdv", "dq", "forward", "setting", "usable"]

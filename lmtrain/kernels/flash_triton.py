@@ -556,33 +556,41 @@ def _backward(
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
     key = (n_key, d, bool(is_causal), precision, q.dtype)
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
+    # Each kernel from the fastest path that serves it (Gluon, then the tl TMA kernels, then the pointer kernels); all
+    # dQ kernels write D in one layout, which every dK/dV kernel reads.
+    tensors = (q4, k4, v4, o4, do4, dq4, dk4, dv4)
+    tma = _hopper.usable(*tensors, backward=True)
     with _device_guard(q):
-        if _gluon.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
-            _gluon.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, bool(is_causal))
-            return dq, dk, dv
-        if _hopper.usable(q4, k4, v4, o4, do4, dq4, dk4, dv4, backward=True):
-            _hopper.backward(q4, k4, v4, o4, do4, lse, delta, dq4, dk4, dv4, common, key)
-            return dq, dk, dv
-        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-            q4, k4, v4, o4, do4, lse, delta, dq4,
-            q4.stride(0), q4.stride(1), q4.stride(2),
-            k4.stride(0), k4.stride(1), k4.stride(2),
-            v4.stride(0), v4.stride(1), v4.stride(2),
-            o4.stride(0), o4.stride(1), o4.stride(2),
-            do4.stride(0), do4.stride(1), do4.stride(2),
-            dq4.stride(0), dq4.stride(1), dq4.stride(2),
-            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
-        ), common, key)
-        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-            q4, k4, v4, do4, lse, delta, dk4, dv4,
-            q4.stride(0), q4.stride(1), q4.stride(2),
-            k4.stride(0), k4.stride(1), k4.stride(2),
-            v4.stride(0), v4.stride(1), v4.stride(2),
-            do4.stride(0), do4.stride(1), do4.stride(2),
-            dk4.stride(0), dk4.stride(1), dk4.stride(2),
-            dv4.stride(0), dv4.stride(1), dv4.stride(2),
-            h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
-        ), common, key)
+        if _gluon.usable(*tensors, kernel=_gluon.DQ):
+            _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
+        elif tma:
+            _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key)
+        else:
+            _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
+                q4, k4, v4, o4, do4, lse, delta, dq4,
+                q4.stride(0), q4.stride(1), q4.stride(2),
+                k4.stride(0), k4.stride(1), k4.stride(2),
+                v4.stride(0), v4.stride(1), v4.stride(2),
+                o4.stride(0), o4.stride(1), o4.stride(2),
+                do4.stride(0), do4.stride(1), do4.stride(2),
+                dq4.stride(0), dq4.stride(1), dq4.stride(2),
+                h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+            ), common, key)
+        if _gluon.usable(*tensors, kernel=_gluon.DKDV):
+            _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
+        elif tma:
+            _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key)
+        else:
+            _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
+                q4, k4, v4, do4, lse, delta, dk4, dv4,
+                q4.stride(0), q4.stride(1), q4.stride(2),
+                k4.stride(0), k4.stride(1), k4.stride(2),
+                v4.stride(0), v4.stride(1), v4.stride(2),
+                do4.stride(0), do4.stride(1), do4.stride(2),
+                dk4.stride(0), dk4.stride(1), dk4.stride(2),
+                dv4.stride(0), dv4.stride(1), dv4.stride(2),
+                h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+            ), common, key)
     return dq, dk, dv
 
 

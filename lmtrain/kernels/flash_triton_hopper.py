@@ -463,27 +463,39 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
     ), consts, key)
 
 
-def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
-             lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
-             consts: dict, key: tuple) -> None:
-    """Launch the TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel (the head dim's tiles as
-    for ``forward``)."""
+def dq(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
+       lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, consts: dict, key: tuple) -> None:
+    """Launch the TMA dQ kernel, which also writes D into ``delta`` (the head dim's tiles as for ``forward``)."""
     z, h, n_q, d = q4.shape
-    n_k = k4.shape[2]
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
-    q, k, v, do = (_descs(t, *widths) for t in (q4, k4, v4, do4))
     _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-        *q, *k, *v, *_descs(o4, *widths), *do, *_descs(dq4, *widths), lse, delta,
-        h, n_q, n_k, key[0], sm_scale * _LOG2E, sm_scale,
+        *(x for t in (q4, k4, v4, o4, do4, dq4) for x in _descs(t, *widths)), lse, delta,
+        h, n_q, k4.shape[2], key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
-    # Fresh descriptors for the second kernel: its pre-launch hook sets other box rows on q, k, v and dO.
-    q, k, v, do = (_descs(t, *widths) for t in (q4, k4, v4, do4))
+
+
+def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor,
+         delta: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor, consts: dict, key: tuple) -> None:
+    """Launch the TMA dK/dV kernel, which reads the D that a dQ kernel wrote into ``delta``."""
+    z, h, n_k, d = k4.shape
+    sm_scale = d**-0.5
+    consts = _with_head_dim_tiles(consts, d)
+    widths = consts["BLOCK_D"], consts["BLOCK_D1"]
+    # Descriptors of its own: the pre-launch hook sets other box rows than the dQ kernel's.
     _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-        *q, *k, *v, *do, *_descs(dk4, *widths), *_descs(dv4, *widths), lse, delta,
-        h, n_q, n_k, key[0], sm_scale * _LOG2E, sm_scale,
+        *(x for t in (q4, k4, v4, do4, dk4, dv4) for x in _descs(t, *widths)), lse, delta,
+        h, q4.shape[2], n_k, key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
 
 
-__all__ = ["backward", "forward", "split_head_dim", "usable"]
+def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
+             consts: dict, key: tuple) -> None:
+    """The TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel."""
+    dq(q4, k4, v4, o4, do4, lse, delta, dq4, consts, key)
+    dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, consts, key)
+
+
+__all__ = ["backward", "dkdv", "dq", "forward", "split_head_dim", "usable"]

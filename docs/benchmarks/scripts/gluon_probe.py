@@ -5,6 +5,7 @@ forward / forward+backward TFLOP/s against SDPA's cuDNN backend (bf16, causal, 1
     PYTHONPATH=. python docs/benchmarks/scripts/gluon_probe.py [--check-only] [--no-sweep] [--leaderboard]
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -44,18 +45,26 @@ def make(z, h, n_q, n_k, d, dtype, fused, seed):
     return (torch.randn(z, h, n, d, device="cuda", dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
 
 
-def check() -> bool:
-    os.environ["LMTRAIN_FLASH_GLUON"] = "all"  # the Gluon forward and backward wherever they apply
+def check(overrides=None, setting="all") -> bool:
+    """``overrides``: {head dim: {env var: configuration}} for the Gluon kernels (other head dims' shapes skipped);
+    ``setting``: LMTRAIN_FLASH_GLUON for the run."""
+    os.environ["LMTRAIN_FLASH_GLUON"] = setting
     ok = True
     shapes = [(1, 2, 97, 97, 64, False), (2, 3, 1025, 1025, 128, False), (1, 2, 257, 333, 64, False),
               (1, 2, 333, 257, 128, False), (1, 1, 30, 30, 128, False), (2, 2, 1025, 1025, 64, True),
               (1, 2, 2048, 2048, 128, True), (1, 1, 200, 1000, 64, False), (1, 1, 1000, 200, 128, False)]
     for z, h, n_q, n_k, d, fused in shapes:
+        if overrides is not None and d not in overrides:
+            continue
+        for var in ("LMTRAIN_FLASH_GLUON_FWD", "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV"):
+            os.environ.pop(var, None)
+        os.environ.update((overrides or {}).get(d, {}))
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (True, False):
                 q, k, v = make(z, h, n_q, n_k, d, dtype, fused, n_q * 131 + n_k + d)
                 do = torch.randn(q.shape, device="cuda", dtype=dtype)
-                assert fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), backward=True), "should take the Gluon path"
+                if setting == "all":
+                    assert all(fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV))
                 o = torch.full(q.shape, float("nan"), device="cuda", dtype=dtype)
                 lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
                 ft._forward(q, k, v, causal, o=o, lse=lse)
@@ -70,7 +79,9 @@ def check() -> bool:
                 bad = (not all(e < limit for e in errs) or any(t.isnan().any().item() for t in (o, lse, dq, dk, dv))
                        or not det)
                 ok &= not bad
-                print(f"check {(z, h, n_q, n_k, d)}{' fused' if fused else ''} {str(dtype)[6:]} causal={causal}: "
+                cfgs = (os.environ.get("LMTRAIN_FLASH_GLUON_FWD"), os.environ.get("LMTRAIN_FLASH_GLUON_DQ"))
+                print(f"check {setting} {cfgs} {(z, h, n_q, n_k, d)}{' fused' if fused else ''} {str(dtype)[6:]} "
+                      f"causal={causal}: "
                       f"o {errs[0]:.1e} lse {errs[1]:.0e} dq {errs[2]:.1e} dk {errs[3]:.1e} dv {errs[4]:.1e} "
                       f"det={det} {'FAIL' if bad else 'ok'}", flush=True)
     return ok
@@ -106,16 +117,16 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             delta = torch.empty(b * h, n, device="cuda")
             res = []
             for c in fwd_cfgs[d]:
-                for progs, tag in ((None, ""), (sms, "p")):
+                for progs, tag in ((None, ""), (sms, "p"))[:2 if sms else 1]:
                     ms = _median_ms(fg._fwd_kernel, fg.forward_args(q, k, v, o, lse, True, fg.Config.parse(c), progs))
                     res.append(f"fwd{c}{tag}={tflops(ms, b, h, n, d):.0f}")
             for c in dq_cfgs[d]:
-                for progs, tag in ((None, ""), (sms, "p")):
+                for progs, tag in ((None, ""), (sms, "p"))[:2 if sms else 1]:
                     ms = _median_ms(fg._dq_kernel,
                                     fg.dq_args(q, k, v, o, do, dq, lse, delta, True, fg.Config.parse(c), progs))
                     res.append(f"dq{c}{tag}={tflops(ms, b, h, n, d, 1.5):.0f}")
             for c in dkdv_cfgs[d]:
-                for progs, tag in ((None, ""), (sms, "p")):
+                for progs, tag in ((None, ""), (sms, "p"))[:2 if sms else 1]:
                     ms = _median_ms(fg._dkdv_kernel,
                                     fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, fg.Config.parse(c), progs))
                     res.append(f"dkdv{c}{tag}={tflops(ms, b, h, n, d, 2.0):.0f}")
@@ -128,11 +139,24 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             ms = do_bench(lambda t=tensors: ft._backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True,
                                                          dq=t["dq"], dk=t["dk"], dv=t["dv"]), return_mode="median")
             res.append(f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}")
+            # The tl dQ and dK/dV kernels alone (autotuned; the dK/dV kernel reads the D written above).
+            q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
+            common = dict(HEAD_DIM=d, BLOCK_D=ft._block_d(d), IS_CAUSAL=True,
+                          DOT_PRECISION=ft._dot_precision(q.dtype, False))
+            key = (ft._n_key(n, n), d, True, common["DOT_PRECISION"], q.dtype)
+            ms = do_bench(functools.partial(ft._hopper.dq, q4, k4, v4, o4, do4, lse, delta, dq4, common, key),
+                          return_mode="median")
+            res.append(f"tl_dq={tflops(ms, b, h, n, d, 1.5):.0f}")
+            ms = do_bench(functools.partial(ft._hopper.dkdv, q4, k4, v4, do4, lse, delta, dk4, dv4, common, key),
+                          return_mode="median")
+            res.append(f"tl_dkdv={tflops(ms, b, h, n, d, 2.0):.0f}")
             os.environ["LMTRAIN_FLASH_GLUON"] = setting
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
 
-def compare(head_dims, seq_lens):
+def compare(head_dims, seq_lens, settings=("1",)):
+    """flash_triton (under each LMTRAIN_FLASH_GLUON setting) against SDPA's cuDNN backend, forward and
+    forward+backward TFLOP/s."""
     rows = []
     for d in head_dims:
         for n in seq_lens:
@@ -140,21 +164,25 @@ def compare(head_dims, seq_lens):
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             out = {}
             leaves = (qg, kg, vg)
-            for name in ("flash_triton", "cudnn"):
+            for name in ("cudnn", *settings):
                 if name == "cudnn":
                     def fn(t=leaves):
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                             return F.scaled_dot_product_attention(*t, is_causal=True)
                 else:
+                    os.environ["LMTRAIN_FLASH_GLUON"] = name
+
                     def fn(t=leaves):
                         return ft.FlashAttentionTriton.apply(*t, True)
                 fwd = do_bench(fn, return_mode="median")
                 fb = do_bench(lambda f=fn, g=do: f().backward(g), grad_to_none=list(leaves), return_mode="median")
                 out[name] = (tflops(fwd, b, h, n, d), tflops(fb, b, h, n, d, 3.5))
-            r = tuple(out["flash_triton"][i] / out["cudnn"][i] for i in (0, 1))
-            rows.append((d, n, out, r))
-            print(f"compare d={d} N={n}: flash_triton {out['flash_triton'][0]:.0f}/{out['flash_triton'][1]:.0f} "
-                  f"cudnn {out['cudnn'][0]:.0f}/{out['cudnn'][1]:.0f} ratio {r[0]:.2f}/{r[1]:.2f}", flush=True)
+            os.environ["LMTRAIN_FLASH_GLUON"] = "1"
+            c = out["cudnn"]
+            cells = " ".join(f"[{name}] {out[name][0]:.0f}/{out[name][1]:.0f} ({out[name][0] / c[0]:.2f}/"
+                             f"{out[name][1] / c[1]:.2f})" for name in settings)
+            rows.append((d, n, out))
+            print(f"compare d={d} N={n}: cudnn {c[0]:.0f}/{c[1]:.0f} {cells}", flush=True)
     return rows
 
 
@@ -163,8 +191,10 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--persistent", action="store_true", help="also sweep persistent launches")
     p.add_argument("--leaderboard", action="store_true")
     p.add_argument("--no-compare", action="store_true")
+    p.add_argument("--settings", nargs="+", default=["1"], help="LMTRAIN_FLASH_GLUON values to compare")
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 4096, 16384])
     a = p.parse_args()
@@ -172,20 +202,25 @@ def main():
     t0 = time.time()
     default_setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
     if not a.no_check:
+        # Every Gluon kernel at its defaults; the two-programs-per-multiprocessor candidates at head dim 64; the
+        # mixed backward (one kernel from Gluon, the other from tl) both ways.
         ok = check()
+        ok &= check({64: {"LMTRAIN_FLASH_GLUON_FWD": "2,64,2,2", "LMTRAIN_FLASH_GLUON_DQ": "2,32,3,2"}})
+        ok &= check({128: {}}, setting="fwd,dq")
+        ok &= check({64: {}}, setting="dkdv")
         print("CHECK", "PASSED" if ok else "FAILED", f"{time.time() - t0:.0f}s", flush=True)
         if a.check_only or not ok:
             sys.exit(0 if ok else 1)
         os.environ["LMTRAIN_FLASH_GLUON"] = default_setting
     if not a.no_sweep:
         sweep(a.head_dims, a.seq_lens,
-              fwd_cfgs={64: ["3,128,2", "2,128,3", "2,128,2"], 128: ["2,128,2", "3,64,3"]},
-              dq_cfgs={64: ["2,128,3", "2,64,3"], 128: ["2,128,2", "2,64,3"]},
-              dkdv_cfgs={64: ["2,64,2", "2,64,3"], 128: ["2,32,2", "2,32,3"]},
-              sms=torch.cuda.get_device_properties(0).multi_processor_count)
+              fwd_cfgs={64: ["3,128,2", "2,128,3", "2,64,2,2", "2,64,3,2", "2,32,3,2"], 128: ["2,128,2", "3,64,3"]},
+              dq_cfgs={64: ["2,128,3", "2,32,2,2", "2,32,3,2"], 128: ["2,128,2", "2,64,3"]},
+              dkdv_cfgs={64: ["2,64,2"], 128: ["2,32,2"]},
+              sms=torch.cuda.get_device_properties(0).multi_processor_count if a.persistent else None)
         print(f"sweep done {time.time() - t0:.0f}s", flush=True)
     if not a.no_compare:
-        compare(a.head_dims, a.seq_lens)
+        compare(a.head_dims, a.seq_lens, a.settings)
     if a.leaderboard:
         sys.argv = [sys.argv[0]]
         sys.path.insert(0, os.path.dirname(__file__))
