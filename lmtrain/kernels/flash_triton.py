@@ -540,9 +540,11 @@ def _backward(
             raise ValueError(f"flash_attention: {name} buffer must be contiguous with shape {tuple(ref.shape)}.")
     q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
     dq4, dk4, dv4 = _as_4d(dq), _as_4d(dk), _as_4d(dv)
-    if not _hopper.usable(do4, backward=True) and _hopper.usable(q4, backward=True):
+    tma = _hopper.usable(q4, k4, v4, o4, dq4, dk4, dv4, backward=True)
+    if tma and not _hopper.usable(do4, backward=True):
         # The TMA kernels cannot read this gradient (the expanded ones of ``O.sum()``, say): one copy lets them.
         do4 = do4.contiguous()
+        tma = _hopper.usable(do4, backward=True)  # still not, if it was contiguous but misaligned
     lse = lse.contiguous()
     z, h, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -559,12 +561,12 @@ def _backward(
     # Each kernel from the fastest path that serves it (Gluon, then the tl TMA kernels, then the pointer kernels); all
     # dQ kernels write D in one layout, which every dK/dV kernel reads.
     tensors = (q4, k4, v4, o4, do4, dq4, dk4, dv4)
-    tma = _hopper.usable(*tensors, backward=True)
+    descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
     with _device_guard(q):
         if _gluon.usable(*tensors, kernel=_gluon.DQ):
             _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
         elif tma:
-            _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key)
+            _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
         else:
             _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
                 q4, k4, v4, o4, do4, lse, delta, dq4,
@@ -579,7 +581,7 @@ def _backward(
         if _gluon.usable(*tensors, kernel=_gluon.DKDV):
             _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
         elif tma:
-            _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key)
+            _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
         else:
             _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
                 q4, k4, v4, do4, lse, delta, dk4, dv4,

@@ -463,29 +463,47 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
     ), consts, key)
 
 
+def _descs_of(tensors: tuple[torch.Tensor, ...], widths: tuple[int, int], cache: dict | None) -> list:
+    """``_descs`` of each tensor, in order, flattened; ``cache`` (a dict kept for one backward call) hands both backward
+    kernels the same descriptor objects for the tensors they share. That is safe because each launch's pre-launch
+    hook sets the boxes it needs just before the launch encodes them; it halves the descriptors a call builds on the
+    host for q, k, v and dO."""
+    out = []
+    for t in tensors:
+        pair = None if cache is None else cache.get(id(t))
+        if pair is None:
+            pair = _descs(t, *widths)
+            if cache is not None:
+                cache[id(t)] = pair
+        out.extend(pair)
+    return out
+
+
 def dq(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
-       lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, consts: dict, key: tuple) -> None:
-    """Launch the TMA dQ kernel, which also writes D into ``delta`` (the head dim's tiles as for ``forward``)."""
+       lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, consts: dict, key: tuple,
+       cache: dict | None = None) -> None:
+    """Launch the TMA dQ kernel, which also writes D into ``delta`` (the head dim's tiles as for ``forward``;
+    ``cache`` as for ``_descs_of``)."""
     z, h, n_q, d = q4.shape
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
     _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-        *(x for t in (q4, k4, v4, o4, do4, dq4) for x in _descs(t, *widths)), lse, delta,
+        *_descs_of((q4, k4, v4, o4, do4, dq4), widths, cache), lse, delta,
         h, n_q, k4.shape[2], key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
 
 
 def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor,
-         delta: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor, consts: dict, key: tuple) -> None:
+         delta: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor, consts: dict, key: tuple,
+         cache: dict | None = None) -> None:
     """Launch the TMA dK/dV kernel, which reads the D that a dQ kernel wrote into ``delta``."""
     z, h, n_k, d = k4.shape
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
-    # Descriptors of its own: the pre-launch hook sets other box rows than the dQ kernel's.
     _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-        *(x for t in (q4, k4, v4, do4, dk4, dv4) for x in _descs(t, *widths)), lse, delta,
+        *_descs_of((q4, k4, v4, do4, dk4, dv4), widths, cache), lse, delta,
         h, q4.shape[2], n_k, key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
 
@@ -493,9 +511,10 @@ def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor
 def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor,
              consts: dict, key: tuple) -> None:
-    """The TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel."""
-    dq(q4, k4, v4, o4, do4, lse, delta, dq4, consts, key)
-    dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, consts, key)
+    """The TMA dQ kernel (which writes D into ``delta``), then the TMA dK/dV kernel, sharing descriptors."""
+    cache: dict = {}
+    dq(q4, k4, v4, o4, do4, lse, delta, dq4, consts, key, cache)
+    dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, consts, key, cache)
 
 
 __all__ = ["backward", "dkdv", "dq", "forward", "split_head_dim", "usable"]
