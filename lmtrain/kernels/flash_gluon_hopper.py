@@ -218,21 +218,31 @@ def setting() -> str | frozenset[int]:
     return frozenset(_NAMES[name] for name in names)
 
 
-def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
-    """Whether the Gluon ``kernel`` (FWD, DQ or DKDV) serves these (Z, H, N, d) tensors (inputs and output buffers
-    alike; q first, k second), as ``setting()`` says: with ``1`` only where ``_TABLE`` makes it the default (it
-    measured faster than the tl kernel there), with ``all`` or a list naming it wherever it applies.
-    """
+def kernels(*tensors: torch.Tensor) -> frozenset[int]:
+    """The Gluon kernels (FWD, DQ, DKDV) that serve these (Z, H, N, d) tensors (inputs and output buffers alike; q
+    first, k second), as ``setting()`` says: with ``1`` those that ``_TABLE`` makes the default (they measured faster
+    than the tl kernels there), with ``all`` or a list those named, wherever they apply. One call checks the tensors
+    once for all kernels (the backward asks for two)."""
     mode = setting()
-    if not _HAS_GLUON or _INTERPRET or mode == "0" or (isinstance(mode, frozenset) and kernel not in mode):
-        return False
+    if not _HAS_GLUON or _INTERPRET or mode == "0":
+        return frozenset()
     q4 = tensors[0]
     d = q4.shape[-1]
     if q4.device.type != "cuda" or q4.dtype not in (torch.float16, torch.bfloat16) or d not in HEAD_DIMS:
-        return False
-    if mode == "1" and not _step(kernel, d, tensors[1].shape[-2] if len(tensors) > 1 else q4.shape[-2])[2]:
-        return False
-    return _capability(q4.device) == (9, 0) and all(_aligned(t) for t in tensors)
+        return frozenset()
+    if mode == "1":
+        n_keys = tensors[1].shape[-2] if len(tensors) > 1 else q4.shape[-2]
+        chosen = frozenset(kernel for kernel in (FWD, DQ, DKDV) if _step(kernel, d, n_keys)[2])
+    else:
+        chosen = frozenset((FWD, DQ, DKDV)) if mode == "all" else mode
+    if not chosen or _capability(q4.device) != (9, 0) or not all(_aligned(t) for t in tensors):
+        return frozenset()
+    return chosen
+
+
+def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
+    """Whether the Gluon ``kernel`` (FWD, DQ or DKDV) serves these tensors (see ``kernels``)."""
+    return kernel in kernels(*tensors)
 
 
 if _HAS_GLUON:
@@ -769,4 +779,5 @@ def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor
     _dkdv_kernel[grid](*args, **kwargs)
 
 
-__all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "config", "dkdv", "dq", "forward", "setting", "usable"]
+__all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "config", "dkdv", "dq", "forward", "kernels", "setting",
+           "usable"]

@@ -560,10 +560,10 @@ def _backward(
     delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
     # Each kernel from the fastest path that serves it (Gluon, then the tl TMA kernels, then the pointer kernels); all
     # dQ kernels write D in one layout, which every dK/dV kernel reads.
-    tensors = (q4, k4, v4, o4, do4, dq4, dk4, dv4)
+    gluon = _gluon.kernels(q4, k4, v4, o4, do4, dq4, dk4, dv4)
     descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
     with _device_guard(q):
-        if _gluon.usable(*tensors, kernel=_gluon.DQ):
+        if _gluon.DQ in gluon:
             _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
         elif tma:
             _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
@@ -578,7 +578,7 @@ def _backward(
                 dq4.stride(0), dq4.stride(1), dq4.stride(2),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
             ), common, key)
-        if _gluon.usable(*tensors, kernel=_gluon.DKDV):
+        if _gluon.DKDV in gluon:
             _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
         elif tma:
             _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
