@@ -397,6 +397,8 @@ def launch_into_poisoned(q, k, v, do, causal: bool) -> dict[str, torch.Tensor]:
     grads = [torch.full(t.shape, nan, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     _backward(do, q, k, v, o, lse, causal, dq=grads[0], dk=grads[1], dv=grads[2])
     return {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+
 requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper (sm_90+) GPU and Triton")
 
 # (q shape, k shape, v from a fused qkv tensor): odd lengths, N_q != N_k both ways, head dims 16-128 incl. 80.
