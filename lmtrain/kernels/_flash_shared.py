@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmtrain.kernels import _launch_plans as _plans
 from lmtrain.kernels import triton_interpreted
 
 _INTERPRET = triton_interpreted()
@@ -109,9 +110,8 @@ _CHOSEN: dict[tuple, triton.Config] = {}
 
 def _launch(kernel, grid, args: tuple, consts: dict, key: tuple) -> None:
     """``kernel[grid](*args, **consts)`` for an autotuned kernel. The autotuner runs until it has chosen a
-    configuration for ``key``; later calls launch the JIT function with that configuration directly, which
-    skips the autotuner's per-call Python (about 25 us of host time per launch on an H100 machine, where
-    PyTorch's whole SDPA forward call takes about 22 us).
+    configuration for ``key``; later calls launch the JIT function with that configuration directly (through
+    ``launch_compiled``, which records the launch for a launch plan), skipping the autotuner's per-call Python.
 
     Args:
         grid: a tuple, or a function of the configuration's meta-parameters, as for ``kernel[grid]``.
@@ -119,14 +119,16 @@ def _launch(kernel, grid, args: tuple, consts: dict, key: tuple) -> None:
     """
     cfg = _CHOSEN.get((kernel, *key))
     if cfg is None:
+        _plans.unrecordable()
         kernel[grid](*args, **consts)
         chosen = getattr(kernel, "best_config", None)  # set by every autotuned launch
         if chosen is not None:
             _CHOSEN[(kernel, *key)] = chosen
         return
+    kwargs = {**consts, **cfg.all_kwargs()}
     if cfg.pre_hook is not None:  # what the autotuner does before each launch (the TMA kernels set their boxes)
-        cfg.pre_hook({**dict(zip(kernel.arg_names, args, strict=False)), **consts, **cfg.all_kwargs()})
-    kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **consts, **cfg.all_kwargs())
+        cfg.pre_hook({**dict(zip(kernel.arg_names, args, strict=False)), **kwargs})
+    _plans.launch_compiled(kernel.fn, grid(cfg.kwargs) if callable(grid) else grid, args, kwargs)
 
 
 @triton.jit

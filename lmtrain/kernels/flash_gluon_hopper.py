@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 
@@ -76,6 +77,7 @@ except ImportError:  # pragma: no cover - older Triton: the tl kernels serve eve
     _HAS_GLUON = False
 
 from lmtrain.kernels._flash_shared import _INTERPRET, _LOG2E
+from lmtrain.kernels._launch_plans import launch_compiled, unchecked
 from lmtrain.kernels.flash_triton_hopper import _aligned, _capability, _tma_strides  # the TMA rules, once
 
 HEAD_DIMS = (64, 128)
@@ -179,7 +181,7 @@ def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
 _BOUND = threading.local()
 
 
-def _bind_context(device: torch.device) -> None:
+def bind_context(device: torch.device) -> None:
     """Make the device's primary CUDA context current in this thread, once per thread.
 
     The host descriptors are encoded (``cuTensorMapEncodeTiled``) before the launch, and that needs a current
@@ -696,12 +698,19 @@ if _HAS_GLUON:
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _layout(rows: int, d: int, dtype: torch.dtype):
+    """The shared-memory layout of a (1, 1, rows, d) box: the widest swizzle the rows allow (what the warpgroup MMA
+    reads fastest); kept, as working it out costs host time on every launch."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes, with the widest swizzle
-    the rows allow (what the warpgroup MMA reads fastest)."""
-    block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, layout)
+    """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes in ``_layout``. Built
+    without the constructor's checks: ``usable`` made them for every tensor a launcher gets."""
+    d = t.shape[-1]
+    return unchecked(TensorDescriptor, base=t, shape=list(t.shape), strides=_tma_strides(t),
+                     block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype))
 
 
 def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None) -> tuple[tuple[int], int, dict]:
@@ -757,26 +766,26 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
             is_causal: bool, cfg: Config | None = None) -> None:
     """O into ``o4`` and L into ``lse`` for (Z, H, N, d) views that ``usable`` accepted."""
-    _bind_context(q4.device)
+    bind_context(q4.device)
     grid, args, kwargs = forward_args(q4, k4, v4, o4, lse, is_causal, cfg)
-    _fwd_kernel[grid](*args, **kwargs)
+    launch_compiled(_fwd_kernel, grid, args, kwargs)
 
 
 def dq(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor, dq4: torch.Tensor,
        lse: torch.Tensor, delta: torch.Tensor, is_causal: bool, cfg: Config | None = None) -> None:
     """dQ into ``dq4`` and D into ``delta`` for views that ``usable(..., kernel=DQ)`` accepted."""
-    _bind_context(q4.device)
+    bind_context(q4.device)
     grid, args, kwargs = dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal, cfg)
-    _dq_kernel[grid](*args, **kwargs)
+    launch_compiled(_dq_kernel, grid, args, kwargs)
 
 
 def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, dk4: torch.Tensor,
          dv4: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, is_causal: bool, cfg: Config | None = None) -> None:
     """dK and dV into ``dk4``, ``dv4`` for views that ``usable(..., kernel=DKDV)`` accepted; reads the D that a dQ
     kernel (this module's or the tl one) wrote into ``delta``."""
-    _bind_context(q4.device)
+    bind_context(q4.device)
     grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, cfg)
-    _dkdv_kernel[grid](*args, **kwargs)
+    launch_compiled(_dkdv_kernel, grid, args, kwargs)
 
 
 __all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "config", "dkdv", "dq", "forward", "kernels", "setting",

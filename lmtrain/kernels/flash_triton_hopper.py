@@ -59,6 +59,7 @@ from lmtrain.kernels._flash_shared import (
     _softmax_step,
     _tuning_bench,
 )
+from lmtrain.kernels._launch_plans import unchecked
 
 try:  # host-side tensor descriptors: Triton 3.4 and later
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -445,8 +446,9 @@ def _descs(t: torch.Tensor, block_d: int, block_d1: int) -> tuple[TensorDescript
     """Host descriptors of a (Z, H, N, d) tensor: columns from 0 in BLOCK_D-wide boxes and, with a split head dim,
     from BLOCK_D in BLOCK_D1-wide ones (None without). Box rows are set per configuration by ``_set_boxes``."""
     shape, strides = list(t.shape), _tma_strides(t)
-    first = TensorDescriptor(t, shape, strides, [1, 1, 16, block_d])
-    return first, (TensorDescriptor(t, shape, strides, [1, 1, 16, block_d1]) if block_d1 else None)
+    first = unchecked(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=[1, 1, 16, block_d])
+    return first, (unchecked(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=[1, 1, 16, block_d1])
+                   if block_d1 else None)
 
 
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
