@@ -15,10 +15,15 @@ and one synchronisation at the end of each step. With ``--smi`` it also samples 
 nvidia-smi every 20 ms and prints, for the slowest steps, the clock while they ran.
 
     PYTHONPATH=. python docs/benchmarks/scripts/step_jitter_probe.py [--size 2.7B] [--context 512] [--batch 4]
-        [--steps 40] [--warmup 6] [--order sdpa,flash_triton] [--smi]
+        [--steps 40] [--warmup 6] [--order sdpa,flash_triton] [--smi] [--trace]
+
+An entry of ``--order`` may carry settings for its steps after a colon, joined by ``+``:
+``--order sdpa,flash_triton,flash_triton:LMTRAIN_FLASH_LAUNCH_PLANS=0`` compares flash_triton with and without
+launch plans beside sdpa.
 """
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import time
@@ -93,7 +98,7 @@ def main():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = TransformerLM(config)
-    attn = {name: get_attention(name) for name in backends}
+    attn = {name: get_attention(name.split(":")[0]) for name in backends}
     blocks = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     opt = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     total = a.warmup + a.steps * len(backends)
@@ -111,6 +116,10 @@ def main():
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         name = backends[i % len(backends)]
+        setting = name.partition(":")[2]  # e.g. flash_triton:LMTRAIN_FLASH_LAUNCH_PLANS=0, for this step only
+        for item in setting.split("+") if setting else []:
+            var, _, value = item.partition("=")
+            os.environ[var] = value
         for b in blocks:
             b.attention = attn[name]
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -132,6 +141,8 @@ def main():
         ev[3].record()
         torch.cuda.synchronize()
         w1 = time.time()
+        for item in setting.split("+") if setting else []:
+            os.environ.pop(item.partition("=")[0], None)
         if prof is not None:
             prof.step()
         if i < a.warmup:
