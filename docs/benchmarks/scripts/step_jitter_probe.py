@@ -49,33 +49,31 @@ def _timed_backward(fn):
     return wrapper
 
 
-def _gaps(prof, backends, warmup, top=12):
-    """The longest idle stretches of the GPU between kernels inside each profiled step, and the host operations
-    running longest across each (any thread)."""
+def _gaps(prof, backends, top=12):
+    """The longest idle stretches of the GPU between kernels inside the profiled steps (each marked
+    ``probe-step <index> <backend>``), and the host operations running longest across each (any thread)."""
     events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
     gpu = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
     cpu = [e for e in events if e.device_type.name == "CPU"]
-    steps = sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu if e.name.startswith("ProfilerStep#"))
+    steps = sorted((e.time_range.start, e.time_range.end, e.name.split(" ", 2)[2]) for e in cpu
+                   if e.name.startswith("probe-step "))
     gaps = []
     for (_, end0), (start1, _) in zip(gpu, gpu[1:], strict=False):
-        if start1 - end0 > 500:  # us
-            gaps.append((start1 - end0, end0, start1))
+        backend = next((name for s0, s1, name in steps if s0 <= end0 <= s1), None)
+        if start1 - end0 > 500 and backend is not None:  # us, inside a step
+            gaps.append((start1 - end0, end0, start1, backend))
     gaps.sort(reverse=True)
-    print("| gap ms | step | backend | host operations spanning the gap (longest first, ms) |")
-    print("| ---: | --- | --- | --- |")
-    for length, g0, g1 in gaps[:top]:
-        step = next((name for s0, s1, name in steps if s0 <= g0 <= s1), "-")
-        index = int(step.split("#")[1]) + warmup if step != "-" else -1
-        backend = backends[index % len(backends)] if index >= 0 else "-"
+    print("| gap ms | backend | host operations spanning the gap (longest first, ms) |")
+    print("| ---: | --- | --- |")
+    for length, g0, g1, backend in gaps[:top]:
         spans = sorted((e for e in cpu if e.time_range.start <= g1 and e.time_range.end >= g0
-                        and not e.name.startswith("ProfilerStep")),
+                        and not e.name.startswith(("probe-step ", "ProfilerStep"))),
                        key=lambda e: -(e.time_range.end - e.time_range.start))[:4]
         text = "; ".join(f"{e.name} [{(e.time_range.end - e.time_range.start) / 1e3:.1f}, thread {e.thread}]"
                          for e in spans)
-        print(f"| {length / 1e3:.2f} | {step} | {backend} | {text} |")
+        print(f"| {length / 1e3:.2f} | {backend} | {text} |")
     for name in backends:
-        total = sum(length for length, g0, _ in gaps for s0, s1, st in steps if s0 <= g0 <= s1
-                    and backends[(int(st.split("#")[1]) + warmup) % len(backends)] == name)
+        total = sum(length for length, _, _, backend in gaps if backend == name)
         print(f"{name}: GPU idle in gaps > 0.5 ms inside steps: {total / 1e3:.1f} ms in all")
     print()
 
@@ -122,6 +120,9 @@ def main():
             os.environ[var] = value
         for b in blocks:
             b.attention = attn[name]
+        mark = torch.profiler.record_function(f"probe-step {i} {name}") if prof is not None else \
+            contextlib.nullcontext()
+        mark.__enter__()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         _ATTN_HOST.clear()
@@ -140,11 +141,10 @@ def main():
         opt.zero_grad(set_to_none=True)
         ev[3].record()
         torch.cuda.synchronize()
+        mark.__exit__(None, None, None)
         w1 = time.time()
         for item in setting.split("+") if setting else []:
             os.environ.pop(item.partition("=")[0], None)
-        if prof is not None:
-            prof.step()
         if i < a.warmup:
             continue
         rows.append(dict(backend=name, step=i, fwd=ev[0].elapsed_time(ev[1]), bwd=ev[1].elapsed_time(ev[2]),
@@ -154,7 +154,7 @@ def main():
                          t0=w0 - t_origin, t1=w1 - t_origin))
     if prof is not None:
         prof.__exit__(None, None, None)
-        _gaps(prof, backends, a.warmup)
+        _gaps(prof, backends)
     samples = []
     if smi is not None:
         smi.terminate()
