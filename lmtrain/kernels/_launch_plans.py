@@ -1,8 +1,8 @@
 """Launch plans: a flash_triton call replayed without the Python that decided what to launch.
 
 Each forward or backward call of ``flash_triton`` decides its kernels (Gluon, TMA or pointer), checks its tensors,
-builds up to 24 host descriptors and launches through Triton's JIT functions. On an H100 machine that took 180-270 us
-of host time per forward and 340-670 us per backward (4 x 32 heads x 512 x d 80), against 190-340 us for SDPA's
+builds up to 24 host descriptors and launches through Triton's JIT functions. On an H100 machine that took 178-271 us
+of host time per forward and 339-665 us per backward (4 x 32 heads x 512 x d 80), against 192-344 us for SDPA's
 whole forward+backward: at short sequences the GPU work of a call is shorter than that, and a model whose step is
 close to launch-bound (the 2.7B model at context 512) waits for it.
 
