@@ -205,6 +205,152 @@ def test_unchecked_descriptor_has_the_fields_given_and_the_defaults():
         (checked.base, checked.shape, checked.strides, checked.block_shape, checked.padding)
 
 
+class _CFunction:
+    """Stands for the compiled C launch function (a builtin: no closure); records its arguments."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __call__(self, *args) -> None:
+        self.calls.append(args)
+
+
+class FakeCudaLauncher:
+    """The shape of Triton 3.4-3.6's ``CudaLauncher``: ``launch`` is the C function itself, or, for a kernel with
+    descriptor parameters, a closure over it (``launcher``), the descriptors' parameter indices and their
+    metadata, which expands each descriptor into the encoded map, its shape and strides, as Triton does."""
+
+    launch_cooperative_grid = False
+    launch_pdl = True
+    global_scratch_size = 0
+    profile_scratch_size = 0
+
+    def __init__(self, indices, metas, fill) -> None:
+        self.c_launches: list[tuple] = []
+        c_function = _CFunction(self.c_launches)
+
+        def expand(desc, meta):
+            if meta is None:
+                return [desc.base, *desc.shape, *desc.strides, desc.padding == "nan", *desc.shape, *desc.strides]
+            encoded = fill(desc.base.data_ptr(), meta["swizzle"], meta["elem_size"], 10 + meta["elem_type"],
+                           meta["block_size"], list(desc.shape), list(desc.strides), int(desc.padding == "nan"))
+            return [encoded, *desc.shape, *desc.strides]
+
+        def make(launcher, tensordesc_indices, tensordesc_meta):
+            def inner(*args):
+                out, metas = list(args[:13]), iter(tensordesc_meta)
+                for i, a in enumerate(args[13:]):
+                    out.extend(expand(a, next(metas)) if i in tensordesc_indices else [a])
+                return launcher(*out)
+            return inner
+
+        self.launch = make(c_function, set(indices), metas) if indices else c_function
+
+    def __call__(self, gx, gy, gz, stream, function, *args) -> None:
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+@pytest.fixture
+def nvidia_driver(monkeypatch):
+    """A stand-in for Triton 3.6's NVIDIA driver module and its descriptor encoder, which counts encodings."""
+    import sys
+    import types
+
+    module = types.SimpleNamespace(_BASE_ARGS_FORMAT="iiiKKppOOOOOO",
+                                   TMA_DTYPE_DEVICE_TO_HOST={i: 10 + i for i in range(16)})
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", module)
+    encoded: list[int] = []
+
+    def fill(ptr, *rest):
+        encoded.append(ptr)
+        return ("map", ptr, rest)
+
+    from lmtrain.kernels import _launch_plans
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=fill)
+    monkeypatch.setattr(_launch_plans.triton.runtime, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(utils=utils)))
+    return fill, encoded
+
+
+_META = {"swizzle": 3, "elem_size": 2, "elem_type": 1, "block_size": [2, 16], "fp4_padded": False}
+
+
+@pytest.mark.parametrize("meta", [_META, None], ids=["host-encoded", "decomposed"])
+def test_replay_calls_the_c_launch_function_with_what_the_launcher_would_pass(plans, nvidia_driver, meta):
+    """Where the launcher has Triton 3.6's shape, a replay calls its C function with the arguments the launcher
+    itself would give it (each descriptor expanded, the encoder called the same way), and encodes a descriptor
+    once per base address."""
+    fill, encoded = nvidia_driver
+    fn = FakeJit()
+    fn.compiled.run = FakeCudaLauncher([0], [meta], fill)
+    _record(plans, fn, (torch.randn(64), torch.randn(8)))
+    plan = plans.get(("k",))
+    assert plan.launches[0][-1] == (False, True)  # the C function, with the launcher's cooperative/PDL flags
+    x, y, x2 = torch.randn(64), torch.randn(8), torch.randn(64)
+    fn.compiled.run.c_launches.clear()
+    encoded.clear()
+    for roles in ((x, y), (x, y), (x2, y)):
+        plan.run(roles)
+    replayed = fn.compiled.run.c_launches
+    expected_launcher = FakeCudaLauncher([0], [meta], fill)
+    for roles in ((x, y), (x, y), (x2, y)):
+        expected_launcher(8, 1, 1, 1234, "cu-function", "packed", None, None, None,
+                          _desc(plans, roles[0]), roles[1], 64, 0.5, 32, True)
+    assert len(replayed) == 3
+    for got, want in zip(replayed, expected_launcher.c_launches, strict=True):
+        assert len(got) == len(want) and all(a is b or a == b for a, b in zip(got, want, strict=True))
+    if meta is not None:  # the full path encodes on every launch; the replays once per address
+        assert encoded[:2] == [x.data_ptr(), x2.data_ptr()] and len(encoded) == 2 + 3
+
+
+def test_replay_keeps_the_python_launcher_where_it_has_another_shape(plans, nvidia_driver):
+    """Scratch memory, or a recorded launcher unlike Triton 3.6's: the plan calls the launcher as the JIT
+    function would."""
+    fill, _ = nvidia_driver
+    fn = FakeJit()
+    fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
+    fn.compiled.run.global_scratch_size = 128
+    _record(plans, fn, (torch.randn(64), torch.randn(8)))
+    assert plans.get(("k",)).launches[0][-1] is None
+
+
+def test_python_setting_keeps_the_python_launcher(plans, nvidia_driver, monkeypatch):
+    fill, encoded = nvidia_driver
+    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "python")
+    fn = FakeJit()
+    fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
+    _record(plans, fn, (torch.randn(64), torch.randn(8)))
+    plan = plans.get(("k",))
+    assert plan.launches[0][-1] is None
+    x, y = torch.randn(64), torch.randn(8)
+    encoded.clear()
+    plan.run((x, y))
+    plan.run((x, y))
+    assert encoded == [x.data_ptr()] * 2  # the launcher's expansion: encoded on every launch
+
+
+def test_bad_plan_setting_is_an_error_naming_it(plans, monkeypatch):
+    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "yes")
+    with pytest.raises(ValueError, match="LMTRAIN_FLASH_LAUNCH_PLANS='yes'"):
+        plans.key("fwd", (torch.randn(4),), True)
+
+
+def test_encoded_descriptors_per_argument_are_bounded(plans, nvidia_driver, monkeypatch):
+    fill, encoded = nvidia_driver
+    monkeypatch.setattr(plans, "_DESCRIPTOR_CACHE", 2)
+    fn = FakeJit()
+    fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
+    _record(plans, fn, (torch.randn(64), torch.randn(8)))
+    plan, y = plans.get(("k",)), torch.randn(8)
+    xs = [torch.randn(64) for _ in range(3)]
+    encoded.clear()
+    for x in xs + xs[-1:]:
+        plan.run((x, y))
+    cache = next(item[3] for item in plan.launches[0][5] if item[0] == plans._ENCODED)
+    assert len(cache) <= 2 and encoded == [x.data_ptr() for x in xs]
+
+
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -254,6 +400,10 @@ def test_gpu_replayed_calls_are_bit_identical_to_full_calls(d, monkeypatch):
     replayed_before = _launch_plans.STATS["replayed"]
     planned = run("1")
     assert _launch_plans.STATS["replayed"] - replayed_before >= 2 * len(kinds), "plans were not replayed"
+    import triton.backends.nvidia.driver as nvidia
+
+    if getattr(nvidia, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":  # Triton 3.4-3.6: replays call C directly
+        assert any(step[-1] is not None for plan in _launch_plans._PLANS.values() for step in plan.launches)
     assert len(planned) == len(full)
     for i, (a, b) in enumerate(zip(planned, full, strict=True)):
         assert not a.isnan().any(), f"result {i} has NaN"

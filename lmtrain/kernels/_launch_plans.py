@@ -11,18 +11,25 @@ the same flags and the same ``LMTRAIN_FLASH_*`` settings, makes the same decisio
 same compiled kernels; only the tensors differ. So the first such call is recorded: every launch that goes through
 ``launch_compiled`` appends the compiled kernel and its arguments, and the call turns them into a ``Plan``, whose
 arguments name the call's tensors by role (q, k, v, the outputs, ...) instead of holding them. Later calls with the
-same key allocate their outputs and run the plan: per launch, descriptors over the new tensors (``unchecked``) and a
-direct call of the compiled kernel's launcher, as Triton's JIT function makes after its own lookup.
+same key allocate their outputs and run the plan. Where the compiled kernel's launcher has the shape Triton 3.4-3.6
+builds for NVIDIA GPUs, a launch is a direct call of its C launch function with the arguments that launcher would
+pass, each host descriptor encoded (``cuTensorMapEncodeTiled``) once per base address and kept: Triton's Python
+launcher expands descriptors anew on every launch, which cost as much host time again as the rest of a replay
+(forward 48 -> 33 us, backward 99-104 -> 60-65 us per call, and 501-523 -> 281-336 us per forward+backward through
+autograd on an H100 machine). Elsewhere a launch builds descriptors over the new tensors (``unchecked``) and calls
+that launcher, as Triton's JIT function does after its own lookup.
 
 Nothing is kept when a launch could not be recorded (the autotuner's first launches, a profiler's launch hooks, an
 argument that is none of the call's tensors), so such calls simply take the full path again.
-``LMTRAIN_FLASH_LAUNCH_PLANS=0`` turns plans off; Triton's interpreter never uses them.
+``LMTRAIN_FLASH_LAUNCH_PLANS``: ``1`` (default) plans on; ``0`` off; ``python`` plans that always replay through
+Triton's Python launcher. Triton's interpreter never uses them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -44,6 +51,26 @@ _LOCAL = threading.local()  # .recording: the launch list of the call being reco
 STATS = {"stored": 0, "replayed": 0}
 
 
+# The settings are read on every call. ``os.environ.get`` encodes each name and wraps the lookup in Python (about
+# 1 us a name); on POSIX the mapping's own dict of encoded names and values, which every change of ``os.environ``
+# updates, is read directly.
+_ENVIRON = getattr(os.environ, "_data", None)
+if os.name == "posix" and isinstance(_ENVIRON, dict):
+    _SETTING_NAMES = tuple(map(os.fsencode, SETTINGS))
+    _OFF, _ON, _PYTHON = os.fsencode("0"), os.fsencode("1"), os.fsencode("python")
+
+    def _settings() -> tuple:
+        return tuple(map(_ENVIRON.get, _SETTING_NAMES))
+else:  # pragma: no cover - other platforms
+    _OFF, _ON, _PYTHON = "0", "1", "python"
+
+    def _settings() -> tuple:
+        return tuple(map(os.environ.get, SETTINGS))
+
+
+_PLAN_SETTINGS = (None, _OFF, _PYTHON, _ON)  # the values LMTRAIN_FLASH_LAUNCH_PLANS may take (unset: on)
+
+
 def _hook_set(hook) -> bool:
     """Whether a launch hook is set: Triton 3.4+ keeps a chain of hooks (``HookChain``, empty when none is set),
     older versions one callable or None."""
@@ -59,8 +86,11 @@ def launch_hooks_set() -> bool:
 def key(kind: str, tensors: Sequence[torch.Tensor], *flags) -> tuple | None:
     """The plan key of a call: ``kind``, the flags, the settings, and each tensor's shape, strides, dtype, device
     and 16-byte alignment; None where plans are off (the setting, the interpreter, a launch hook)."""
-    settings = tuple(map(os.environ.get, SETTINGS))
-    if settings[-1] == "0" or _INTERPRET or launch_hooks_set():
+    settings = _settings()
+    if settings[-1] not in _PLAN_SETTINGS:
+        raise ValueError(f"LMTRAIN_FLASH_LAUNCH_PLANS={os.environ.get('LMTRAIN_FLASH_LAUNCH_PLANS')!r}: use 1 (the "
+                         "default), 0 (no plans) or python (replays through Triton's Python launcher)")
+    if settings[-1] == _OFF or _INTERPRET or launch_hooks_set():
         return None
     try:
         return (kind, flags, settings,
@@ -140,7 +170,54 @@ def _is_descriptor(a) -> bool:
         hasattr(a, "block_shape")
 
 
-_TENSOR, _DESCRIPTOR, _VALUE = 0, 1, 2
+_TENSOR, _DESCRIPTOR, _VALUE, _ENCODED = 0, 1, 2, 3
+_DESCRIPTOR_CACHE = 256  # encoded descriptors kept per descriptor argument of a plan (one per base address)
+
+
+def _raw_launch(run, args: tuple, tail: tuple):
+    """Triton's C launch function behind the launcher ``run`` and the metadata of each tensor-descriptor parameter,
+    as ``(launch, {parameter index: metadata or None})``, or None when ``run`` is not a launcher of the shape Triton
+    3.4-3.6 builds for NVIDIA GPUs (a ``CudaLauncher`` without scratch memory, its descriptor handling the closure
+    ``wrap_handle_tensordesc`` makes) or a descriptor parameter holds no recorded descriptor."""
+    launch = getattr(run, "launch", None)
+    driver = sys.modules.get("triton.backends.nvidia.driver")
+    if launch is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" \
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
+            or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    closure = getattr(launch, "__closure__", None)
+    if closure is None:  # no descriptor parameters: the C function itself
+        return (launch, {}) if not any(_is_descriptor(a) for a in args) else None
+    cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in closure), strict=True))
+    try:
+        c_launch, indices, metas = cells["launcher"], sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+    except KeyError:
+        return None
+    if getattr(c_launch, "__closure__", None) is not None or len(metas) != len(indices):
+        return None
+    if any(i >= len(args) or not _is_descriptor(args[i]) for i in indices) or \
+            sum(map(_is_descriptor, args)) != len(indices) or any(_is_descriptor(a) for a in tail):
+        return None
+    return c_launch, dict(zip(indices, metas, strict=True))
+
+
+def _encoded_item(role: int, cls: type, fields: dict, meta: dict | None):
+    """The template entry of a descriptor argument for the C launch function: what Triton's
+    ``make_tensordesc_arg`` makes of it, with the encoded descriptor (``cuTensorMapEncodeTiled``) kept per base
+    address. A descriptor's bytes depend on its address, shape, strides, box, element type, swizzle and padding
+    only; everything but the address is fixed by the plan key, so a cached one is the one a fresh encoding would
+    give."""
+    shape, strides = list(fields["shape"]), list(fields["strides"])
+    nan_padded = fields.get("padding", getattr(cls, "padding", "zero")) == "nan"  # a field left at its default
+    if meta is None:  # descriptors decomposed by the kernel itself
+        return (_ENCODED, role, None, None, [*shape, *strides, nan_padded, *shape, *strides])
+    if meta["fp4_padded"]:
+        shape[-1] *= 2
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    encode = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+              shape, strides, int(nan_padded))
+    return (_ENCODED, role, encode, {}, [*shape, *strides])
 
 
 class Plan:
@@ -154,12 +231,28 @@ class Plan:
 
     def run(self, roles: Sequence[torch.Tensor]) -> None:
         _, stream = device_and_stream()
-        for run, function, packed, tail, grid, template in self.launches:
+        fill = None
+        for run, function, packed, tail, grid, template, head in self.launches:
             args = []
             for item in template:
                 kind = item[0]
                 if kind == _TENSOR:
                     args.append(roles[item[1]])
+                elif kind == _ENCODED:  # the C launch function's arguments for a descriptor
+                    base = roles[item[1]]
+                    if item[2] is None:
+                        args.append(base)
+                    else:
+                        ptr = base.data_ptr()
+                        encoded = item[3].get(ptr)
+                        if encoded is None:
+                            if fill is None:
+                                fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+                            if len(item[3]) >= _DESCRIPTOR_CACHE:
+                                item[3].clear()
+                            encoded = item[3][ptr] = fill(ptr, *item[2])
+                        args.append(encoded)
+                    args.extend(item[4])
                 elif kind == _DESCRIPTOR:  # ``unchecked``, inlined: this loop is the replay's hot path
                     desc = item[2].__new__(item[2])
                     desc.__dict__.update(item[3])
@@ -168,20 +261,29 @@ class Plan:
                 else:
                     args.append(item[1])
             # What the JIT function passes after its lookup when no launch hook is set: no launch metadata or hooks.
-            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
+            if head is None:
+                run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
+            else:  # the C launch function itself, as Triton's launcher calls it without scratch memory
+                run(grid[0], grid[1], grid[2], stream, function, head[0], head[1], None, None, packed, None, None,
+                    None, *args, *tail)
         STATS["replayed"] += 1
 
 
-def _template(args: tuple, snapshot: list, roles: Sequence[torch.Tensor]) -> list | None:
-    """``args`` with the call's tensors replaced by their roles; None when a tensor argument has no role."""
+def _template(args: tuple, snapshot: list, roles: Sequence[torch.Tensor], metas: dict | None = None) -> list | None:
+    """``args`` with the call's tensors replaced by their roles; None when a tensor argument has no role. With
+    ``metas`` (the descriptor parameters' metadata, see ``_raw_launch``), descriptors as the C launch function
+    takes them."""
     index = {id(t): i for i, t in enumerate(roles)}
     out = []
-    for a, fields in zip(args, snapshot, strict=True):
+    for i, (a, fields) in enumerate(zip(args, snapshot, strict=True)):
         if fields is not None:
             role = index.get(id(fields["base"]))
             if role is None:
                 return None
-            out.append((_DESCRIPTOR, role, type(a), {k: v for k, v in fields.items() if k != "base"}))
+            if metas is not None:
+                out.append(_encoded_item(role, type(a), fields, metas[i]))
+            else:
+                out.append((_DESCRIPTOR, role, type(a), {k: v for k, v in fields.items() if k != "base"}))
         elif isinstance(a, torch.Tensor):
             role = index.get(id(a))
             if role is None:
@@ -201,12 +303,17 @@ def store(plan_key: tuple | None, launches: list | None, roles: Sequence[torch.T
         return
     if len({id(t) for t in roles}) != len(roles):
         return  # one tensor in two roles (k is v, say): a replay with two tensors there could not tell which is which
-    steps = []
+    steps, python_launcher = [], _settings()[-1] == _PYTHON
     for run, function, packed, tail, grid, args, snapshot in launches:
-        template = _template(args, snapshot, roles)
+        raw = None if python_launcher else _raw_launch(run, args, tail)
+        template = _template(args, snapshot, roles, None if raw is None else raw[1])
         if template is None:
             return
-        steps.append((run, function, packed, tail, grid, template))
+        if raw is None:
+            steps.append((run, function, packed, tail, grid, template, None))
+        else:
+            steps.append((raw[0], function, packed, tail, grid, template,
+                          (run.launch_cooperative_grid, run.launch_pdl)))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[plan_key] = Plan(steps, extra)

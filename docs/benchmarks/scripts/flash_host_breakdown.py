@@ -5,8 +5,9 @@ q/k/v strided views of one qkv tensor as in the model).
 
     PYTHONPATH=. python docs/benchmarks/scripts/flash_host_breakdown.py [--shape B H N D] [--calls 400]
 
-It first times the unwrapped calls with launch plans off and on (``LMTRAIN_FLASH_LAUNCH_PLANS``), twice each,
-then the wrapped ones with plans on and then off.
+It first times the unwrapped calls with launch plans off (``LMTRAIN_FLASH_LAUNCH_PLANS=0``), replayed through Triton's
+Python launcher (``python``) and replayed through its C launch function (``1``, the default), twice each, then the
+wrapped ones with plans on and then off.
 """
 import argparse
 import functools
@@ -72,8 +73,10 @@ def main():
               "per call issued")
         return t1 - t0, t2 - t1
 
-    for setting in ("0", "1", "0", "1"):
+    for setting in ("0", "python", "1") * 2:
         os.environ["LMTRAIN_FLASH_LAUNCH_PLANS"] = setting
+        ft._forward(q, k, v, True)  # records the plans of this setting
+        ft._backward(do, q, k, v, o, lse, True)
         loop(f"LMTRAIN_FLASH_LAUNCH_PLANS={setting}")
     patch(ft, "_check_inputs", "_check_inputs")
     patch(hop, "usable", "tma usable")
