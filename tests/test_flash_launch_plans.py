@@ -286,22 +286,25 @@ def test_replay_calls_the_c_launch_function_with_what_the_launcher_would_pass(pl
     fn.compiled.run = FakeCudaLauncher([0], [meta], fill)
     _record(plans, fn, (torch.randn(64), torch.randn(8)))
     plan = plans.get(("k",))
-    assert plan.launches[0][-1] == (False, True)  # the C function, with the launcher's cooperative/PDL flags
-    x, y, x2 = torch.randn(64), torch.randn(8), torch.randn(64)
+    assert plan.launches[0].head == (False, True)  # the C function, with the launcher's cooperative/PDL flags
+    x, y, x2, y2 = torch.randn(64), torch.randn(8), torch.randn(64), torch.randn(8)
+    calls = ((x, y), (x, y), (x2, y), (x2, y2), (x, y))
     fn.compiled.run.c_launches.clear()
     encoded.clear()
-    for roles in ((x, y), (x, y), (x2, y)):
+    for roles in calls:
         plan.run(roles)
     replayed = fn.compiled.run.c_launches
     expected_launcher = FakeCudaLauncher([0], [meta], fill)
-    for roles in ((x, y), (x, y), (x2, y)):
+    for roles in calls:
         expected_launcher(8, 1, 1, 1234, "cu-function", "packed", None, None, None,
                           _desc(plans, roles[0]), roles[1], 64, 0.5, 32, True)
-    assert len(replayed) == 3
+    assert len(replayed) == len(calls)
     for got, want in zip(replayed, expected_launcher.c_launches, strict=True):
+        # a tensor's address where the launcher passes the tensor (the C function reads its data_ptr)
+        want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in want)
         assert len(got) == len(want) and all(a is b or a == b for a, b in zip(got, want, strict=True))
     if meta is not None:  # the full path encodes on every launch; the replays once per address
-        assert encoded[:2] == [x.data_ptr(), x2.data_ptr()] and len(encoded) == 2 + 3
+        assert encoded[:2] == [x.data_ptr(), x2.data_ptr()] and len(encoded) == 2 + len(calls)
 
 
 def test_replay_keeps_the_python_launcher_where_it_has_another_shape(plans, nvidia_driver):
@@ -312,7 +315,7 @@ def test_replay_keeps_the_python_launcher_where_it_has_another_shape(plans, nvid
     fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
     fn.compiled.run.global_scratch_size = 128
     _record(plans, fn, (torch.randn(64), torch.randn(8)))
-    assert plans.get(("k",)).launches[0][-1] is None
+    assert plans.get(("k",)).launches[0].head is None
 
 
 def test_python_setting_keeps_the_python_launcher(plans, nvidia_driver, monkeypatch):
@@ -322,7 +325,7 @@ def test_python_setting_keeps_the_python_launcher(plans, nvidia_driver, monkeypa
     fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
     _record(plans, fn, (torch.randn(64), torch.randn(8)))
     plan = plans.get(("k",))
-    assert plan.launches[0][-1] is None
+    assert plan.launches[0].head is None
     x, y = torch.randn(64), torch.randn(8)
     encoded.clear()
     plan.run((x, y))
@@ -336,9 +339,9 @@ def test_bad_plan_setting_is_an_error_naming_it(plans, monkeypatch):
         plans.key("fwd", (torch.randn(4),), True)
 
 
-def test_encoded_descriptors_per_argument_are_bounded(plans, nvidia_driver, monkeypatch):
+def test_kept_arguments_and_descriptors_are_bounded(plans, nvidia_driver, monkeypatch):
     fill, encoded = nvidia_driver
-    monkeypatch.setattr(plans, "_DESCRIPTOR_CACHE", 2)
+    monkeypatch.setattr(plans, "_ARGUMENT_CACHE", 2)
     fn = FakeJit()
     fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
     _record(plans, fn, (torch.randn(64), torch.randn(8)))
@@ -347,8 +350,9 @@ def test_encoded_descriptors_per_argument_are_bounded(plans, nvidia_driver, monk
     encoded.clear()
     for x in xs + xs[-1:]:
         plan.run((x, y))
-    cache = next(item[3] for item in plan.launches[0][5] if item[0] == plans._ENCODED)
-    assert len(cache) <= 2 and encoded == [x.data_ptr() for x in xs]
+    cache = next(item[3] for item in plan.launches[0].template if item[0] == plans._ENCODED)
+    assert len(cache) <= 2 and len(plan.launches[0].cache) <= 2 and encoded == [x.data_ptr() for x in xs]
+    assert fn.compiled.run.c_launches[-1][13] == ("map", xs[-1].data_ptr(), cache[xs[-1].data_ptr()][2])
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -403,7 +407,7 @@ def test_gpu_replayed_calls_are_bit_identical_to_full_calls(d, monkeypatch):
     import triton.backends.nvidia.driver as nvidia
 
     if getattr(nvidia, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":  # Triton 3.4-3.6: replays call C directly
-        assert any(step[-1] is not None for plan in _launch_plans._PLANS.values() for step in plan.launches)
+        assert any(step.head is not None for plan in _launch_plans._PLANS.values() for step in plan.launches)
     assert len(planned) == len(full)
     for i, (a, b) in enumerate(zip(planned, full, strict=True)):
         assert not a.isnan().any(), f"result {i} has NaN"

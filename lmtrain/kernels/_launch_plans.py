@@ -13,11 +13,13 @@ same compiled kernels; only the tensors differ. So the first such call is record
 arguments name the call's tensors by role (q, k, v, the outputs, ...) instead of holding them. Later calls with the
 same key allocate their outputs and run the plan. Where the compiled kernel's launcher has the shape Triton 3.4-3.6
 builds for NVIDIA GPUs, a launch is a direct call of its C launch function with the arguments that launcher would
-pass, each host descriptor encoded (``cuTensorMapEncodeTiled``) once per base address and kept: Triton's Python
-launcher expands descriptors anew on every launch, which cost as much host time again as the rest of a replay
-(forward 48 -> 33 us, backward 99-104 -> 60-65 us per call, and 501-523 -> 281-336 us per forward+backward through
-autograd on an H100 machine). Elsewhere a launch builds descriptors over the new tensors (``unchecked``) and calls
-that launcher, as Triton's JIT function does after its own lookup.
+pass: pointers as integers, each host descriptor encoded (``cuTensorMapEncodeTiled``) once per base address. Those
+arguments depend on nothing but the addresses of the call's tensors, so each launch keeps them per address tuple, and
+a training loop, whose allocator hands each layer the same addresses every step, finds them ready. Triton's Python
+launcher expands descriptors anew on every launch: against replays through it, the C launch function took a forward
+from 88-89 to 50-52 us and a backward from 207-209 to 95-100 us on an H100 machine. Elsewhere a launch builds
+descriptors over the new tensors (``unchecked``) and calls that launcher, as Triton's JIT function does after its own
+lookup.
 
 Nothing is kept when a launch could not be recorded (the autotuner's first launches, a profiler's launch hooks, an
 argument that is none of the call's tensors), so such calls simply take the full path again.
@@ -32,6 +34,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -170,8 +173,22 @@ def _is_descriptor(a) -> bool:
         hasattr(a, "block_shape")
 
 
+class _Step(NamedTuple):
+    """One recorded launch of a plan."""
+
+    run: object  # the compiled kernel's launcher, or the C launch function behind it (``head`` set)
+    function: int  # the CUDA function
+    packed: tuple  # the packed kernel metadata
+    tail: tuple  # the values of the parameters after the positional arguments
+    grid: tuple  # three grid dimensions
+    template: list  # the positional arguments, tensors by role (see ``Plan``)
+    head: tuple | None  # (cooperative grid, PDL) for the C launch function; None: through the launcher
+    used: tuple  # the roles whose addresses the arguments depend on (C launch function only)
+    cache: dict | None  # argument tuples by those addresses (C launch function only)
+
+
 _TENSOR, _DESCRIPTOR, _VALUE, _ENCODED = 0, 1, 2, 3
-_DESCRIPTOR_CACHE = 256  # encoded descriptors kept per descriptor argument of a plan (one per base address)
+_ARGUMENT_CACHE = 256  # argument tuples kept per launch of a plan, and encoded descriptors per descriptor argument
 
 
 def _raw_launch(run, args: tuple, tail: tuple):
@@ -231,42 +248,63 @@ class Plan:
 
     def run(self, roles: Sequence[torch.Tensor]) -> None:
         _, stream = device_and_stream()
-        fill = None
-        for run, function, packed, tail, grid, template, head in self.launches:
-            args = []
-            for item in template:
-                kind = item[0]
-                if kind == _TENSOR:
-                    args.append(roles[item[1]])
-                elif kind == _ENCODED:  # the C launch function's arguments for a descriptor
-                    base = roles[item[1]]
-                    if item[2] is None:
-                        args.append(base)
+        ptrs = None
+        for run, function, packed, tail, grid, template, head, used, cache in self.launches:
+            if head is None:  # through the launcher, as the JIT function calls it when no launch hook is set
+                args = []
+                for item in template:
+                    kind = item[0]
+                    if kind == _TENSOR:
+                        args.append(roles[item[1]])
+                    elif kind == _DESCRIPTOR:  # ``unchecked``, inlined: this loop is the replay's hot path
+                        desc = item[2].__new__(item[2])
+                        desc.__dict__.update(item[3])
+                        desc.base = roles[item[1]]
+                        args.append(desc)
                     else:
-                        ptr = base.data_ptr()
-                        encoded = item[3].get(ptr)
-                        if encoded is None:
-                            if fill is None:
-                                fill = triton.runtime.driver.active.utils.fill_tma_descriptor
-                            if len(item[3]) >= _DESCRIPTOR_CACHE:
-                                item[3].clear()
-                            encoded = item[3][ptr] = fill(ptr, *item[2])
-                        args.append(encoded)
-                    args.extend(item[4])
-                elif kind == _DESCRIPTOR:  # ``unchecked``, inlined: this loop is the replay's hot path
-                    desc = item[2].__new__(item[2])
-                    desc.__dict__.update(item[3])
-                    desc.base = roles[item[1]]
-                    args.append(desc)
-                else:
-                    args.append(item[1])
-            # What the JIT function passes after its lookup when no launch hook is set: no launch metadata or hooks.
-            if head is None:
+                        args.append(item[1])
                 run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
-            else:  # the C launch function itself, as Triton's launcher calls it without scratch memory
-                run(grid[0], grid[1], grid[2], stream, function, head[0], head[1], None, None, packed, None, None,
-                    None, *args, *tail)
+                continue
+            # The C launch function, as the launcher calls it without scratch memory. Its arguments depend on the
+            # addresses of the tensors it uses and nothing else of this call, so they are kept per address tuple.
+            if ptrs is None:
+                ptrs = [t.data_ptr() for t in roles]
+            at = tuple([ptrs[role] for role in used])
+            args = cache.get(at)
+            if args is None:
+                args = _c_arguments(template, ptrs) + tail
+                if len(cache) >= _ARGUMENT_CACHE:
+                    cache.clear()
+                cache[at] = args
+            run(grid[0], grid[1], grid[2], stream, function, head[0], head[1], None, None, packed, None, None, None,
+                *args)
         STATS["replayed"] += 1
+
+
+def _c_arguments(template: list, ptrs: list[int]) -> tuple:
+    """The kernel arguments of one launch for the C launch function, the tensors at addresses ``ptrs`` (by role):
+    pointers as integers (what the function reads from a tensor's ``data_ptr``), each descriptor as Triton's
+    ``make_tensordesc_arg`` expands it, encoded once per base address (see ``_encoded_item``)."""
+    args = []
+    for item in template:
+        kind = item[0]
+        if kind == _TENSOR:
+            args.append(ptrs[item[1]])
+        elif kind == _ENCODED:
+            ptr = ptrs[item[1]]
+            if item[2] is None:  # decomposed by the kernel: the base pointer, then shape and strides
+                args.append(ptr)
+            else:
+                encoded = item[3].get(ptr)
+                if encoded is None:
+                    if len(item[3]) >= _ARGUMENT_CACHE:
+                        item[3].clear()
+                    encoded = item[3][ptr] = triton.runtime.driver.active.utils.fill_tma_descriptor(ptr, *item[2])
+                args.append(encoded)
+            args.extend(item[4])
+        else:
+            args.append(item[1])
+    return tuple(args)
 
 
 def _template(args: tuple, snapshot: list, roles: Sequence[torch.Tensor], metas: dict | None = None) -> list | None:
@@ -310,10 +348,11 @@ def store(plan_key: tuple | None, launches: list | None, roles: Sequence[torch.T
         if template is None:
             return
         if raw is None:
-            steps.append((run, function, packed, tail, grid, template, None))
+            steps.append(_Step(run, function, packed, tail, grid, template, None, (), None))
         else:
-            steps.append((raw[0], function, packed, tail, grid, template,
-                          (run.launch_cooperative_grid, run.launch_pdl)))
+            used = tuple(sorted({item[1] for item in template if item[0] in (_TENSOR, _ENCODED)}))
+            steps.append(_Step(raw[0], function, packed, tuple(tail), grid, template,
+                               (run.launch_cooperative_grid, run.launch_pdl), used, {}))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[plan_key] = Plan(steps, extra)
