@@ -239,10 +239,11 @@ def _encoded_item(role: int, cls: type, fields: dict, meta: dict | None):
 
 class Plan:
     """The launches of one recorded call, their tensor arguments named by role (an index into the roles tuple that
-    ``run`` gets): a tensor as ``(_TENSOR, role)``, a descriptor as ``(_DESCRIPTOR, role, class, fields)``, anything
-    else (ints, floats, flags) as ``(_VALUE, value)``."""
+    ``run`` gets): a tensor as ``(_TENSOR, role)``, a descriptor as ``(_DESCRIPTOR, role, class, fields)`` for the
+    launcher or as ``(_ENCODED, role, encoding arguments, encoded by address, shape and strides)`` for the C launch
+    function (``_encoded_item``), anything else (ints, floats, flags) as ``(_VALUE, value)``."""
 
-    def __init__(self, launches: list[tuple], extra: dict) -> None:
+    def __init__(self, launches: list[_Step], extra: dict) -> None:
         self.launches = launches
         self.extra = extra  # what the caller needs besides the launches (e.g. whether dO was copied)
 
