@@ -436,6 +436,21 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-3:])
 
 
+def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The (Z, H, N) strides of each 4-D tensor in turn, as the pointer kernels take them."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of t's shape, dtype and device (O and the gradients are written densely)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _per_row(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A new fp32 tensor of one value per query row: the logsumexp L, or D."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def _device_guard(x: torch.Tensor):
     """Make x's GPU the current one for the launch (a no-op context when it already is, or off CUDA)."""
     if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
@@ -479,17 +494,16 @@ def _forward(
     plan_key = _plans.key("fwd", (q, k, v), bool(is_causal), bool(allow_tf32)) if o is None and lse is None else None
     plan = _plans.get(plan_key)
     if plan is not None:  # a call like an earlier one: its launches again, over these tensors (see _launch_plans)
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        o, lse = _dense(q), _per_row(q.shape[:-1], q.device)
         with _device_guard(q):
             _gluon.bind_context(q.device)
             plan.run((_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), lse))
         return o, lse
     _check_inputs(q, k, v)
     if o is None:
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o = _dense(q)
     if lse is None:
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        lse = _per_row(q.shape[:-1], q.device)
     if o.shape != q.shape or not o.is_contiguous() or lse.shape != q.shape[:-1] or not lse.is_contiguous():
         raise ValueError("flash_attention: o and lse buffers must be contiguous with shapes q.shape and q.shape[:-1].")
     q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o)
@@ -512,11 +526,7 @@ def _forward(
             _hopper.forward(q4, k4, v4, o4, lse, consts, key)
         else:
             _launch(_fwd_kernel, grid, (
-                q4, k4, v4, o4, lse,
-                q4.stride(0), q4.stride(1), q4.stride(2),
-                k4.stride(0), k4.stride(1), k4.stride(2),
-                v4.stride(0), v4.stride(1), v4.stride(2),
-                o4.stride(0), o4.stride(1), o4.stride(2),
+                q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E,
             ), consts, key)
     _plans.store(plan_key, launches, (q4, k4, v4, o4, lse))
@@ -546,9 +556,9 @@ def _backward(
     if do.shape != q.shape:
         raise ValueError(f"flash_attention: grad of O has shape {tuple(do.shape)}, expected {tuple(q.shape)}.")
     do = do.to(q.dtype)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    dq = _dense(q) if dq is None else dq
+    dk = _dense(k) if dk is None else dk
+    dv = _dense(v) if dv is None else dv
     for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf.shape != ref.shape or not buf.is_contiguous():
             raise ValueError(f"flash_attention: {name} buffer must be contiguous with shape {tuple(ref.shape)}.")
@@ -572,7 +582,7 @@ def _backward(
     n_key, precision = _n_key(n_q, n_k), _dot_precision(q.dtype, allow_tf32)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=bool(is_causal), DOT_PRECISION=precision)
     key = (n_key, d, bool(is_causal), precision, q.dtype)
-    delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)  # D, written by the dQ kernel
+    delta = _per_row((z * h, n_q), q.device)  # D, written by the dQ kernel
     # Each kernel from the fastest path that serves it (Gluon, then the tl TMA kernels, then the pointer kernels); all
     # dQ kernels write D in one layout, which every dK/dV kernel reads.
     gluon = _gluon.kernels(q4, k4, v4, o4, do4, dq4, dk4, dv4)
@@ -584,13 +594,7 @@ def _backward(
             _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
         else:
             _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-                q4, k4, v4, o4, do4, lse, delta, dq4,
-                q4.stride(0), q4.stride(1), q4.stride(2),
-                k4.stride(0), k4.stride(1), k4.stride(2),
-                v4.stride(0), v4.stride(1), v4.stride(2),
-                o4.stride(0), o4.stride(1), o4.stride(2),
-                do4.stride(0), do4.stride(1), do4.stride(2),
-                dq4.stride(0), dq4.stride(1), dq4.stride(2),
+                q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
             ), common, key)
         if _gluon.DKDV in gluon:
@@ -599,13 +603,7 @@ def _backward(
             _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
         else:
             _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-                q4, k4, v4, do4, lse, delta, dk4, dv4,
-                q4.stride(0), q4.stride(1), q4.stride(2),
-                k4.stride(0), k4.stride(1), k4.stride(2),
-                v4.stride(0), v4.stride(1), v4.stride(2),
-                do4.stride(0), do4.stride(1), do4.stride(2),
-                dk4.stride(0), dk4.stride(1), dk4.stride(2),
-                dv4.stride(0), dv4.stride(1), dv4.stride(2),
+                q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
             ), common, key)
     _plans.store(plan_key, launches, (q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta), do_copied=do_copied)
@@ -616,14 +614,12 @@ def _replay_backward(plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                      lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_backward`` for a call whose plan key matched: the same buffers and views as it makes, then the plan."""
     do = do.to(q.dtype)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _dense(q), _dense(k), _dense(v)
     q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
     if plan.extra["do_copied"]:
         do4 = do4.contiguous()
     z, h, n_q, _ = q4.shape
-    delta = torch.empty((z * h, n_q), dtype=torch.float32, device=q.device)
+    delta = _per_row((z * h, n_q), q.device)
     with _device_guard(q):
         _gluon.bind_context(q.device)
         plan.run((q4, k4, v4, o4, do4, _as_4d(dq), _as_4d(dk), _as_4d(dv), lse.contiguous(), delta))
