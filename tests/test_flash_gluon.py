@@ -35,11 +35,12 @@ def test_config_checks_and_parsing():
 
     assert Config.parse("3,128,2") == Config(3, 128, 2)
     assert Config(3, 128, 2).tile_rows == 192
-    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0)):
+    assert Config.parse("2,64,2,1,1") == Config(2, 64, 2, 1, 1)
+    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0), (2, 128, 2, 1, 2)):
         with pytest.raises(ValueError, match="num_wg 2 or 3"):
             Config(*bad)
-    for bad in ("2,128", "2,128,2,1,1", "2,x,2"):
-        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\]"):
+    for bad in ("2,128", "2,128,2,1,1,1", "2,x,2"):
+        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\[,reg_a\]\]"):
             Config.parse(bad)
 
 
@@ -106,6 +107,10 @@ def test_setting_and_cpu_tensors(monkeypatch):
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
     assert fg.config(fg.FWD, 64, 16384) == fg.Config(3, 128, 2)
     assert fg.config(fg.FWD, 64, 1024) == fg.Config(2, 128, 3)
+    monkeypatch.setattr(fg, "_REG_A_DEFAULTS", False)  # a Triton the reg_a defaults were not checked with
+    assert fg.config(fg.DKDV, 64) == fg.Config(2, 64, 3)
+    monkeypatch.setattr(fg, "_REG_A_DEFAULTS", True)
+    assert fg.config(fg.DKDV, 64) == fg.Config(2, 64, 3, 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +149,47 @@ def _launches(d: int, n: int):
     ]
 
 
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+
+
+def _stationary_operands_overwritten(sass: str) -> list[str]:
+    """The instructions that write a register which a warpgroup MMA with an untransposed second operand (the
+    products of the stationary tiles: Q K^T, dO V^T, K Q^T, V dO^T) reads as its first operand, other than the
+    shared-memory loads that fill those registers and the in-place XOR that renews them: ptxas has been seen to hand
+    such registers to P^T and dS^T inside the loop while the next block still needs them."""
+    instructions = _INSTRUCTION.findall(sass)
+    first = set()
+    for text in instructions:
+        m = re.match(r"HGMMA\.\S+\s+R\d+,\s+R(\d+),\s+gdesc\[\w+\](\.tnspB)?", text)
+        if m and not m.group(2):
+            first.update(range(int(m.group(1)), int(m.group(1)) + 4))
+    bad = []
+    for text in instructions:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+R(\d+)\b", text)
+        if m and int(m.group(2)) in first and not m.group(1).startswith(("LDSM", "HGMMA", "ST")):
+            if not re.match(rf"LOP3\.LUT R{m.group(2)}, R{m.group(2)}, ", text):
+                bad.append(text)
+    return bad
+
+
+def test_overwritten_stationary_operands_are_found():
+    """The check above on a hand-written excerpt: K loaded into R180..R183, read by Q K^T, then overwritten by P^T."""
+    sass = """
+        /*07e0*/                   LDSM.16.M88.4 R180, [R216+UR24+0x2000] ;
+        /*1720*/                   HGMMA.64x64x16.F32.BF16 R24, R180, gdesc[UR12], RZ, !UPT ;
+        /*2b60*/                   LOP3.LUT R183, R183, UR6, RZ, 0x3c, !PT ;
+        /*27a0*/                   HGMMA.64x64x16.F32.BF16 R120, R180, gdesc[UR20].tnspB, R120 ;
+    """
+    assert _stationary_operands_overwritten(sass) == []
+    clobbered = sass + "        /*25f0*/                   F2FP.BF16.F32.PACK_AB R181, R7, R6 ;\n"
+    assert _stationary_operands_overwritten(clobbered) == ["F2FP.BF16.F32.PACK_AB R181, R7, R6"]
+
+
 def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spill_free: bool = True) -> None:
     """Compile for sm_90a and check the SASS: warpgroup MMA, the setmaxnreg counts of ``cfg``, shared memory within
-    what ``cfg.per_sm`` programs may share, and (two consumers, ``spill_free``) no register spills."""
+    what ``cfg.per_sm`` programs may share, (two consumers, ``spill_free``) no register spills, warpgroup MMAs not
+    serialised (ptxas waits for each one when it cannot keep the registers of the products in flight), and the
+    registers of stationary first operands never overwritten."""
     import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -168,16 +211,22 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     if cfg.num_wg == 2 and spill_free:
         spills = re.findall(r"\b(LDL|STL)\b", sass)
         assert not spills, f"{label}: {len(spills)} local-memory accesses (register spills)"
+        mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+        assert 4 * waits < mmas, f"{label}: {waits} full waits for {mmas} warpgroup MMAs (serialised)"
+    overwritten = _stationary_operands_overwritten(sass)
+    assert not overwritten, f"{label}: stationary MMA operands overwritten by {overwritten[:3]}"
 
 
 @requires_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("d,n", [(64, 1024), (64, 16384), (128, 1024)])
+@pytest.mark.parametrize("d,n", [(64, 1024), (64, 16384), (128, 1024), (128, 16384)])
 def test_default_kernels_compile_for_sm90a(d, n):
     pytest.importorskip("triton.experimental.gluon")
-    for name, kernel, cfg, (_, args, kwargs) in _launches(d, n):
-        if name != "forward" and n == 16384:
-            continue  # the backward's defaults do not depend on N
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    for (name, kernel, cfg, (_, args, kwargs)), mode in zip(_launches(d, n), (fg.FWD, fg.DQ, fg.DKDV), strict=True):
+        if n > 1024 and cfg == fg.config(mode, d, 1024):
+            continue  # compiled by the N 1024 case
         _check_machine_code(f"{name} d={d} {cfg}", kernel, cfg, args, kwargs)
 
 
@@ -242,8 +291,8 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
 @pytest.mark.gpu
 @requires_hopper
 def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
-    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on; never a Gluon backward kernel. A
-    list takes the kernels it names wherever they apply."""
+    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on, the Gluon dK/dV kernel at both
+    head dims, the Gluon dQ kernel at 128 only. A list takes the kernels it names wherever they apply."""
     from lmtrain.kernels import flash_gluon_hopper as fg
     from lmtrain.kernels.flash_triton import _as_4d
 
@@ -254,7 +303,8 @@ def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
         return fg.usable(x, x, kernel=kernel)
 
     assert usable(1024, 128) and usable(4096, 64) and not usable(1024, 64)
-    assert not usable(4096, 80) and not usable(4096, 128, fg.DQ) and not usable(4096, 128, fg.DKDV)
+    assert not usable(4096, 80) and usable(4096, 128, fg.DQ) and usable(1024, 128, fg.DKDV)
+    assert usable(1024, 64, fg.DKDV) and not usable(4096, 64, fg.DQ)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dq")
     assert usable(1024, 64, fg.DQ) and not usable(1024, 64, fg.DKDV) and not usable(4096, 128)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")

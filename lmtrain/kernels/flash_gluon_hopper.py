@@ -17,10 +17,13 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
 * **Overlap inside a warpgroup.** Matrix products are issued asynchronously and waited for only when their result is
   needed: the forward issues the scores of key block j+1 and ``O += P V`` of block j, waits for the scores only and
   computes block j+1's softmax while ``P V`` runs; the backward kernels issue both score-like products (``Q K^T`` and
-  ``dO V^T``), compute P while the second runs, and let each gradient product (``dQ += dS K``; ``dV += P^T dO``,
-  ``dK += dS^T Q``) run on while the next block's products are issued. P and dS stay in registers as the first
-  operand of the products that need them. With two or three consumers on a multiprocessor, one's exponentials also
-  overlap the others' products.
+  ``dO V^T``), compute P while the second runs, issue ``dV += P^T dO`` before computing dS, and wait for the
+  gradient products at the end of the block. (Letting them run on into the next block's products put three or four
+  products in flight, and ptxas then serialised every warpgroup MMA of the kernel: each one waited for before the
+  next, its C7512 "insufficient register resources". The CPU tests check the machine code for that.) P and dS stay
+  in registers as the first operand of the products that need them; with ``reg_a`` the stationary rows do too
+  (``Config``). With two or three consumers on a multiprocessor, one's exponentials also overlap the others'
+  products.
 * **Tiles and programs.** Each program loops over tiles p, p + grid, ...; by default the grid has one program per
   tile, so the hardware hands tiles to multiprocessors as they free up and the programs running at one time hold
   neighbouring tiles of one head (causal query tiles longest first), sharing its streamed blocks in L2. A smaller
@@ -63,7 +66,6 @@ try:  # Gluon with Hopper's warpgroup MMA and TMA: Triton 3.5 and later
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -99,35 +101,38 @@ class Config:
         num_wg: consumer warpgroups per program (2 or 3); a tile has ``64 * num_wg`` stationary rows.
         block: rows of each streamed block (keys in the forward and dQ kernels, queries in dK/dV); a power of two
             from 16 to 256 (Gluon tiles have power-of-two shapes).
-        num_stages: streamed blocks in flight (the ring's buffers); the backward kernels release a block's buffers
-            one block late (its last product runs on while the next block's are issued), so they need two.
+        num_stages: streamed blocks in flight (the ring's buffers).
         per_sm: programs sharing a multiprocessor (1 or 2). Two halve each program's registers and shared memory,
             but one program's first loads and last store then overlap the other's products: what short causal
             tiles (a few key blocks each) need.
+        reg_a: 1 keeps each consumer's stationary rows in registers as the first operand of the products that read
+            them (forward ``Q K^T``; dQ ``Q K^T`` and ``dO V^T``; dK/dV ``K Q^T`` and ``V dO^T``), so those
+            products read only their second operand from shared memory; 0 reads both from shared memory.
     """
 
     num_wg: int
     block: int
     num_stages: int
     per_sm: int = 1
+    reg_a: int = 0
 
     def __post_init__(self) -> None:
         if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1 \
-                or self.per_sm not in (1, 2):
+                or self.per_sm not in (1, 2) or self.reg_a not in (0, 1):
             raise ValueError(f"{self}: num_wg 2 or 3, block a power of two from 16 to 256, num_stages >= 1, "
-                             "per_sm 1 or 2.")
+                             "per_sm 1 or 2, reg_a 0 or 1.")
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``"num_wg,block,num_stages[,per_sm]"`` -> Config."""
+        """``"num_wg,block,num_stages[,per_sm[,reg_a]]"`` -> Config."""
         try:
             parts = [int(x) for x in text.split(",")]
-            if len(parts) not in (3, 4):
+            if len(parts) not in (3, 4, 5):
                 raise ValueError(f"{len(parts)} numbers")
             return cls(*parts)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad Gluon flash configuration {text!r}: expected num_wg,block,num_stages[,per_sm] "
-                             f"({exc})") from None
+            raise ValueError(f"bad Gluon flash configuration {text!r}: expected "
+                             f"num_wg,block,num_stages[,per_sm[,reg_a]] ({exc})") from None
 
     @property
     def tile_rows(self) -> int:
@@ -153,16 +158,20 @@ class Config:
 # Per (kernel, head dim): steps (from this many keys on, configuration, Gluon by default), the last step at or below
 # the key count applying; where a step says False the tl kernel of flash_triton_hopper runs by default (it measured
 # faster there) and the configuration serves LMTRAIN_FLASH_GLUON=all. From the sweeps in
-# docs/benchmarks/2026-11-25-H100-flash-gluon.md (bf16, causal, B*H*N = 2^21).
+# docs/benchmarks/2026-11-25-H100-flash-gluon.md and 2026-11-25-H100-flash-gluon-schedule.md (bf16, causal,
+# B*H*N = 2^21).
 _TABLE = {
     (FWD, 64): ((0, Config(2, 128, 3), False), (4096, Config(2, 128, 3), True), (8192, Config(3, 128, 2), True)),
-    (FWD, 128): ((0, Config(2, 128, 2), True),),
+    (FWD, 128): ((0, Config(2, 128, 2), True), (16384, Config(3, 64, 3), True)),
     (DQ, 64): ((0, Config(2, 128, 3), False),),
-    (DQ, 128): ((0, Config(2, 128, 2), False),),
-    (DKDV, 64): ((0, Config(2, 64, 2), False),),
-    (DKDV, 128): ((0, Config(2, 32, 2), False),),
+    (DQ, 128): ((0, Config(2, 64, 2, 1, 1), True), (16384, Config(2, 128, 2), True)),
+    (DKDV, 64): ((0, Config(2, 64, 3, 1, 1), True),),
+    (DKDV, 128): ((0, Config(2, 32, 2), True),),
 }
 _ENV = {FWD: "LMTRAIN_FLASH_GLUON_FWD", DQ: "LMTRAIN_FLASH_GLUON_DQ", DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
+# reg_a in the table applies with the Triton it was measured and checked with (3.6: no spills); Triton 3.9 spills
+# with it (dK/dV at head dim 64: 177 local-memory accesses), so newer versions take the same configuration without it.
+_REG_A_DEFAULTS = tuple(int(x) for x in triton.__version__.split(".")[:2]) <= (3, 6)
 
 
 def _step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
@@ -175,7 +184,8 @@ def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
     override = os.environ.get(_ENV[kernel])
     if override:
         return Config.parse(override)
-    return _step(kernel, head_dim, n_keys)[1]
+    cfg = _step(kernel, head_dim, n_keys)[1]
+    return cfg if _REG_A_DEFAULTS or not cfg.reg_a else dataclasses.replace(cfg, reg_a=0)
 
 
 _BOUND = threading.local()
@@ -357,6 +367,22 @@ if _HAS_GLUON:
         _tma_store(desc, [z, h, row, 0], smem)
 
     @gluon.jit
+    def _first_operands(x, y, layout: gl.constexpr, n, REG_A: gl.constexpr):
+        """The first operands of a backward consumer's two stationary products, from its tiles ``x`` and ``y`` in
+        shared memory: with REG_A loaded into registers of ``layout``, else the tiles themselves; and the zero that
+        ``_renewed`` takes, from ``n`` (a count, never negative, which the compiler cannot know)."""
+        if REG_A:
+            x = x.load(layout)
+            y = y.load(layout)
+        return x, y, (n >> 31).to(gl.int16)
+
+    @gluon.jit
+    def _renewed(a, zero):
+        """``a`` (16-bit values) XOR ``zero``, an int16 zero the compiler cannot prove to be zero: the same bits
+        in newly defined registers."""
+        return (a.to(gl.int16, bitcast=True) ^ zero).to(a.dtype, bitcast=True)
+
+    @gluon.jit
     def _causal_keep(offs_q, offs_k, N_K, IS_CAUSAL: gl.constexpr):
         """(queries x keys) mask of the scores that exist: key in range and, if causal, not after the query."""
         keep = offs_k[None, :] < N_K
@@ -371,9 +397,11 @@ if _HAS_GLUON:
     @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+                      HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
+                      REG_A: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -393,9 +421,14 @@ if _HAS_GLUON:
             # Key block 0: its scores and softmax, no P V yet.
             stage = c % NUM_STAGES
             mbarrier.wait(q_ready.index(WG), it & 1)
+            if REG_A:
+                q_a = q.load(a_layout)
+                opaque = (N_K >> 31).to(gl.int16)  # 0 (N_K >= 0)
+            else:
+                q_a = q
             mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
             k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(stage), count=1)
             # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
@@ -411,7 +444,7 @@ if _HAS_GLUON:
                 prev = (c + j - 1) % NUM_STAGES
                 mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
                 k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-                s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_STAGES) & 1)
                 v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
                 o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
@@ -428,6 +461,8 @@ if _HAS_GLUON:
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
+                if REG_A:
+                    q_a = _renewed(q_a, opaque)  # see _dkdv_consumer
 
             # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
             mbarrier.arrive(q_empty.index(WG), count=1)
@@ -449,7 +484,7 @@ if _HAS_GLUON:
     @gluon.jit
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
         """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H (by default the grid has one
         program per tile). Shared memory and barriers are allocated here, then the warps split into
         NUM_WG consumers (the first in the default partition) and the producer."""
@@ -467,10 +502,10 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0)),
@@ -479,13 +514,13 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 2)),
+                                 NUM_STAGES, IS_CAUSAL, 2, REG_A)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0)),
@@ -499,9 +534,10 @@ if _HAS_GLUON:
     def _dq_consumer(dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready, k_empty,
                      v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
                      qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr):
         """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -532,29 +568,32 @@ if _HAS_GLUON:
             mbarrier.wait(qdo_ready.index(WG), it & 1)
             delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(od_layout).to(gl.float32), 1), rows)
             gl.store(DELTA + bh.to(gl.int64) * N_Q + offs_m, delta, mask=m_ok)
+            q_a, do_a, opaque = _first_operands(q, do, a_layout, N_K, REG_A)
 
-            dq = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, dq_layout))
+            dq = gl.zeros([64, HEAD_DIM], gl.float32, dq_layout)
             for j in range(0, n_blocks):
                 stage = (c + j) % NUM_STAGES
                 phase = ((c + j) // NUM_STAGES) & 1
                 mbarrier.wait(k_ready.index(stage), phase)
                 k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-                s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(stage), phase)
                 v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-                dp_tok = warpgroup_mma(do, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s, dq = warpgroup_mma_wait(1, deps=(s_tok, dq))  # also the previous block's dQ product
-                if j > 0:
-                    mbarrier.arrive(k_empty.index((c + j - 1) % NUM_STAGES), count=1)
+                dp_tok = warpgroup_mma(do_a, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
                 p = gl.exp2(s * qk_scale - lse2[:, None])
                 if j >= n_full:
                     p = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), p, 0.0)
                 dp = warpgroup_mma_wait(0, deps=(dp_tok,))
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
-                dq = warpgroup_mma(ds, k, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            mbarrier.arrive(k_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
+                # Waited for here, not overlapped with the next block's products: with three products in flight
+                # ptxas serialises every warpgroup MMA of the kernel (its C7512 "insufficient register resources").
+                dq = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k, dq, is_async=True),))
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                if REG_A:
+                    q_a = _renewed(q_a, opaque)  # see _dkdv_consumer
+                    do_a = _renewed(do_a, opaque)
             mbarrier.arrive(qdo_empty.index(WG), count=1)
             _store_tile(dq_desc, dq_smem.index(WG), z, h, row0, (dq * sm_scale).to(dtype), 0)
             c += n_blocks
@@ -565,7 +604,7 @@ if _HAS_GLUON:
     def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA,
                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
         """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -582,10 +621,12 @@ if _HAS_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                             k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
-                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0)),
+                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0,
+                            REG_A)),
             (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                             k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
-                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1)),
+                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1,
+                            REG_A)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
                          k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                          IS_CAUSAL, 1)),
@@ -595,12 +636,13 @@ if _HAS_GLUON:
     def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty,
                        q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr):
+                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles."""
         st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
         cols: gl.constexpr = gl.SliceLayout(0, st_layout)
         dtype: gl.constexpr = dk_desc.dtype
         k = k_smem.index(WG).reshape([64, HEAD_DIM])
@@ -619,8 +661,9 @@ if _HAS_GLUON:
             delta_base = DELTA + bh.to(gl.int64) * N_Q
 
             mbarrier.wait(kv_ready.index(WG), it & 1)
-            dk = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, acc_layout))
-            dv = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, acc_layout))
+            k_a, v_a, opaque = _first_operands(k, v, a_layout, N_K, REG_A)
+            dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+            dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
             for i in range(first, end):
                 n = c + i - first
                 stage = n % NUM_STAGES
@@ -631,15 +674,11 @@ if _HAS_GLUON:
                 delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
                 mbarrier.wait(q_ready.index(stage), phase)
                 qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                st_tok = warpgroup_mma(k, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                st_tok = warpgroup_mma(k_a, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
                 mbarrier.wait(do_ready.index(stage), phase)
                 dos = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                dpt_tok = warpgroup_mma(v, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                # The scores, and the previous block's dK and dV products: its buffers are free again.
-                st, dk, dv = warpgroup_mma_wait(1, deps=(st_tok, dk, dv))
-                if i > first:
-                    mbarrier.arrive(q_empty.index((n - 1) % NUM_STAGES), count=1)
-                    mbarrier.arrive(do_empty.index((n - 1) % NUM_STAGES), count=1)
+                dpt_tok = warpgroup_mma(v_a, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                st = warpgroup_mma_wait(1, deps=(st_tok,))
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if i < boundary:
                     # The diagonal: query i sees key j only when i >= j (keys past N_K are never stored).
@@ -648,11 +687,17 @@ if _HAS_GLUON:
                 dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
                 dst = pt * (dpt - delta[None, :])
                 dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), qs, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                # Both gradient products finish within the block (see _dq_consumer: overlapped with the next
+                # block's products, ptxas serialises them all).
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(q_empty.index(stage), count=1)
+                mbarrier.arrive(do_empty.index(stage), count=1)
+                if REG_A:
+                    # K and V stay in the same registers for the next block. Without a new definition here ptxas
+                    # (12.8, 12.9) gives their registers to P^T and dS^T inside the loop.
+                    k_a = _renewed(k_a, opaque)
+                    v_a = _renewed(v_a, opaque)
             n_blocks = end - first
-            if n_blocks > 0:
-                mbarrier.arrive(q_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
-                mbarrier.arrive(do_empty.index((c + n_blocks - 1) % NUM_STAGES), count=1)
             mbarrier.arrive(kv_empty.index(WG), count=1)
             # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
             _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
@@ -665,7 +710,7 @@ if _HAS_GLUON:
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
         """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
         stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
         dtype: gl.constexpr = q_desc.dtype
@@ -683,10 +728,12 @@ if _HAS_GLUON:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
-                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0)),
+                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0,
+                              REG_A)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
-                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1)),
+                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1,
+                              REG_A)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
                          IS_CAUSAL, 2)),
@@ -722,8 +769,8 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
     # running at any moment hold neighbouring tiles of one head and share its streamed blocks in L2; a persistent
     # grid with a static tile order lost that locality as causal tiles of different lengths drifted apart.
     grid = (max(1, min(tiles, programs or tiles)),)
-    options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs, num_warps=4,
-                   maxnreg=maxnreg)
+    options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
+                   REG_A=bool(cfg.reg_a), num_warps=4, maxnreg=maxnreg)
     return grid, tiles, options
 
 

@@ -97,10 +97,33 @@ def inputs(d, n):
     return b, h, q, k, v, do
 
 
+def prepared(d, n):
+    """(b, h, q, k, v, dO, O, L, dQ, dK, dV, D buffers) of one sweep cell: random inputs, O and L from a forward."""
+    b, h, q, k, v, do = inputs(d, n)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, n, device="cuda")
+    ft._forward(q, k, v, True, o=o, lse=lse)
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    return b, h, q, k, v, do, o, lse, dq, dk, dv, torch.empty(b * h, n, device="cuda")
+
+
 def _median_ms(kernel, launch) -> float:
     """Median milliseconds of ``kernel[grid](*args, **kwargs)`` for ``launch = (grid, args, kwargs)``."""
     grid, args, kwargs = launch
     return do_bench(lambda: kernel[grid](*args, **kwargs), return_mode="median")
+
+
+def tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta):
+    """Executed TFLOP/s of the tl dQ and dK/dV kernels alone (autotuned; dK/dV reads the D that dQ writes)."""
+    n, d = q.shape[-2:]
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
+    common = dict(HEAD_DIM=d, BLOCK_D=ft._block_d(d), IS_CAUSAL=True, DOT_PRECISION=ft._dot_precision(q.dtype, False))
+    key = (ft._n_key(n, n), d, True, common["DOT_PRECISION"], q.dtype)
+    ms_dq = do_bench(functools.partial(ft._hopper.dq, q4, k4, v4, o4, do4, lse, delta, dq4, common, key),
+                     return_mode="median")
+    ms_dkdv = do_bench(functools.partial(ft._hopper.dkdv, q4, k4, v4, do4, lse, delta, dk4, dv4, common, key),
+                       return_mode="median")
+    return tflops(ms_dq, b, h, n, d, 1.5), tflops(ms_dkdv, b, h, n, d, 2.0)
 
 
 def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
@@ -109,12 +132,7 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
     4; ``tl_bwd`` the tl dQ + dK/dV pair at 7)."""
     for d in head_dims:
         for n in seq_lens:
-            b, h, q, k, v, do = inputs(d, n)
-            o = torch.empty_like(q)
-            lse = torch.empty(b, h, n, device="cuda")
-            ft._forward(q, k, v, True, o=o, lse=lse)
-            dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-            delta = torch.empty(b * h, n, device="cuda")
+            b, h, q, k, v, do, o, lse, dq, dk, dv, delta = prepared(d, n)
             res = []
             for c in fwd_cfgs[d]:
                 for progs, tag in ((None, ""), (sms, "p"))[:2 if sms else 1]:
@@ -139,17 +157,8 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             ms = do_bench(lambda t=tensors: ft._backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True,
                                                          dq=t["dq"], dk=t["dk"], dv=t["dv"]), return_mode="median")
             res.append(f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}")
-            # The tl dQ and dK/dV kernels alone (autotuned; the dK/dV kernel reads the D written above).
-            q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
-            common = dict(HEAD_DIM=d, BLOCK_D=ft._block_d(d), IS_CAUSAL=True,
-                          DOT_PRECISION=ft._dot_precision(q.dtype, False))
-            key = (ft._n_key(n, n), d, True, common["DOT_PRECISION"], q.dtype)
-            ms = do_bench(functools.partial(ft._hopper.dq, q4, k4, v4, o4, do4, lse, delta, dq4, common, key),
-                          return_mode="median")
-            res.append(f"tl_dq={tflops(ms, b, h, n, d, 1.5):.0f}")
-            ms = do_bench(functools.partial(ft._hopper.dkdv, q4, k4, v4, do4, lse, delta, dk4, dv4, common, key),
-                          return_mode="median")
-            res.append(f"tl_dkdv={tflops(ms, b, h, n, d, 2.0):.0f}")
+            tl_dq, tl_dkdv = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
+            res += [f"tl_dq={tl_dq:.0f}", f"tl_dkdv={tl_dkdv:.0f}"]
             os.environ["LMTRAIN_FLASH_GLUON"] = setting
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
