@@ -367,20 +367,22 @@ if _HAS_GLUON:
         _tma_store(desc, [z, h, row, 0], smem)
 
     @gluon.jit
-    def _first_operands(x, y, layout: gl.constexpr, n, REG_A: gl.constexpr):
-        """The first operands of a backward consumer's two stationary products, from its tiles ``x`` and ``y`` in
-        shared memory: with REG_A loaded into registers of ``layout``, else the tiles themselves; and the zero that
-        ``_renewed`` takes, from ``n`` (a count, never negative, which the compiler cannot know)."""
+    def _first_operand(x, layout: gl.constexpr, REG_A: gl.constexpr):
+        """The first operand of a consumer's product of its stationary tile ``x`` (shared memory): with REG_A ``x``
+        loaded into registers of ``layout``, else ``x`` itself."""
         if REG_A:
             x = x.load(layout)
-            y = y.load(layout)
-        return x, y, (n >> 31).to(gl.int16)
+        return x
 
     @gluon.jit
-    def _renewed(a, zero):
-        """``a`` (16-bit values) XOR ``zero``, an int16 zero the compiler cannot prove to be zero: the same bits
-        in newly defined registers."""
-        return (a.to(gl.int16, bitcast=True) ^ zero).to(a.dtype, bitcast=True)
+    def _renewed(a, n, REG_A: gl.constexpr):
+        """With REG_A: the register operand ``a`` (16-bit values) XOR a zero the compiler cannot prove to be zero
+        (from ``n``, a count, never negative), the same bits in newly defined registers. Done once per streamed
+        block: without it ptxas (12.8, 12.9) gives those registers to P (P^T, dS^T) inside the loop, where the
+        next block still reads them. Without REG_A: ``a``, a shared-memory tile."""
+        if REG_A:
+            a = (a.to(gl.int16, bitcast=True) ^ (n >> 31).to(gl.int16)).to(a.dtype, bitcast=True)
+        return a
 
     @gluon.jit
     def _causal_keep(offs_q, offs_k, N_K, IS_CAUSAL: gl.constexpr):
@@ -421,11 +423,7 @@ if _HAS_GLUON:
             # Key block 0: its scores and softmax, no P V yet.
             stage = c % NUM_STAGES
             mbarrier.wait(q_ready.index(WG), it & 1)
-            if REG_A:
-                q_a = q.load(a_layout)
-                opaque = (N_K >> 31).to(gl.int16)  # 0 (N_K >= 0)
-            else:
-                q_a = q
+            q_a = _first_operand(q, a_layout, REG_A)
             mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
             k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
             s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -461,8 +459,7 @@ if _HAS_GLUON:
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                if REG_A:
-                    q_a = _renewed(q_a, opaque)  # see _dkdv_consumer
+                q_a = _renewed(q_a, N_K, REG_A)
 
             # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
             mbarrier.arrive(q_empty.index(WG), count=1)
@@ -568,7 +565,7 @@ if _HAS_GLUON:
             mbarrier.wait(qdo_ready.index(WG), it & 1)
             delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(od_layout).to(gl.float32), 1), rows)
             gl.store(DELTA + bh.to(gl.int64) * N_Q + offs_m, delta, mask=m_ok)
-            q_a, do_a, opaque = _first_operands(q, do, a_layout, N_K, REG_A)
+            q_a, do_a = _first_operand(q, a_layout, REG_A), _first_operand(do, a_layout, REG_A)
 
             dq = gl.zeros([64, HEAD_DIM], gl.float32, dq_layout)
             for j in range(0, n_blocks):
@@ -591,9 +588,7 @@ if _HAS_GLUON:
                 # ptxas serialises every warpgroup MMA of the kernel (its C7512 "insufficient register resources").
                 dq = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k, dq, is_async=True),))
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                if REG_A:
-                    q_a = _renewed(q_a, opaque)  # see _dkdv_consumer
-                    do_a = _renewed(do_a, opaque)
+                q_a, do_a = _renewed(q_a, N_K, REG_A), _renewed(do_a, N_K, REG_A)
             mbarrier.arrive(qdo_empty.index(WG), count=1)
             _store_tile(dq_desc, dq_smem.index(WG), z, h, row0, (dq * sm_scale).to(dtype), 0)
             c += n_blocks
@@ -661,7 +656,7 @@ if _HAS_GLUON:
             delta_base = DELTA + bh.to(gl.int64) * N_Q
 
             mbarrier.wait(kv_ready.index(WG), it & 1)
-            k_a, v_a, opaque = _first_operands(k, v, a_layout, N_K, REG_A)
+            k_a, v_a = _first_operand(k, a_layout, REG_A), _first_operand(v, a_layout, REG_A)
             dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
             dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
             for i in range(first, end):
@@ -692,11 +687,7 @@ if _HAS_GLUON:
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                 mbarrier.arrive(q_empty.index(stage), count=1)
                 mbarrier.arrive(do_empty.index(stage), count=1)
-                if REG_A:
-                    # K and V stay in the same registers for the next block. Without a new definition here ptxas
-                    # (12.8, 12.9) gives their registers to P^T and dS^T inside the loop.
-                    k_a = _renewed(k_a, opaque)
-                    v_a = _renewed(v_a, opaque)
+                k_a, v_a = _renewed(k_a, N_K, REG_A), _renewed(v_a, N_K, REG_A)
             n_blocks = end - first
             mbarrier.arrive(kv_empty.index(WG), count=1)
             # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.

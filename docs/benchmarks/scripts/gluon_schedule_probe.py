@@ -62,16 +62,14 @@ def sweep(head_dims, seq_lens, old):
                     res[f"{tag}dkdv {c or 'default'}"] = tflops(ms, b, h, n, d, 2.0)
             setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
             os.environ["LMTRAIN_FLASH_GLUON"] = "0"
-            res["tl fwd"] = tflops(do_bench_fwd(q, k, v, o, lse), b, h, n, d)
+            ms = do_bench(lambda q=q, k=k, v=v, o=o, lse=lse: ft._forward(q, k, v, True, o=o, lse=lse),
+                          return_mode="median")
+            res["tl fwd"] = tflops(ms, b, h, n, d)
             res["tl dq"], res["tl dkdv"] = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
             os.environ["LMTRAIN_FLASH_GLUON"] = setting
             rows.append((d, n, res))
             print(f"sweep d={d} N={n}: " + "; ".join(f"{k_} {v_:.0f}" for k_, v_ in res.items()), flush=True)
     return rows
-
-
-def do_bench_fwd(q, k, v, o, lse):
-    return do_bench(lambda: ft._forward(q, k, v, True, o=o, lse=lse), return_mode="median")
 
 
 def main():
