@@ -247,6 +247,59 @@ def test_two_programs_per_multiprocessor_compile_for_sm90a():
     _check_machine_code(f"dq {dq_cfg}", fg._dq_kernel, dq_cfg, args, kwargs)
 
 
+@requires_triton
+def test_fused_backward_is_opt_in_and_causal_head_dim_64_only(monkeypatch):
+    """``fused``: only with LMTRAIN_FLASH_GLUON_FUSED=1, where the Gluon dK/dV kernel serves the call, causal, d 64."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    x64, x128 = torch.empty(1, 2, 100, 64), torch.empty(1, 2, 100, 128)
+    chosen = frozenset((fg.DKDV,))
+    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FUSED", raising=False)
+    assert not fg.fused(chosen, x64, x64, True)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "1")
+    assert fg.fused(chosen, x64, x64, True)
+    assert not fg.fused(chosen, x64, x64, False) and not fg.fused(chosen, x128, x128, True)
+    assert not fg.fused(frozenset((fg.FWD, fg.DQ)), x64, x64, True)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "0")
+    assert not fg.fused(chosen, x64, x64, True)
+
+
+@requires_triton
+@pytest.mark.slow
+def test_fused_backward_compiles_for_sm90a():
+    """The fused backward's machine code: warpgroup MMA, the consumers' and the producer/reducer warpgroup's register
+    counts, shared memory within one program's share, MMAs not serialised, stationary operands never overwritten;
+    its PTX orders the dQ sums through an acquire load and a release store of the flags and has no atomic
+    instruction (``atom``, ``red``): the shares are added in a fixed order, so dQ is deterministic."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    q, k, v, do, dq, dk, dv = (torch.randn(2, 3, 1025, 64, dtype=torch.bfloat16) for _ in range(7))
+    lse, delta = torch.empty(6, 1025), torch.empty(6, 1025)
+    acc, flags = torch.empty(2, 3, 17 * 64, 64), torch.zeros(6 * 17, dtype=torch.int32)
+    _, args, kwargs = fg.bwd_args(q, k, v, do, dq, dk, dv, acc, flags, lse, delta, True)
+    compiled = _compile_sm90(fg._bwd_kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {str(fg._fused_registers()[1]), str(fg.FUSED_REGS)} <= counts, counts
+    assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
+    mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert mmas and 4 * waits < mmas, f"{waits} full waits for {mmas} warpgroup MMAs"
+    assert "tnspA" in sass, "the dQ product reads dS^T transposed from shared memory"
+    assert not _stationary_operands_overwritten(sass)
+    assert "ld.acquire.gpu.global.b32" in ptx and "st.release.gpu.global.b32" in ptx
+    assert not re.search(r"\b(atom|red)\.", ptx), "an atomic instruction in the fused backward"
+
+
 # ---------------------------------------------------------------------------------------------
 # On a Hopper GPU
 # ---------------------------------------------------------------------------------------------
@@ -350,3 +403,35 @@ def test_gpu_gluon_backward_in_autograd_threads(monkeypatch):
     base = _reference_results(q, k, v, do, True, upcast=False)
     out = {"dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     assert_matches_reference(out, ref, base, torch.bfloat16, "Gluon through autograd")
+
+
+FUSED_SHAPES = [((1, 2, 97, 64), (1, 2, 97, 64), False), ((2, 3, 1025, 64), (2, 3, 1025, 64), False),
+                ((1, 2, 257, 64), (1, 2, 333, 64), False), ((1, 2, 333, 64), (1, 2, 257, 64), True),
+                ((1, 1, 30, 64), (1, 1, 30, 64), False), ((1, 1, 200, 64), (1, 1, 4100, 64), False),
+                ((1, 1, 4100, 64), (1, 1, 200, 64), False)]
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shapes", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
+                         + ("_fused" if s[2] else ""))
+def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
+    """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
+    written by key tile 0, after every other tile's share), and the same bits on three more runs."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d, _backward
+
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "1")
+    sq, sk, fused_v = shapes
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=31, fused_v=fused_v)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    assert fg.fused(fg.kernels(q4, k4, v4), q4, k4, True), "these inputs should take the fused backward"
+    out = launch_into_poisoned(q, k, v, do, True)
+    ref = _reference_results(q, k, v, do, True, upcast=True)
+    base = _reference_results(q, k, v, do, True, upcast=False)
+    assert_matches_reference(out, ref, base, dtype, f"fused backward {shapes} {dtype}")
+    grads = (out["dq"], out["dk"], out["dv"])
+    for _ in range(3):
+        again = _backward(do, q, k, v, out["o"], out["lse"], True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "not deterministic"

@@ -45,7 +45,7 @@ _INTERPRET = triton_interpreted()
 
 #: Settings whose values are part of every plan key (they change which kernels a call takes).
 SETTINGS = ("LMTRAIN_FLASH_TMA", "LMTRAIN_FLASH_TMA_SPLIT", "LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FWD",
-            "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV", "LMTRAIN_FLASH_AUTOTUNE",
+            "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_AUTOTUNE",
             "LMTRAIN_FLASH_LAUNCH_PLANS")
 _MAX_PLANS = 512  # the store starts afresh when full (a training run has a handful of shapes)
 _PLANS: dict[tuple, Plan] = {}

@@ -37,6 +37,18 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
 The dK/dV kernel works on transposed scores (keys x queries), so P^T and dS^T come out of its products already as
 the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory.
 
+**Fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV kernel's
+programs also compute each query block's share of dQ over their keys (``dS K``, dS^T through shared memory), five
+products per block pair instead of the seven of the dQ and dK/dV kernels. Without atomics, the shares are added in
+a fixed order: a reducer partition (two warps) of the program of key tile t waits until the tiles after t that see
+the block have added theirs (a per-block flag, read with acquire semantics, released after each TMA store of the
+fp32 sum), adds its consumers' two partial tiles to the sum and stores it back; key tile 0, the last, writes dQ. So
+dQ is the same bits on every run. Programs are launched a head's last key tile first, so a program only waits for
+programs launched before it. It measured slower than the two kernels on an H100
+(docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md): the dS store and the dQ product lengthen each
+block more than one fifth, and each hand-over of a block's sum from one key tile to the next (a TMA store, the flag,
+a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
+
 Tiles move through host-side TMA descriptors over the whole (Z, H, N, d) tensors, with (1, 1, rows, d) boxes, as in
 ``flash_triton_hopper``, so strided views (heads of a fused qkv projection) are read in place.
 
@@ -57,6 +69,7 @@ import threading
 
 import torch
 import triton
+import triton.language as tl
 
 try:  # Gluon with Hopper's warpgroup MMA and TMA: Triton 3.5 and later
     from triton.experimental import gluon
@@ -74,6 +87,8 @@ try:  # Gluon with Hopper's warpgroup MMA and TMA: Triton 3.5 and later
     # async_load / async_store after.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A barrier of the calling partition's warps: thread_barrier until Triton 3.6, barrier after.
+    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     _HAS_GLUON = True
 except ImportError:  # pragma: no cover - older Triton: the tl kernels serve every call
     _HAS_GLUON = False
@@ -252,6 +267,14 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
     return chosen
 
 
+def fused(chosen: frozenset[int], q4: torch.Tensor, k4: torch.Tensor, is_causal: bool) -> bool:
+    """Whether the fused backward (``backward``) serves a call whose Gluon kernels are ``chosen`` (``kernels``):
+    ``LMTRAIN_FLASH_GLUON_FUSED=1``, the Gluon dK/dV kernel applies, causal, head dim 64. Off by default: it
+    measured slower than the dQ and dK/dV kernels (docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md)."""
+    return (os.environ.get("LMTRAIN_FLASH_GLUON_FUSED", "0") == "1" and DKDV in chosen and bool(is_causal)
+            and q4.shape[-1] == 64)
+
+
 def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
     """Whether the Gluon ``kernel`` (FWD, DQ or DKDV) serves these tensors (see ``kernels``)."""
     return kernel in kernels(*tensors)
@@ -284,6 +307,8 @@ if _HAS_GLUON:
     def _tile_of(tile, N_Q, N_K, H, BLOCK_T: gl.constexpr, IS_CAUSAL: gl.constexpr, MODE: gl.constexpr):
         if MODE == 2:
             return _tile_coords(tile, N_K, H, BLOCK_T, False)  # key tiles: the first (longest causal) first
+        if MODE == 3:
+            return _tile_coords(tile, N_K, H, BLOCK_T, True)  # fused backward: a head's last key tile first
         return _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
 
     @gluon.jit
@@ -296,7 +321,7 @@ if _HAS_GLUON:
         diagonal and need the mask, the rest do not (queries past N_Q read as zero rows and get P = 0 from their
         infinite logsumexp, so the ragged tail needs none).
         """
-        if MODE == 2:
+        if MODE >= 2:
             if IS_CAUSAL:
                 first = start // BLOCK_S  # queries before ``start`` see none of these keys
                 boundary = gl.cdiv(start + BLOCK_T - 1, BLOCK_S)
@@ -629,11 +654,15 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty,
-                       q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                       q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready, part_empty,
+                       LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr):
+                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
+                       FUSED: gl.constexpr, ABLATE: gl.constexpr = 0):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
-        (keys x queries) score tiles."""
+        (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
+        ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
+        otherwise)."""
         st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -644,10 +673,16 @@ if _HAS_GLUON:
         v = v_smem.index(WG).reshape([64, HEAD_DIM])
         zero_st = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
 
+        if FUSED:
+            dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+            zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+            ds_t = ds_smem.index(WG)
+            part = 0  # partial dQ tiles handed over so far: the part ring's position
+
         c = 0
         it = 0
         for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
-            bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, False)
+            bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED)
             first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
             row0 = start + WG * 64
             offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
@@ -680,13 +715,31 @@ if _HAS_GLUON:
                     pt = gl.where(offs_q[None, :] >= offs_k[:, None], pt, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), dos, dv, is_async=True)
                 dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-                dst = pt * (dpt - delta[None, :])
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), qs, dk, is_async=True)
-                # Both gradient products finish within the block (see _dq_consumer: overlapped with the next
-                # block's products, ptxas serialises them all).
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                mbarrier.arrive(q_empty.index(stage), count=1)
-                mbarrier.arrive(do_empty.index(stage), count=1)
+                dst = (pt * (dpt - delta[None, :])).to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+                if FUSED:
+                    # dQ of the query block over this warpgroup's keys: dS (queries x keys) is dS^T through shared
+                    # memory, read transposed; K is the stationary tile.
+                    ds_t.store(dst)
+                    fence_async_shared()
+                    dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
+                    mbarrier.arrive(q_empty.index(stage), count=1)
+                    mbarrier.arrive(do_empty.index(stage), count=1)
+                    if ABLATE == 1:
+                        dk = dk + dq * 0.0  # keeps the product
+                    else:
+                        slot = part % 2
+                        mbarrier.wait(part_empty.index(slot), ((part // 2) & 1) ^ 1)
+                        part_smem.index(2 * slot + WG).store(dq)
+                        mbarrier.arrive(part_ready.index(slot), count=1)
+                        part += 1
+                else:
+                    # Both gradient products finish within the block (see _dq_consumer: overlapped with the next
+                    # block's products, ptxas serialises them all).
+                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                    mbarrier.arrive(q_empty.index(stage), count=1)
+                    mbarrier.arrive(do_empty.index(stage), count=1)
                 k_a, v_a = _renewed(k_a, N_K, REG_A), _renewed(v_a, N_K, REG_A)
             n_blocks = end - first
             mbarrier.arrive(kv_empty.index(WG), count=1)
@@ -698,14 +751,11 @@ if _HAS_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
-                     H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
-        """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
-        stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
+    def _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+        """The dK/dV kernels' shared memory and barriers: K, V and the dK, dV output tiles (one 64-row tile per
+        consumer), the Q and dO rings; the stationary tiles' ready/empty barriers and the rings'."""
         dtype: gl.constexpr = q_desc.dtype
-        BLOCK_T: gl.constexpr = NUM_WG * 64
         k_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
         dk_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dk_desc.block_type.shape, dk_desc.layout)
@@ -715,20 +765,195 @@ if _HAS_GLUON:
         kv_ready, kv_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
         q_ready, q_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         do_ready, do_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        return (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+                do_empty)
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+                     H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
+        """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
+        stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+         do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
         gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
-                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0,
-                              REG_A)),
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                              LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                              NUM_STAGES, IS_CAUSAL, 0, REG_A, False)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
-                              qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1,
-                              REG_A)),
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                              LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                              NUM_STAGES, IS_CAUSAL, 1, REG_A, False)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
                          IS_CAUSAL, 2)),
         ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+
+    # -----------------------------------------------------------------------------------------
+    # Fused backward: dK, dV and dQ in one kernel, dQ summed over key tiles in a fixed order
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _ld_acquire(ptr):
+        """``*ptr`` (int32, global memory), read with acquire semantics at GPU scope, then a proxy fence: what the
+        releasing program wrote before its release is visible to this program's later reads, TMA copies too."""
+        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
+                                         [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _st_release(ptr, value):
+        """``*ptr = value`` (int32, global memory) with release semantics at GPU scope, after a proxy fence: the
+        TMA stores this program completed before are visible to whoever acquires the value."""
+        return gl.inline_asm_elementwise(
+            "fence.proxy.async.global;\n\tst.release.gpu.global.b32 [$1], $2;\n\tmov.b32 $0, 0;", "=r,l,r",
+            [ptr, value], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _predecessors(i, t, T, BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr):
+        """How many key tiles add into query block ``i``'s dQ before key tile ``t``: the tiles after ``t`` that see
+        the block (the last tile that does comes first, key tile 0 last)."""
+        return gl.minimum((i * BLOCK_M + BLOCK_M - 1) // BLOCK_T, T - 1) - t
+
+    @gluon.jit
+    def _fetch_acc(acc_desc, acc_smem, acc_ready, flags, z, h, i, t, T, n,
+                   BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, WAIT: gl.constexpr):
+        """Into ring slot ``n % 2``: the dQ sum of block ``i`` so far, once its last predecessor released it (none
+        for the first contributor: the barrier is just arrived at)."""
+        slot = n % 2
+        before = _predecessors(i, t, T, BLOCK_T, BLOCK_M)
+        if before > 0:
+            if WAIT:
+                seen = _ld_acquire(flags + i)
+                while seen != before:
+                    seen = _ld_acquire(flags + i)
+            mbarrier.expect(acc_ready.index(slot), acc_desc.block_type.nbytes)
+            _tma_load(acc_desc, [z, h, i * BLOCK_M, 0], acc_ready.index(slot), acc_smem.index(slot))
+        else:
+            mbarrier.arrive(acc_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _dq_reducer(acc_desc, dq_desc, part_smem, acc_smem, dq_smem, part_ready, part_empty, acc_ready, FLAGS,
+                    H, N_Q, N_K, NUM_TILES, sm_scale, BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, ABLATE: gl.constexpr):
+        """Two warps: for each query block of each tile, the two consumers' partial dQ plus the sum of the key tiles
+        before (fp32, ``acc_desc``), stored back for the next key tile, or, by key tile 0 (the last), scaled into
+        dQ. Key tiles add in a fixed order, each after the one before released the block's flag, so dQ is the same
+        bits on every run, without atomics. A block's flag is released as soon as its sum is stored, and the next
+        block's sum is fetched while the consumers work on it."""
+        COLS_T: gl.constexpr = HEAD_DIM // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // COLS_T, COLS_T], [2, 1], [1, 0])
+        ROWS: gl.constexpr = 16
+        dtype: gl.constexpr = dq_desc.dtype
+        T = gl.cdiv(N_K, BLOCK_T)
+        n_qb = gl.cdiv(N_Q, BLOCK_M)
+        n = 0  # query blocks summed so far: the ring position
+        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
+            bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, True)
+            t = start // BLOCK_T
+            first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
+            flags = FLAGS + bh * n_qb
+            if ABLATE == 1:
+                end = first
+            if ABLATE == 2 or ABLATE == 3:
+                for _i in range(first, end):
+                    slot = n % 2
+                    mbarrier.wait(part_ready.index(slot), (n // 2) & 1)
+                    if ABLATE == 3:
+                        acc = acc_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                        for r in gl.static_range(0, BLOCK_M, ROWS):
+                            x = part_smem.index(2 * slot).slice(r, ROWS).load(layout) \
+                                + part_smem.index(2 * slot + 1).slice(r, ROWS).load(layout)
+                            x += acc.slice(r, ROWS).load(layout)
+                            acc.slice(r, ROWS).store(x)
+                    mbarrier.arrive(part_empty.index(slot), count=1)
+                    n += 1
+                end = first
+            if first < end:
+                _fetch_acc(acc_desc, acc_smem, acc_ready, flags, z, h, first, t, T, n, BLOCK_T, BLOCK_M, ABLATE != 4)
+            for i in range(first, end):
+                slot = n % 2
+                phase = (n // 2) & 1
+                before = _predecessors(i, t, T, BLOCK_T, BLOCK_M)
+                mbarrier.wait(part_ready.index(slot), phase)
+                mbarrier.wait(acc_ready.index(slot), phase)
+                acc = acc_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                out = dq_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                for r in gl.static_range(0, BLOCK_M, ROWS):
+                    x = part_smem.index(2 * slot).slice(r, ROWS).load(layout) \
+                        + part_smem.index(2 * slot + 1).slice(r, ROWS).load(layout)
+                    if before > 0:
+                        x += acc.slice(r, ROWS).load(layout)
+                    if t == 0:
+                        out.slice(r, ROWS).store((x * sm_scale).to(dtype))
+                    else:
+                        acc.slice(r, ROWS).store(x)
+                mbarrier.arrive(part_empty.index(slot), count=1)
+                fence_async_shared()
+                if t == 0:
+                    _tma_store(dq_desc, [z, h, i * BLOCK_M, 0], dq_smem.index(slot))
+                else:
+                    _tma_store(acc_desc, [z, h, i * BLOCK_M, 0], acc_smem.index(slot))
+                    # The next key tile waits for this block: release it as soon as the sum is stored.
+                    tma.store_wait(0)
+                    _partition_barrier()
+                    _st_release(flags + i, before + 1)
+                if i + 1 < end:
+                    # Slot n + 1 was last read by block n - 1's store, which has completed (waited for above, or
+                    # by key tile 0 here).
+                    tma.store_wait(1)
+                    _partition_barrier()
+                    _fetch_acc(acc_desc, acc_smem, acc_ready, flags, z, h, i + 1, t, T, n + 1, BLOCK_T, BLOCK_M,
+                               ABLATE != 4)
+                n += 1
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, acc_desc, dq_desc, LSE, DELTA, FLAGS,
+                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
+                    REG_A: gl.constexpr, ABLATE: gl.constexpr = 0):
+        """Over key tiles, a head's last first: dK and dV of each as ``_dkdv_kernel``, and every tile's share of
+        dQ (``dS K`` over its keys), which the reducer adds into an fp32 sum (``acc_desc``) in key-tile order,
+        the last (key tile 0) writing dQ. Five products per block instead of the seven of the dQ and dK/dV kernels.
+        Reads D, which ``_delta_kernel`` writes first; FLAGS (one int32 per query block and head) start at zero.
+
+        ABLATE (diagnostics, wrong results except at 0) leaves out parts to time the rest: 1 the partial dQ tiles
+        are not handed over (the reducer idles), 2 the reducer only frees them, 3 it also sums them in shared
+        memory but moves nothing to or from global memory, 4 everything but the waits for the flags."""
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
+        gl.static_assert(BLOCK_M == 64, "the fused backward streams 64-query blocks (the M of the dQ product)")
+        (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+         do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
+        ds_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
+        part_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_WG, BLOCK_M, HEAD_DIM],
+                                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
+        acc_smem = gl.allocate_shared_memory(gl.float32, [2] + acc_desc.block_type.shape, acc_desc.layout)
+        dq_smem = gl.allocate_shared_memory(dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        part_ready, part_empty, acc_ready = _barriers(2, NUM_WG), _barriers(2, 1), _barriers(2, 1)
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
+                              part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, True, ABLATE)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
+                              part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, True, ABLATE)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                         q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
+                         IS_CAUSAL, 3)),
+            (_dq_reducer, (acc_desc, dq_desc, part_smem, acc_smem, dq_smem, part_ready, part_empty, acc_ready,
+                           FLAGS, H, N_Q, N_K, NUM_TILES, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, IS_CAUSAL,
+                           ABLATE)),
+        ], [4, 1, 2], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -801,6 +1026,82 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
     return grid, args, dict(HEAD_DIM=d, BLOCK_M=cfg.block, IS_CAUSAL=bool(is_causal), **options)
 
 
+FUSED_REGS = 48  # the producer's and the reducer's warpgroup in the fused backward
+# The fused backward's configuration: 64-query blocks (the M of its dQ product), two in the ring (shared memory holds
+# no more beside the partial dQ and sum buffers), K and V in registers where the Triton allows (as ``config``).
+FUSED_CONFIG = Config(2, 64, 2, 1, int(_REG_A_DEFAULTS))
+
+
+def _fused_registers() -> tuple[int, int]:
+    """(maxnreg, registers per consumer thread) of the fused backward: three warpgroups, the third (producer and
+    reducer) with FUSED_REGS."""
+    maxnreg = _REGISTERS // (3 * 128) // 8 * 8
+    return maxnreg, min((maxnreg * 3 - FUSED_REGS) // 2 // 8 * 8, 256)
+
+
+@functools.cache
+def _acc_layout(rows: int, d: int):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.float32)
+
+
+def bwd_args(q4, k4, v4, do4, dq4, dk4, dv4, acc, flags, lse, delta, is_causal: bool,
+             cfg: Config | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of one launch of the fused backward kernel; ``acc`` is the
+    fp32 (Z, H, cdiv(N_Q, 64) * 64, d) scratch of dQ sums, ``flags`` int32 zeros, one per 64-query block and head."""
+    z, h, n_k, d = k4.shape
+    cfg = cfg or FUSED_CONFIG
+    maxnreg, consumer_regs = _fused_registers()
+    tiles = triton.cdiv(n_k, cfg.tile_rows) * z * h
+    acc_desc = unchecked(TensorDescriptor, base=acc, shape=list(acc.shape), strides=list(acc.stride()),
+                         block_shape=[1, 1, cfg.block, d], layout=_acc_layout(cfg.block, d))
+    args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
+            descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), acc_desc, descriptor(dq4, cfg.block), lse, delta,
+            flags, h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=cfg.block, NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages,
+                  IS_CAUSAL=bool(is_causal), CONSUMER_REGS=consumer_regs, WORKER_REGS=FUSED_REGS,
+                  REG_A=bool(cfg.reg_a), num_warps=4, maxnreg=maxnreg)
+    return (tiles,), args, kwargs
+
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, stride_oz, stride_oh, stride_on, stride_dz, stride_dh, stride_dn, H, N_Q,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """D = rowsum(O * dO) in fp32 for BLOCK rows of one head."""
+    bh = tl.program_id(1)
+    z, h = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = (rows < N_Q)[:, None]
+    o = tl.load(OUT + z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + rows.to(tl.int64)[:, None] * stride_on
+                + cols[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + z.to(tl.int64) * stride_dz + h.to(tl.int64) * stride_dh + rows.to(tl.int64)[:, None] * stride_dn
+                 + cols[None, :], mask=ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N_Q)
+
+
+def delta_args(o4, do4, delta) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of ``_delta_kernel`` over (Z, H, N, d) O and dO."""
+    z, h, n_q, d = o4.shape
+    block = 64
+    return ((triton.cdiv(n_q, block), z * h), (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], h, n_q),
+            dict(HEAD_DIM=d, BLOCK=block, num_warps=4))
+
+
+def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
+             dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+             is_causal: bool, cfg: Config | None = None) -> None:
+    """dQ, dK and dV into ``dq4``, ``dk4``, ``dv4`` with the fused backward, for views that ``fused`` accepted: D
+    into ``delta`` (``_delta_kernel``), then ``_bwd_kernel`` over an fp32 scratch of dQ sums and zeroed flags."""
+    bind_context(q4.device)
+    z, h, n_q, d = q4.shape
+    launch_compiled(_delta_kernel, *delta_args(o4, do4, delta))
+    n_qb = triton.cdiv(n_q, 64)
+    acc = torch.empty((z, h, n_qb * 64, d), device=q4.device, dtype=torch.float32)
+    flags = torch.zeros((z * h * n_qb,), device=q4.device, dtype=torch.int32)
+    grid, args, kwargs = bwd_args(q4, k4, v4, do4, dq4, dk4, dv4, acc, flags, lse, delta, is_causal, cfg)
+    launch_compiled(_bwd_kernel, grid, args, kwargs)
+
+
 def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
             is_causal: bool, cfg: Config | None = None) -> None:
     """O into ``o4`` and L into ``lse`` for (Z, H, N, d) views that ``usable`` accepted."""
@@ -826,5 +1127,5 @@ def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor
     launch_compiled(_dkdv_kernel, grid, args, kwargs)
 
 
-__all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "config", "dkdv", "dq", "forward", "kernels", "setting",
-           "usable"]
+__all__ = ["DKDV", "DQ", "FWD", "HEAD_DIMS", "Config", "backward", "config", "dkdv", "dq", "forward", "fused",
+           "kernels", "setting", "usable"]

@@ -588,7 +588,9 @@ def _backward(
     gluon = _gluon.kernels(q4, k4, v4, o4, do4, dq4, dk4, dv4)
     descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
     with _device_guard(q), _plans.recording(plan_key) as launches:
-        if _gluon.DQ in gluon:
+        if _gluon.fused(gluon, q4, k4, is_causal):
+            _gluon.backward(q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta, bool(is_causal))
+        elif _gluon.DQ in gluon:
             _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
         elif tma:
             _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
@@ -597,7 +599,9 @@ def _backward(
                 q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
             ), common, key)
-        if _gluon.DKDV in gluon:
+        if _gluon.fused(gluon, q4, k4, is_causal):
+            pass
+        elif _gluon.DKDV in gluon:
             _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
         elif tma:
             _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
