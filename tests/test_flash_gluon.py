@@ -290,7 +290,7 @@ def test_fused_backward_compiles_for_sm90a():
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
-    assert {str(fg._fused_registers()[1]), str(fg.FUSED_REGS)} <= counts, counts
+    assert {str(fg.FUSED_CONFIG.registers(fg.FUSED_REGS)[1]), str(fg.FUSED_REGS)} <= counts, counts
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
     mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     assert mmas and 4 * waits < mmas, f"{waits} full waits for {mmas} warpgroup MMAs"

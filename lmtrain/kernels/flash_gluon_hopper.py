@@ -46,8 +46,8 @@ fp32 sum), adds its consumers' two partial tiles to the sum and stores it back; 
 dQ is the same bits on every run. Programs are launched a head's last key tile first, so a program only waits for
 programs launched before it. It measured slower than the two kernels on an H100
 (docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md): the dS store and the dQ product lengthen each
-block more than one fifth, and each hand-over of a block's sum from one key tile to the next (a TMA store, the flag,
-a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
+block by more than the quarter more products they add, and each hand-over of a block's sum from one key tile to the
+next (a TMA store, the flag, a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
 
 Tiles move through host-side TMA descriptors over the whole (Z, H, N, d) tensors, with (1, 1, rows, d) boxes, as in
 ``flash_triton_hopper``, so strided views (heads of a fused qkv projection) are read in place.
@@ -153,13 +153,14 @@ class Config:
     def tile_rows(self) -> int:
         return WG_ROWS * self.num_wg
 
-    def registers(self) -> tuple[int, int]:
+    def registers(self, worker_regs: int = _PRODUCER_REGS) -> tuple[int, int]:
         """(maxnreg for the launch, registers per consumer thread): all warps of the ``per_sm`` programs on a
         multiprocessor share its register file (the launch reserves them per warpgroup), the producer's warpgroup
-        keeps the minimum and the consumers split the rest, rounded down to multiples of 8 as setmaxnreg requires."""
+        keeps ``worker_regs`` (by default the minimum; the fused backward's reducer shares that warpgroup and needs
+        more) and the consumers split the rest, rounded down to multiples of 8 as setmaxnreg requires."""
         warpgroups = self.num_wg + 1
         maxnreg = _REGISTERS // self.per_sm // (warpgroups * 128) // 8 * 8
-        consumer = (maxnreg * warpgroups - _PRODUCER_REGS) // self.num_wg // 8 * 8
+        consumer = (maxnreg * warpgroups - worker_regs) // self.num_wg // 8 * 8
         return maxnreg, min(consumer, 256)
 
     def smem_bytes(self, mode: int, head_dim: int, elt: int = 2) -> int:
@@ -961,16 +962,21 @@ if _HAS_GLUON:
 # ---------------------------------------------------------------------------------------------
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @functools.cache
 def _layout(rows: int, d: int, dtype: torch.dtype):
-    """The shared-memory layout of a (1, 1, rows, d) box: the widest swizzle the rows allow (what the warpgroup MMA
-    reads fastest); kept, as working it out costs host time on every launch."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    """The shared-memory layout of a (1, 1, rows, d) box of ``dtype`` (fp16/bf16 inputs and outputs, the fused
+    backward's fp32 dQ sums): the widest swizzle the rows allow (what the warpgroup MMA reads fastest); kept, as
+    working it out costs host time on every launch."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, _GL_DTYPES[dtype]))
 
 
 def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes in ``_layout``. Built
-    without the constructor's checks: ``usable`` made them for every tensor a launcher gets."""
+    without the constructor's checks: ``usable`` made them for every tensor a launcher gets (the fused backward's
+    scratch of dQ sums is allocated dense and aligned)."""
     d = t.shape[-1]
     return unchecked(TensorDescriptor, base=t, shape=list(t.shape), strides=_tma_strides(t),
                      block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype))
@@ -1032,31 +1038,18 @@ FUSED_REGS = 48  # the producer's and the reducer's warpgroup in the fused backw
 FUSED_CONFIG = Config(2, 64, 2, 1, int(_REG_A_DEFAULTS))
 
 
-def _fused_registers() -> tuple[int, int]:
-    """(maxnreg, registers per consumer thread) of the fused backward: three warpgroups, the third (producer and
-    reducer) with FUSED_REGS."""
-    maxnreg = _REGISTERS // (3 * 128) // 8 * 8
-    return maxnreg, min((maxnreg * 3 - FUSED_REGS) // 2 // 8 * 8, 256)
-
-
-@functools.cache
-def _acc_layout(rows: int, d: int):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.float32)
-
-
 def bwd_args(q4, k4, v4, do4, dq4, dk4, dv4, acc, flags, lse, delta, is_causal: bool,
              cfg: Config | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the fused backward kernel; ``acc`` is the
-    fp32 (Z, H, cdiv(N_Q, 64) * 64, d) scratch of dQ sums, ``flags`` int32 zeros, one per 64-query block and head."""
+    fp32 (Z, H, cdiv(N_Q, block) * block, d) scratch of dQ sums, ``flags`` int32 zeros, one per query block and
+    head (``block``: the configuration's, 64)."""
     z, h, n_k, d = k4.shape
     cfg = cfg or FUSED_CONFIG
-    maxnreg, consumer_regs = _fused_registers()
+    maxnreg, consumer_regs = cfg.registers(FUSED_REGS)
     tiles = triton.cdiv(n_k, cfg.tile_rows) * z * h
-    acc_desc = unchecked(TensorDescriptor, base=acc, shape=list(acc.shape), strides=list(acc.stride()),
-                         block_shape=[1, 1, cfg.block, d], layout=_acc_layout(cfg.block, d))
     args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
-            descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), acc_desc, descriptor(dq4, cfg.block), lse, delta,
-            flags, h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
+            descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), descriptor(acc, cfg.block), descriptor(dq4, cfg.block),
+            lse, delta, flags, h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=cfg.block, NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages,
                   IS_CAUSAL=bool(is_causal), CONSUMER_REGS=consumer_regs, WORKER_REGS=FUSED_REGS,
                   REG_A=bool(cfg.reg_a), num_warps=4, maxnreg=maxnreg)
@@ -1095,8 +1088,9 @@ def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Ten
     bind_context(q4.device)
     z, h, n_q, d = q4.shape
     launch_compiled(_delta_kernel, *delta_args(o4, do4, delta))
-    n_qb = triton.cdiv(n_q, 64)
-    acc = torch.empty((z, h, n_qb * 64, d), device=q4.device, dtype=torch.float32)
+    block = (cfg or FUSED_CONFIG).block
+    n_qb = triton.cdiv(n_q, block)
+    acc = torch.empty((z, h, n_qb * block, d), device=q4.device, dtype=torch.float32)
     flags = torch.zeros((z * h * n_qb,), device=q4.device, dtype=torch.int32)
     grid, args, kwargs = bwd_args(q4, k4, v4, do4, dq4, dk4, dv4, acc, flags, lse, delta, is_causal, cfg)
     launch_compiled(_bwd_kernel, grid, args, kwargs)

@@ -587,8 +587,9 @@ def _backward(
     # dQ kernels write D in one layout, which every dK/dV kernel reads.
     gluon = _gluon.kernels(q4, k4, v4, o4, do4, dq4, dk4, dv4)
     descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
+    fused = _gluon.fused(gluon, q4, k4, is_causal)  # one kernel for all three gradients (opt-in)
     with _device_guard(q), _plans.recording(plan_key) as launches:
-        if _gluon.fused(gluon, q4, k4, is_causal):
+        if fused:
             _gluon.backward(q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta, bool(is_causal))
         elif _gluon.DQ in gluon:
             _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
@@ -599,17 +600,16 @@ def _backward(
                 q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4),
                 h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
             ), common, key)
-        if _gluon.fused(gluon, q4, k4, is_causal):
-            pass
-        elif _gluon.DKDV in gluon:
-            _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
-        elif tma:
-            _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
-        else:
-            _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
-                q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4),
-                h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
-            ), common, key)
+        if not fused:
+            if _gluon.DKDV in gluon:
+                _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
+            elif tma:
+                _hopper.dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, common, key, descriptors)
+            else:
+                _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
+                    q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4),
+                    h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+                ), common, key)
     _plans.store(plan_key, launches, (q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta), do_copied=do_copied)
     return dq, dk, dv
 

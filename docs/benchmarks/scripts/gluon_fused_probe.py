@@ -26,7 +26,7 @@ from lmtrain.kernels import flash_triton as ft
 from lmtrain.kernels.flash_triton import _as_4d
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import make, prepared, reference, rel, tflops  # noqa: E402
+from gluon_probe import make, prepared, reference, rel, tflops, tl_constants  # noqa: E402
 
 SHAPES = [(1, 2, 97, 97, False), (2, 3, 1025, 1025, False), (1, 2, 257, 333, False), (1, 2, 333, 257, False),
           (1, 1, 30, 30, False), (2, 2, 1025, 1025, True), (1, 1, 200, 1000, False), (1, 1, 1000, 200, False),
@@ -85,8 +85,7 @@ def cell(n):
         res[name] = do_bench(lambda: ft._backward(do, q, k, v, o, lse, True), return_mode="median")
     res["dK/dV kernel alone"] = do_bench(lambda: fg.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, True),
                                          return_mode="median")
-    common = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, DOT_PRECISION="ieee")
-    key = (ft._n_key(n, n), 64, True, "ieee", q.dtype)
+    common, key = tl_constants(q)
     res["dQ kernel alone (tl)"] = do_bench(lambda: ft._hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key),
                                            return_mode="median")
     for ablate, what in ABLATIONS.items():

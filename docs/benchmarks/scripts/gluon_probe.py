@@ -113,12 +113,18 @@ def _median_ms(kernel, launch) -> float:
     return do_bench(lambda: kernel[grid](*args, **kwargs), return_mode="median")
 
 
+def tl_constants(q):
+    """(constants, autotuning key) of the tl backward kernels for causal self-attention over ``q``'s shape."""
+    n, d = q.shape[-2:]
+    common = dict(HEAD_DIM=d, BLOCK_D=ft._block_d(d), IS_CAUSAL=True, DOT_PRECISION=ft._dot_precision(q.dtype, False))
+    return common, (ft._n_key(n, n), d, True, common["DOT_PRECISION"], q.dtype)
+
+
 def tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta):
     """Executed TFLOP/s of the tl dQ and dK/dV kernels alone (autotuned; dK/dV reads the D that dQ writes)."""
     n, d = q.shape[-2:]
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, o, do, dq, dk, dv))
-    common = dict(HEAD_DIM=d, BLOCK_D=ft._block_d(d), IS_CAUSAL=True, DOT_PRECISION=ft._dot_precision(q.dtype, False))
-    key = (ft._n_key(n, n), d, True, common["DOT_PRECISION"], q.dtype)
+    common, key = tl_constants(q)
     ms_dq = do_bench(functools.partial(ft._hopper.dq, q4, k4, v4, o4, do4, lse, delta, dq4, common, key),
                      return_mode="median")
     ms_dkdv = do_bench(functools.partial(ft._hopper.dkdv, q4, k4, v4, do4, lse, delta, dk4, dv4, common, key),
