@@ -36,11 +36,12 @@ def test_config_checks_and_parsing():
     assert Config.parse("3,128,2") == Config(3, 128, 2)
     assert Config(3, 128, 2).tile_rows == 192
     assert Config.parse("2,64,2,1,1") == Config(2, 64, 2, 1, 1)
-    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0), (2, 128, 2, 1, 2)):
+    assert Config.parse("2,64,2,1,0,2") == Config(2, 64, 2, schedule=2)
+    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0), (2, 128, 2, 1, 2), (2, 128, 2, 1, 0, 3)):
         with pytest.raises(ValueError, match="num_wg 2 or 3"):
             Config(*bad)
-    for bad in ("2,128", "2,128,2,1,1,1", "2,x,2"):
-        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\[,reg_a\]\]"):
+    for bad in ("2,128", "2,128,2,1,1,1,1", "2,x,2"):
+        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\[,reg_a\[,schedule\]\]\]"):
             Config.parse(bad)
 
 
@@ -105,12 +106,37 @@ def test_setting_and_cpu_tensors(monkeypatch):
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FWD", "3,64,3")
     assert fg.config(fg.FWD, 128) == fg.Config(3, 64, 3)
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
-    assert fg.config(fg.FWD, 64, 16384) == fg.Config(3, 128, 2)
-    assert fg.config(fg.FWD, 64, 1024) == fg.Config(2, 128, 3)
+    assert fg.config(fg.FWD, 64, 16384) == fg.Config(3, 128, 2, schedule=2)
+    assert fg.config(fg.FWD, 64, 1024) == fg.Config(2, 128, 3, schedule=2)
     monkeypatch.setattr(fg, "_REG_A_DEFAULTS", False)  # a Triton the reg_a defaults were not checked with
-    assert fg.config(fg.DKDV, 64) == fg.Config(2, 64, 3)
+    assert fg.config(fg.DKDV, 64, 4096) == fg.Config(2, 64, 3)
     monkeypatch.setattr(fg, "_REG_A_DEFAULTS", True)
-    assert fg.config(fg.DKDV, 64) == fg.Config(2, 64, 3, 1, 1)
+    assert fg.config(fg.DKDV, 64, 4096) == fg.Config(2, 64, 3, 1, 1)
+    assert fg.config(fg.DKDV, 64, 1024) == fg.Config(2, 64, 3, 1, 1, 2)
+
+
+@requires_triton
+def test_paired_schedules_launch_shape(monkeypatch):
+    """Schedule 0: one program per tile; 1: one per pair of tiles (a middle tile of an odd count alone); 2: one per
+    multiprocessor (times per_sm), unless the last round would leave most programs idle, then one per tile."""
+    from types import SimpleNamespace
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cfg = fg.Config(2, 128, 3)
+    assert fg._launch_shape(1025, 2, 3, cfg, None, cuda)[:2] == ((54,), 54)  # 9 tiles of 128 rows a head
+    grid, tiles, options = fg._launch_shape(1025, 2, 3, fg.Config(2, 128, 3, schedule=1), None, cuda)
+    assert (grid, tiles, options["PAIRS"]) == ((30,), 54, True)  # 5 pairs a head
+    for pairs, programs in ((8192, 132), (5504, 132), (688, None), (100, None)):
+        assert fg._persistent_programs(fg.Config(2, 128, 3, schedule=2), pairs, cuda) == programs, pairs
+    assert fg._persistent_programs(fg.Config(2, 64, 3, per_sm=2, schedule=2), 8192, cuda) == 264
+    assert fg._persistent_programs(cfg, 8192, torch.device("cpu")) is None
+    grid, tiles, options = fg._launch_shape(16384, 128, 1, fg.Config(2, 128, 3, schedule=2), None, cuda)
+    assert (grid, tiles, options["PAIRS"]) == ((132,), 16384, True)
+    grid, _, options = fg._launch_shape(16384, 1, 16, fg.Config(3, 128, 2, schedule=2), None, cuda)
+    assert (grid, options["PAIRS"]) == ((1376,), False), "688 pairs: 5.2 rounds, one program per tile instead"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +370,8 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
 @pytest.mark.gpu
 @requires_hopper
 def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
-    """By default: the Gluon forward at head dim 128 and at 64 from 4096 keys on, the Gluon dK/dV kernel at both
-    head dims, the Gluon dQ kernel at 128 only. A list takes the kernels it names wherever they apply."""
+    """By default: the Gluon forward and dK/dV kernels at head dims 64 and 128, the Gluon dQ kernel at 128 and at 64
+    from 4096 keys on. A list takes the kernels it names wherever they apply."""
     from lmtrain.kernels import flash_gluon_hopper as fg
     from lmtrain.kernels.flash_triton import _as_4d
 
@@ -355,13 +381,51 @@ def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
         x = _as_4d(torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16))
         return fg.usable(x, x, kernel=kernel)
 
-    assert usable(1024, 128) and usable(4096, 64) and not usable(1024, 64)
+    assert usable(1024, 128) and usable(4096, 64) and usable(1024, 64)
     assert not usable(4096, 80) and usable(4096, 128, fg.DQ) and usable(1024, 128, fg.DKDV)
-    assert usable(1024, 64, fg.DKDV) and not usable(4096, 64, fg.DQ)
+    assert usable(1024, 64, fg.DKDV) and usable(4096, 64, fg.DQ) and not usable(1024, 64, fg.DQ)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dq")
     assert usable(1024, 64, fg.DQ) and not usable(1024, 64, fg.DKDV) and not usable(4096, 128)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")
     assert not usable(4096, 128)
+
+
+PAIRED = {  # per head dim, configurations with the paired schedules (1: one program per pair, 2: persistent)
+    "d64": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,2",
+                 "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,2"}),
+    "d64_three_wg": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,3,1,0,1",
+                          "LMTRAIN_FLASH_GLUON_DKDV": "3,32,3,1,1,2"}),
+    "d128": (128, {"LMTRAIN_FLASH_GLUON_FWD": "3,64,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,2",
+                   "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2"}),
+}
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (97, 97)])
+@pytest.mark.parametrize("case", list(PAIRED))
+def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monkeypatch):
+    """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 3 so that each
+    takes several pairs, odd tile counts (9 tiles of 128 rows in 1025) included: against float64 (bf16), NaN-poisoned
+    outputs, the backward deterministic."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _backward
+
+    d, env = PAIRED[case]
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(fg, "_persistent_programs", lambda cfg, pairs, device: 3)
+    q, k, v, do = _inputs((2, 3, n_q, d), (2, 3, n_k, d), dtype=torch.bfloat16, device="cuda", seed=24)
+    out = launch_into_poisoned(q, k, v, do, causal)
+    again = _backward(do, q, k, v, out["o"], out["lse"], causal)
+    ref = _reference_results(q, k, v, do, causal, upcast=True)
+    base = _reference_results(q, k, v, do, causal, upcast=False)
+    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {case} {n_q}x{n_k} causal={causal}")
+    grads = (out["dq"], out["dk"], out["dv"])
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "the backward is not deterministic"
 
 
 @pytest.mark.gpu

@@ -24,13 +24,16 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   in registers as the first operand of the products that need them; with ``reg_a`` the stationary rows do too
   (``Config``). With two or three consumers on a multiprocessor, one's exponentials also overlap the others'
   products.
-* **Tiles and programs.** Each program loops over tiles p, p + grid, ...; by default the grid has one program per
-  tile, so the hardware hands tiles to multiprocessors as they free up and the programs running at one time hold
-  neighbouring tiles of one head (causal query tiles longest first), sharing its streamed blocks in L2. A smaller
-  grid (``programs``) makes the programs persistent: the producer then loads the next tile's rows while the consumers
-  finish the current one, and each output tile leaves through its own buffer and a TMA store that overlaps the next
-  tile; with a static tile order that measured slower (docs/benchmarks/2026-11-25-H100-flash-gluon.md), since causal
-  tiles of different lengths drift apart and lose the L2 sharing.
+* **Tiles and programs** (``Config.schedule``). Schedule 0: one program per tile, so the hardware hands tiles to
+  multiprocessors as they free up and the programs running at one time hold neighbouring tiles of one head (causal
+  query tiles longest first), sharing its streamed blocks in L2. Schedule 1: one program per *pair* of a head's
+  tiles, its j-th longest and j-th shortest causal tile, so every program has the same work and the producer loads the
+  second tile's rows while the consumers finish the first. Schedule 2: persistent pairs, ``per_sm`` programs per
+  multiprocessor each taking pairs p, p + grid, ...: each tile's first loads and last store then overlap the
+  neighbouring tile's products, and each output tile leaves through its own buffer and a TMA store that overlaps the
+  next tile. (A static order of single causal tiles measured slower, most likely because programs that drew long
+  tiles ran on while the others idled; pairs have equal work.) Where the persistent programs' last round would leave
+  most of them idle, the launcher takes one program per tile instead (``_persistent_programs``).
 * **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
 
@@ -64,6 +67,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import os
 import threading
 
@@ -103,6 +107,7 @@ _REGISTERS = 64 * 1024  # 32-bit registers per multiprocessor (every Hopper GPU)
 _PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer warp only issues copies
 _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on an H100/H200
 _SMEM_PER_SM = 228 * 1024  # shared memory of a multiprocessor; each resident program also reserves 1 KiB
+_FULL_ROUNDS = 0.95  # persistent pairs (schedule 2) only where the programs' rounds are at least this full on average
 
 # The kernels (also the ``MODE`` constexpr of the shared producer: what a kernel's programs hold and stream).
 FWD, DQ, DKDV = 0, 1, 2
@@ -123,6 +128,11 @@ class Config:
         reg_a: 1 keeps each consumer's stationary rows in registers as the first operand of the products that read
             them (forward ``Q K^T``; dQ ``Q K^T`` and ``dO V^T``; dK/dV ``K Q^T`` and ``V dO^T``), so those
             products read only their second operand from shared memory; 0 reads both from shared memory.
+        schedule: how tiles go to programs. 0: one program per tile. 1: one program per *pair* of a head's tiles,
+            its j-th longest and j-th shortest causal tile one after the other, so every program has the same work
+            and the producer loads the second tile's rows while the consumers finish the first. 2: pairs, with
+            ``per_sm`` programs per multiprocessor (persistent), each taking pairs p, p + grid, ... (balanced
+            because pairs are: a static order of single causal tiles was not).
     """
 
     num_wg: int
@@ -130,24 +140,25 @@ class Config:
     num_stages: int
     per_sm: int = 1
     reg_a: int = 0
+    schedule: int = 0
 
     def __post_init__(self) -> None:
         if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1 \
-                or self.per_sm not in (1, 2) or self.reg_a not in (0, 1):
+                or self.per_sm not in (1, 2) or self.reg_a not in (0, 1) or self.schedule not in (0, 1, 2):
             raise ValueError(f"{self}: num_wg 2 or 3, block a power of two from 16 to 256, num_stages >= 1, "
-                             "per_sm 1 or 2, reg_a 0 or 1.")
+                             "per_sm 1 or 2, reg_a 0 or 1, schedule 0, 1 or 2.")
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``"num_wg,block,num_stages[,per_sm[,reg_a]]"`` -> Config."""
+        """``"num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]]"`` -> Config."""
         try:
             parts = [int(x) for x in text.split(",")]
-            if len(parts) not in (3, 4, 5):
+            if len(parts) not in (3, 4, 5, 6):
                 raise ValueError(f"{len(parts)} numbers")
             return cls(*parts)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad Gluon flash configuration {text!r}: expected "
-                             f"num_wg,block,num_stages[,per_sm[,reg_a]] ({exc})") from None
+                             f"num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]] ({exc})") from None
 
     @property
     def tile_rows(self) -> int:
@@ -174,15 +185,16 @@ class Config:
 # Per (kernel, head dim): steps (from this many keys on, configuration, Gluon by default), the last step at or below
 # the key count applying; where a step says False the tl kernel of flash_triton_hopper runs by default (it measured
 # faster there) and the configuration serves LMTRAIN_FLASH_GLUON=all. From the sweeps in
-# docs/benchmarks/2026-11-25-H100-flash-gluon.md and 2026-11-25-H100-flash-gluon-schedule.md (bf16, causal,
-# B*H*N = 2^21).
+# docs/benchmarks/2026-11-25-H100-flash-gluon.md, 2026-11-25-H100-flash-gluon-schedule.md and
+# 2026-11-25-H100-flash-gluon-pairs.md (bf16, causal, B*H*N = 2^21). Persistent pairs (schedule 2) gained in every
+# forward and dQ cell; the dK/dV kernel gains from them at 1024 keys only.
 _TABLE = {
-    (FWD, 64): ((0, Config(2, 128, 3), False), (4096, Config(2, 128, 3), True), (8192, Config(3, 128, 2), True)),
-    (FWD, 128): ((0, Config(2, 128, 2), True), (16384, Config(3, 64, 3), True)),
-    (DQ, 64): ((0, Config(2, 128, 3), False),),
-    (DQ, 128): ((0, Config(2, 64, 2, 1, 1), True), (16384, Config(2, 128, 2), True)),
-    (DKDV, 64): ((0, Config(2, 64, 3, 1, 1), True),),
-    (DKDV, 128): ((0, Config(2, 32, 2), True),),
+    (FWD, 64): ((0, Config(2, 128, 3, 1, 0, 2), True), (8192, Config(3, 128, 2, 1, 0, 2), True)),
+    (FWD, 128): ((0, Config(2, 128, 2, 1, 0, 2), True), (16384, Config(3, 64, 3, 1, 0, 2), True)),
+    (DQ, 64): ((0, Config(2, 128, 3, 1, 0, 2), False), (4096, Config(3, 64, 3, 1, 0, 2), True)),
+    (DQ, 128): ((0, Config(2, 128, 2, 1, 0, 2), True),),
+    (DKDV, 64): ((0, Config(2, 64, 3, 1, 1, 2), True), (4096, Config(2, 64, 3, 1, 1), True)),
+    (DKDV, 128): ((0, Config(2, 32, 2, 1, 0, 2), True), (4096, Config(2, 32, 2), True)),
 }
 _ENV = {FWD: "LMTRAIN_FLASH_GLUON_FWD", DQ: "LMTRAIN_FLASH_GLUON_DQ", DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
 # reg_a in the table applies with the Triton it was measured and checked with (3.6: no spills); Triton 3.9 spills
@@ -196,7 +208,8 @@ def _step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
 
 def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
     """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys;
-    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm]`` overrides it (for sweeps)."""
+    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]]`` overrides it
+    (for sweeps)."""
     override = os.environ.get(_ENV[kernel])
     if override:
         return Config.parse(override)
@@ -305,6 +318,33 @@ if _HAS_GLUON:
         return bh, bh // H, bh % H, blk * BLOCK_T
 
     @gluon.jit
+    def _items(NUM_TILES, N, BLOCK_T: gl.constexpr, PAIRS: gl.constexpr):
+        """(start, end, step) of this program's work items: tiles p, p + grid, ... of the NUM_TILES (cdiv(N, BLOCK_T)
+        per head), or with PAIRS items 0, 1, ...: both tiles of each pair p, p + grid, ... (``_item_tile``)."""
+        pid = gl.program_id(0)
+        if PAIRS:
+            num = gl.cdiv(N, BLOCK_T)
+            pairs = NUM_TILES // num * ((num + 1) // 2)
+            return pid * 0, 2 * gl.cdiv(pairs - pid, gl.num_programs(0)), 1
+        return pid, NUM_TILES, gl.num_programs(0)
+
+    @gluon.jit
+    def _item_tile(item, N, BLOCK_T: gl.constexpr, PAIRS: gl.constexpr):
+        """(tile, whether to do it) of work item ``item`` (``_items``), tiles numbered as ``_tile_of`` takes them (a
+        head's longest causal tile at position 0). With PAIRS, pair j of a head is its tiles at positions j and
+        num - 1 - j: the j-th longest and the j-th shortest, together as long as any other pair (the middle tile of
+        an odd count pairs with itself and is done once); without, the item is the tile."""
+        if PAIRS:
+            num = gl.cdiv(N, BLOCK_T)
+            per_head = (num + 1) // 2
+            pair = gl.program_id(0) + (item // 2) * gl.num_programs(0)
+            j = pair % per_head
+            second = item % 2
+            pos = j + second * (num - 1 - 2 * j)
+            return pair // per_head * num + pos, (second == 0) | (2 * j + 1 != num)
+        return item, True
+
+    @gluon.jit
     def _tile_of(tile, N_Q, N_K, H, BLOCK_T: gl.constexpr, IS_CAUSAL: gl.constexpr, MODE: gl.constexpr):
         if MODE == 2:
             return _tile_coords(tile, N_K, H, BLOCK_T, False)  # key tiles: the first (longest causal) first
@@ -342,38 +382,42 @@ if _HAS_GLUON:
     def _producer(stat_a, stat_b, strm_a, strm_b, stat_a_smem, stat_b_smem, strm_a_smem, strm_b_smem,
                   stat_ready, stat_empty, a_ready, a_empty, b_ready, b_empty, H, N_Q, N_K, NUM_TILES,
                   BLOCK_S: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  MODE: gl.constexpr):
+                  MODE: gl.constexpr, PAIRS: gl.constexpr):
         """One warp: for each tile of this program, its stationary tiles (once the consumers are done with the
         previous ones; ``stat_b`` unused in the forward), then every streamed block of ``strm_a`` and ``strm_b``
         through the ring. Runs ahead of the consumers, across tiles too."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         c = 0  # streamed blocks issued so far: the ring position
         it = 0  # tiles issued so far: the stationary barriers' phase
-        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
-            bh, z, h, start = _tile_of(tile, N_Q, N_K, H, BLOCK_T, IS_CAUSAL, MODE)
-            for w in gl.static_range(NUM_WG):
-                # A fresh barrier counts as having completed the phase before phase 0: the first round does not wait.
-                mbarrier.wait(stat_empty.index(w), (it & 1) ^ 1)
-                if MODE == 0:
-                    mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes)
-                else:
-                    mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes + stat_b.block_type.nbytes)
-                    _tma_load(stat_b, [z, h, start + w * 64, 0], stat_ready.index(w),
-                                                    stat_b_smem.index(w))
-                _tma_load(stat_a, [z, h, start + w * 64, 0], stat_ready.index(w),
-                                                stat_a_smem.index(w))
-            first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_S, IS_CAUSAL, MODE)
-            for j in range(first, end):
-                s = c % NUM_STAGES
-                phase = (c // NUM_STAGES) & 1
-                mbarrier.wait(a_empty.index(s), phase ^ 1)
-                mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes)
-                _tma_load(strm_a, [z, h, j * BLOCK_S, 0], a_ready.index(s), strm_a_smem.index(s))
-                mbarrier.wait(b_empty.index(s), phase ^ 1)
-                mbarrier.expect(b_ready.index(s), strm_b.block_type.nbytes)
-                _tma_load(strm_b, [z, h, j * BLOCK_S, 0], b_ready.index(s), strm_b_smem.index(s))
-                c += 1
-            it += 1
+        lo, hi, step = _items(NUM_TILES, N_K if MODE >= 2 else N_Q, BLOCK_T, PAIRS)
+        for item in range(lo, hi, step):
+            tile, valid = _item_tile(item, N_K if MODE >= 2 else N_Q, BLOCK_T, PAIRS)
+            if valid:
+                bh, z, h, start = _tile_of(tile, N_Q, N_K, H, BLOCK_T, IS_CAUSAL, MODE)
+                for w in gl.static_range(NUM_WG):
+                    # A fresh barrier counts as having completed the phase before phase 0: the first round does not
+                    # wait.
+                    mbarrier.wait(stat_empty.index(w), (it & 1) ^ 1)
+                    if MODE == 0:
+                        mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes)
+                    else:
+                        mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes + stat_b.block_type.nbytes)
+                        _tma_load(stat_b, [z, h, start + w * 64, 0], stat_ready.index(w),
+                                                        stat_b_smem.index(w))
+                    _tma_load(stat_a, [z, h, start + w * 64, 0], stat_ready.index(w),
+                                                    stat_a_smem.index(w))
+                first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_S, IS_CAUSAL, MODE)
+                for j in range(first, end):
+                    s = c % NUM_STAGES
+                    phase = (c // NUM_STAGES) & 1
+                    mbarrier.wait(a_empty.index(s), phase ^ 1)
+                    mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes)
+                    _tma_load(strm_a, [z, h, j * BLOCK_S, 0], a_ready.index(s), strm_a_smem.index(s))
+                    mbarrier.wait(b_empty.index(s), phase ^ 1)
+                    mbarrier.expect(b_ready.index(s), strm_b.block_type.nbytes)
+                    _tma_load(strm_b, [z, h, j * BLOCK_S, 0], b_ready.index(s), strm_b_smem.index(s))
+                    c += 1
+                it += 1
 
     @gluon.jit
     def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
@@ -426,7 +470,7 @@ if _HAS_GLUON:
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      REG_A: gl.constexpr):
+                      REG_A: gl.constexpr, PAIRS: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -439,75 +483,79 @@ if _HAS_GLUON:
 
         c = 0  # key/value blocks consumed so far: the ring position
         it = 0  # tiles done so far: the query barrier's phase
-        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
-            bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
-            first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
-            row0 = start + WG * 64
-            offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
+        for item in range(lo, hi, step):
+            tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
+            if valid:
+                bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+                first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
+                row0 = start + WG * 64
+                offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+                offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
-            # Key block 0: its scores and softmax, no P V yet.
-            stage = c % NUM_STAGES
-            mbarrier.wait(q_ready.index(WG), it & 1)
-            q_a = _first_operand(q, a_layout, REG_A)
-            mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
-            k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
-            s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
-            m_i = gl.max(s, 1) * qk_scale
-            p = gl.exp2(s * qk_scale - m_i[:, None])
-            l_i = gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-
-            for j in range(1, n_blocks):
-                stage = (c + j) % NUM_STAGES
-                prev = (c + j - 1) % NUM_STAGES
-                mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
+                # Key block 0: its scores and softmax, no P V yet.
+                stage = c % NUM_STAGES
+                mbarrier.wait(q_ready.index(WG), it & 1)
+                q_a = _first_operand(q, a_layout, REG_A)
+                mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
                 k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
                 s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_STAGES) & 1)
-                v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; P V may still run
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                if j >= n_full:
-                    s = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                p = gl.exp2(s * qk_scale - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = warpgroup_mma_wait(0, deps=(o_tok,))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
+                s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+                m_i = gl.max(s, 1) * qk_scale
+                p = gl.exp2(s * qk_scale - m_i[:, None])
+                l_i = gl.sum(p, 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                q_a = _renewed(q_a, N_K, REG_A)
+                acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
-            # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
-            mbarrier.arrive(q_empty.index(WG), count=1)
-            last = (c + n_blocks - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // NUM_STAGES) & 1)
-            v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            mbarrier.arrive(v_empty.index(last), count=1)
+                for j in range(1, n_blocks):
+                    stage = (c + j) % NUM_STAGES
+                    prev = (c + j - 1) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
+                    k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                    s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_STAGES) & 1)
+                    v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; P V may still run
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    if j >= n_full:
+                        s = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                    p = gl.exp2(s * qk_scale - m_new[:, None])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    m_i = m_new
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    q_a = _renewed(q_a, N_K, REG_A)
 
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
-            gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
-            acc = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
-            _store_tile(o_desc, o_smem.index(WG), z, h, row0, acc.to(dtype), 0)
-            c += n_blocks
-            it += 1
+                # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
+                mbarrier.arrive(q_empty.index(WG), count=1)
+                last = (c + n_blocks - 1) % NUM_STAGES
+                mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // NUM_STAGES) & 1)
+                v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                mbarrier.arrive(v_empty.index(last), count=1)
+
+                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
+                gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+                acc = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
+                _store_tile(o_desc, o_smem.index(WG), z, h, row0, acc.to(dtype), 0)
+                c += n_blocks
+                it += 1
         tma.store_wait(0)
 
     @gluon.jit
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
+                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
+                    PAIRS: gl.constexpr):
         """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H (by default the grid has one
         program per tile). Shared memory and barriers are allocated here, then the warps split into
         NUM_WG consumers (the first in the default partition) and the producer."""
@@ -525,28 +573,28 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 0)),
+                             IS_CAUSAL, 0, PAIRS)),
             ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
         else:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 2, REG_A)),
+                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, PAIRS)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 0)),
+                             IS_CAUSAL, 0, PAIRS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     # -----------------------------------------------------------------------------------------
@@ -557,7 +605,8 @@ if _HAS_GLUON:
     def _dq_consumer(dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready, k_empty,
                      v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
                      qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr):
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
+                     PAIRS: gl.constexpr):
         """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D."""
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -573,59 +622,63 @@ if _HAS_GLUON:
 
         c = 0
         it = 0
-        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
-            bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
-            first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 1)
-            row0 = start + WG * 64
-            offs_m = row0 + gl.arange(0, 64, layout=rows)
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            m_ok = offs_m < N_Q
-            lse2 = gl.load(LSE + bh.to(gl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
+        for item in range(lo, hi, step):
+            tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
+            if valid:
+                bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+                first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 1)
+                row0 = start + WG * 64
+                offs_m = row0 + gl.arange(0, 64, layout=rows)
+                offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                m_ok = offs_m < N_Q
+                lse2 = gl.load(LSE + bh.to(gl.int64) * N_Q + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
 
-            # D = rowsum(O * dO) of these rows: O read here, dO from the tile the producer loaded.
-            o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, od_layout))
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, od_layout))
-            o_ptrs = (OUT + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
-                      + o_rows.to(gl.int64)[:, None] * stride_on + o_cols[None, :])
-            o = gl.load(o_ptrs, mask=(o_rows < N_Q)[:, None], other=0.0)
-            mbarrier.wait(qdo_ready.index(WG), it & 1)
-            delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(od_layout).to(gl.float32), 1), rows)
-            gl.store(DELTA + bh.to(gl.int64) * N_Q + offs_m, delta, mask=m_ok)
-            q_a, do_a = _first_operand(q, a_layout, REG_A), _first_operand(do, a_layout, REG_A)
+                # D = rowsum(O * dO) of these rows: O read here, dO from the tile the producer loaded.
+                o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, od_layout))
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, od_layout))
+                o_ptrs = (OUT + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+                          + o_rows.to(gl.int64)[:, None] * stride_on + o_cols[None, :])
+                o = gl.load(o_ptrs, mask=(o_rows < N_Q)[:, None], other=0.0)
+                mbarrier.wait(qdo_ready.index(WG), it & 1)
+                delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.load(od_layout).to(gl.float32), 1), rows)
+                gl.store(DELTA + bh.to(gl.int64) * N_Q + offs_m, delta, mask=m_ok)
+                q_a, do_a = _first_operand(q, a_layout, REG_A), _first_operand(do, a_layout, REG_A)
 
-            dq = gl.zeros([64, HEAD_DIM], gl.float32, dq_layout)
-            for j in range(0, n_blocks):
-                stage = (c + j) % NUM_STAGES
-                phase = ((c + j) // NUM_STAGES) & 1
-                mbarrier.wait(k_ready.index(stage), phase)
-                k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-                s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(stage), phase)
-                v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-                dp_tok = warpgroup_mma(do_a, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))
-                p = gl.exp2(s * qk_scale - lse2[:, None])
-                if j >= n_full:
-                    p = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), p, 0.0)
-                dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-                mbarrier.arrive(v_empty.index(stage), count=1)
-                ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
-                # Waited for here, not overlapped with the next block's products: with three products in flight
-                # ptxas serialises every warpgroup MMA of the kernel (its C7512 "insufficient register resources").
-                dq = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k, dq, is_async=True),))
-                mbarrier.arrive(k_empty.index(stage), count=1)
-                q_a, do_a = _renewed(q_a, N_K, REG_A), _renewed(do_a, N_K, REG_A)
-            mbarrier.arrive(qdo_empty.index(WG), count=1)
-            _store_tile(dq_desc, dq_smem.index(WG), z, h, row0, (dq * sm_scale).to(dtype), 0)
-            c += n_blocks
-            it += 1
+                dq = gl.zeros([64, HEAD_DIM], gl.float32, dq_layout)
+                for j in range(0, n_blocks):
+                    stage = (c + j) % NUM_STAGES
+                    phase = ((c + j) // NUM_STAGES) & 1
+                    mbarrier.wait(k_ready.index(stage), phase)
+                    k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                    s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(stage), phase)
+                    v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                    dp_tok = warpgroup_mma(do_a, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))
+                    p = gl.exp2(s * qk_scale - lse2[:, None])
+                    if j >= n_full:
+                        p = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), p, 0.0)
+                    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+                    mbarrier.arrive(v_empty.index(stage), count=1)
+                    ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+                    # Waited for here, not overlapped with the next block's products: with three products in flight
+                    # ptxas serialises every warpgroup MMA of the kernel (its C7512 "insufficient register resources").
+                    dq = warpgroup_mma_wait(0, deps=(warpgroup_mma(ds, k, dq, is_async=True),))
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    q_a, do_a = _renewed(q_a, N_K, REG_A), _renewed(do_a, N_K, REG_A)
+                mbarrier.arrive(qdo_empty.index(WG), count=1)
+                _store_tile(dq_desc, dq_smem.index(WG), z, h, row0, (dq * sm_scale).to(dtype), 0)
+                c += n_blocks
+                it += 1
         tma.store_wait(0)
 
     @gluon.jit
     def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA,
                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
+                   PAIRS: gl.constexpr):
         """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -638,20 +691,38 @@ if _HAS_GLUON:
         qdo_ready, qdo_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
         k_ready, k_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         v_ready, v_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
-        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
-        gl.warp_specialize([
-            (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                            k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
-                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0,
-                            REG_A)),
-            (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                            k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
-                            NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1,
-                            REG_A)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
-                         k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                         IS_CAUSAL, 1)),
-        ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
+                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                0, REG_A, PAIRS)),
+                (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
+                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                1, REG_A, PAIRS)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
+                             k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 1, PAIRS)),
+            ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+        else:
+            gl.warp_specialize([
+                (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
+                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                0, REG_A, PAIRS)),
+                (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
+                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                1, REG_A, PAIRS)),
+                (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
+                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
+                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                2, REG_A, PAIRS)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
+                             k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 1, PAIRS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty,
@@ -659,7 +730,7 @@ if _HAS_GLUON:
                        LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
-                       FUSED: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       FUSED: gl.constexpr, PAIRS: gl.constexpr, ABLATE: gl.constexpr = 0):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
         ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
@@ -682,73 +753,76 @@ if _HAS_GLUON:
 
         c = 0
         it = 0
-        for tile in range(gl.program_id(0), NUM_TILES, gl.num_programs(0)):
-            bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED)
-            first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
-            row0 = start + WG * 64
-            offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
-            offs_i = gl.arange(0, BLOCK_M, layout=cols)
-            lse_base = LSE + bh.to(gl.int64) * N_Q
-            delta_base = DELTA + bh.to(gl.int64) * N_Q
+        lo, hi, step = _items(NUM_TILES, N_K, BLOCK_T, PAIRS)
+        for item in range(lo, hi, step):
+            tile, valid = _item_tile(item, N_K, BLOCK_T, PAIRS)
+            if valid:
+                bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED)
+                first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
+                row0 = start + WG * 64
+                offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+                offs_i = gl.arange(0, BLOCK_M, layout=cols)
+                lse_base = LSE + bh.to(gl.int64) * N_Q
+                delta_base = DELTA + bh.to(gl.int64) * N_Q
 
-            mbarrier.wait(kv_ready.index(WG), it & 1)
-            k_a, v_a = _first_operand(k, a_layout, REG_A), _first_operand(v, a_layout, REG_A)
-            dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-            dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-            for i in range(first, end):
-                n = c + i - first
-                stage = n % NUM_STAGES
-                phase = (n // NUM_STAGES) & 1
-                offs_q = i * BLOCK_M + offs_i
-                q_ok = offs_q < N_Q
-                lse2 = gl.load(lse_base + offs_q, mask=q_ok, other=float("inf")) * 1.4426950408889634
-                delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
-                mbarrier.wait(q_ready.index(stage), phase)
-                qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                st_tok = warpgroup_mma(k_a, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                mbarrier.wait(do_ready.index(stage), phase)
-                dos = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                dpt_tok = warpgroup_mma(v_a, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                st = warpgroup_mma_wait(1, deps=(st_tok,))
-                pt = gl.exp2(st * qk_scale - lse2[None, :])
-                if i < boundary:
-                    # The diagonal: query i sees key j only when i >= j (keys past N_K are never stored).
-                    pt = gl.where(offs_q[None, :] >= offs_k[:, None], pt, 0.0)
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), dos, dv, is_async=True)
-                dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-                dst = (pt * (dpt - delta[None, :])).to(dtype)
-                dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-                if FUSED:
-                    # dQ of the query block over this warpgroup's keys: dS (queries x keys) is dS^T through shared
-                    # memory, read transposed; K is the stationary tile.
-                    ds_t.store(dst)
-                    fence_async_shared()
-                    dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
-                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
-                    mbarrier.arrive(q_empty.index(stage), count=1)
-                    mbarrier.arrive(do_empty.index(stage), count=1)
-                    if ABLATE == 1:
-                        dk = dk + dq * 0.0  # keeps the product
+                mbarrier.wait(kv_ready.index(WG), it & 1)
+                k_a, v_a = _first_operand(k, a_layout, REG_A), _first_operand(v, a_layout, REG_A)
+                dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+                dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+                for i in range(first, end):
+                    n = c + i - first
+                    stage = n % NUM_STAGES
+                    phase = (n // NUM_STAGES) & 1
+                    offs_q = i * BLOCK_M + offs_i
+                    q_ok = offs_q < N_Q
+                    lse2 = gl.load(lse_base + offs_q, mask=q_ok, other=float("inf")) * 1.4426950408889634
+                    delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
+                    mbarrier.wait(q_ready.index(stage), phase)
+                    qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+                    st_tok = warpgroup_mma(k_a, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                    mbarrier.wait(do_ready.index(stage), phase)
+                    dos = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+                    dpt_tok = warpgroup_mma(v_a, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                    st = warpgroup_mma_wait(1, deps=(st_tok,))
+                    pt = gl.exp2(st * qk_scale - lse2[None, :])
+                    if i < boundary:
+                        # The diagonal: query i sees key j only when i >= j (keys past N_K are never stored).
+                        pt = gl.where(offs_q[None, :] >= offs_k[:, None], pt, 0.0)
+                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), dos, dv, is_async=True)
+                    dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+                    dst = (pt * (dpt - delta[None, :])).to(dtype)
+                    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+                    if FUSED:
+                        # dQ of the query block over this warpgroup's keys: dS (queries x keys) is dS^T through shared
+                        # memory, read transposed; K is the stationary tile.
+                        ds_t.store(dst)
+                        fence_async_shared()
+                        dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+                        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
+                        mbarrier.arrive(q_empty.index(stage), count=1)
+                        mbarrier.arrive(do_empty.index(stage), count=1)
+                        if ABLATE == 1:
+                            dk = dk + dq * 0.0  # keeps the product
+                        else:
+                            slot = part % 2
+                            mbarrier.wait(part_empty.index(slot), ((part // 2) & 1) ^ 1)
+                            part_smem.index(2 * slot + WG).store(dq)
+                            mbarrier.arrive(part_ready.index(slot), count=1)
+                            part += 1
                     else:
-                        slot = part % 2
-                        mbarrier.wait(part_empty.index(slot), ((part // 2) & 1) ^ 1)
-                        part_smem.index(2 * slot + WG).store(dq)
-                        mbarrier.arrive(part_ready.index(slot), count=1)
-                        part += 1
-                else:
-                    # Both gradient products finish within the block (see _dq_consumer: overlapped with the next
-                    # block's products, ptxas serialises them all).
-                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                    mbarrier.arrive(q_empty.index(stage), count=1)
-                    mbarrier.arrive(do_empty.index(stage), count=1)
-                k_a, v_a = _renewed(k_a, N_K, REG_A), _renewed(v_a, N_K, REG_A)
-            n_blocks = end - first
-            mbarrier.arrive(kv_empty.index(WG), count=1)
-            # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
-            _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
-            _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
-            c += n_blocks
-            it += 1
+                        # Both gradient products finish within the block (see _dq_consumer: overlapped with the next
+                        # block's products, ptxas serialises them all).
+                        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                        mbarrier.arrive(q_empty.index(stage), count=1)
+                        mbarrier.arrive(do_empty.index(stage), count=1)
+                    k_a, v_a = _renewed(k_a, N_K, REG_A), _renewed(v_a, N_K, REG_A)
+                n_blocks = end - first
+                mbarrier.arrive(kv_empty.index(WG), count=1)
+                # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
+                _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
+                _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
+                c += n_blocks
+                it += 1
         tma.store_wait(0)
 
     @gluon.jit
@@ -773,26 +847,45 @@ if _HAS_GLUON:
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr):
+                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
+                     PAIRS: gl.constexpr):
         """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
         stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
-        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
-        gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                              LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                              NUM_STAGES, IS_CAUSAL, 0, REG_A, False)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                              LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                              NUM_STAGES, IS_CAUSAL, 1, REG_A, False)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
-                         q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                         IS_CAUSAL, 2)),
-        ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                                  NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS)),
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                                  NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                             q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 2, PAIRS)),
+            ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+        else:
+            gl.warp_specialize([
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                                  NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS)),
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                                  NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS)),
+                (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
+                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
+                                  NUM_STAGES, IS_CAUSAL, 2, REG_A, False, PAIRS)),
+                (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                             q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
+                             IS_CAUSAL, 2, PAIRS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     # -----------------------------------------------------------------------------------------
     # Fused backward: dK, dV and dQ in one kernel, dQ summed over key tiles in a fixed order
@@ -943,14 +1036,14 @@ if _HAS_GLUON:
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
                               part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, True, ABLATE)),
+                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, True, False, ABLATE)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
                               part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, True, ABLATE)),
+                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, True, False, ABLATE)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                         IS_CAUSAL, 3)),
+                         IS_CAUSAL, 3, False)),
             (_dq_reducer, (acc_desc, dq_desc, part_smem, acc_smem, dq_smem, part_ready, part_empty, acc_ready,
                            FLAGS, H, N_Q, N_K, NUM_TILES, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM, IS_CAUSAL,
                            ABLATE)),
@@ -982,17 +1075,39 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
                      block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype))
 
 
-def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None) -> tuple[tuple[int], int, dict]:
-    """(grid, tiles, launch options) of a launch over ``n_stat`` stationary rows, at most
-    ``programs`` programs (default: one per tile)."""
+def _persistent_programs(cfg: Config, pairs: int, device: torch.device) -> int | None:
+    """The grid of a persistent launch (schedule 2) over ``pairs`` pairs of tiles: ``per_sm`` programs per
+    multiprocessor; or None where one program per tile should run instead. Every round of the persistent programs
+    takes one pair each, and a last round that leaves many of them idle costs more than persistence gains (16 heads of
+    16384 keys at 192-row tiles: 688 pairs, 5.2 rounds over 132 programs); there one program per tile, the longest
+    first, evens out the tail instead."""
+    if device.type != "cuda":  # no launch on other devices
+        return None
+    programs = cfg.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    rounds = pairs / programs
+    return programs if rounds >= math.ceil(rounds) * _FULL_ROUNDS else None
+
+
+def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None,
+                  device: torch.device) -> tuple[tuple[int], int, dict]:
+    """(grid, tiles, launch options) of a launch over ``n_stat`` stationary rows on ``device``, at most
+    ``programs`` programs (default: as ``cfg.schedule`` says)."""
     maxnreg, consumer_regs = cfg.registers()
-    tiles = triton.cdiv(n_stat, cfg.tile_rows) * z * h
-    # Default: one program per tile. The hardware then hands tiles to multiprocessors as they free up, so the programs
-    # running at any moment hold neighbouring tiles of one head and share its streamed blocks in L2; a persistent
-    # grid with a static tile order lost that locality as causal tiles of different lengths drifted apart.
-    grid = (max(1, min(tiles, programs or tiles)),)
+    per_head = triton.cdiv(n_stat, cfg.tile_rows)
+    tiles = per_head * z * h
+    # Schedule 0: one program per tile. The hardware then hands tiles to multiprocessors as they free up, so the
+    # programs running at any moment hold neighbouring tiles of one head and share its streamed blocks in L2; a
+    # persistent grid with a static order of single tiles lost that locality as causal tiles of different lengths
+    # drifted apart. Schedules 1 and 2: one work unit per pair of tiles (Config).
+    schedule = cfg.schedule
+    units = (per_head + 1) // 2 * z * h
+    if schedule == 2 and programs is None:
+        programs = _persistent_programs(cfg, units, device)
+        schedule = 2 if programs else 0
+    units = units if schedule else tiles
+    grid = (max(1, min(units, programs or units)),)
     options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
-                   REG_A=bool(cfg.reg_a), num_warps=4, maxnreg=maxnreg)
+                   REG_A=bool(cfg.reg_a), PAIRS=bool(schedule), num_warps=4, maxnreg=maxnreg)
     return grid, tiles, options
 
 
@@ -1002,7 +1117,7 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     one per tile) caps the grid, each program then taking tiles p, p + grid, ..."""
     z, h, n_q, d = q4.shape
     cfg = cfg or config(FWD, d, k4.shape[2])
-    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
+    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
             lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E)
     return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
@@ -1013,7 +1128,7 @@ def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config |
     """(grid, positional arguments, keyword arguments) of one launch of the dQ kernel (which also writes D)."""
     z, h, n_q, d = q4.shape
     cfg = cfg or config(DQ, d, k4.shape[2])
-    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs)
+    grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(do4, WG_ROWS),
             descriptor(dq4, WG_ROWS), o4, o4.stride(0), o4.stride(1), o4.stride(2), lse, delta,
             h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, d**-0.5)
@@ -1025,7 +1140,7 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
     """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel."""
     z, h, n_k, d = k4.shape
     cfg = cfg or config(DKDV, d, n_k)
-    grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs)
+    grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs, k4.device)
     args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
             descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), lse, delta,
             h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
