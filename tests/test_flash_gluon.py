@@ -288,6 +288,12 @@ def test_fused_backward_is_opt_in_and_causal_head_dim_64_only(monkeypatch):
     assert not fg.fused(frozenset((fg.FWD, fg.DQ)), x64, x64, True)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "0")
     assert not fg.fused(chosen, x64, x64, True)
+    for bad in ("yes", "true", " 1", "2"):
+        monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", bad)
+        with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON_FUSED="):
+            fg.fused(chosen, x64, x64, True)
+        with pytest.raises(ValueError, match="use 1 .* or 0"):
+            fg.kernels(x64, x64)  # what the forward asks first
 
 
 @requires_triton

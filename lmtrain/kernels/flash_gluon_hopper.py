@@ -265,6 +265,7 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
     than the tl kernels there), with ``all`` or a list those named, wherever they apply. One call checks the tensors
     once for all kernels (the backward asks for two)."""
     mode = setting()
+    fused_setting()  # its value checked here too, so that a bad one fails in the forward already
     if not _HAS_GLUON or _INTERPRET or mode == "0":
         return frozenset()
     q4 = tensors[0]
@@ -285,8 +286,17 @@ def fused(chosen: frozenset[int], q4: torch.Tensor, k4: torch.Tensor, is_causal:
     """Whether the fused backward (``backward``) serves a call whose Gluon kernels are ``chosen`` (``kernels``):
     ``LMTRAIN_FLASH_GLUON_FUSED=1``, the Gluon dK/dV kernel applies, causal, head dim 64. Off by default: it
     measured slower than the dQ and dK/dV kernels (docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md)."""
-    return (os.environ.get("LMTRAIN_FLASH_GLUON_FUSED", "0") == "1" and DKDV in chosen and bool(is_causal)
-            and q4.shape[-1] == 64)
+    return fused_setting() and DKDV in chosen and bool(is_causal) and q4.shape[-1] == 64
+
+
+def fused_setting() -> bool:
+    """``LMTRAIN_FLASH_GLUON_FUSED``: ``1`` the fused backward where it applies, ``0`` or unset not; any other value
+    is an error (checked by every call through ``kernels``, forward included, so a typo fails before the backward)."""
+    value = os.environ.get("LMTRAIN_FLASH_GLUON_FUSED", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"LMTRAIN_FLASH_GLUON_FUSED={value!r}: use 1 (the fused backward, causal, head dim 64) or 0 "
+                         "(the dQ and dK/dV kernels, the default).")
+    return value == "1"
 
 
 def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
