@@ -213,9 +213,9 @@ def test_overwritten_stationary_operands_are_found():
 
 def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spill_free: bool = True) -> None:
     """Compile for sm_90a and check the SASS: warpgroup MMA, the setmaxnreg counts of ``cfg``, shared memory within
-    what ``cfg.per_sm`` programs may share, (two consumers, ``spill_free``) no register spills, warpgroup MMAs not
-    serialised (ptxas waits for each one when it cannot keep the registers of the products in flight), and the
-    registers of stationary first operands never overwritten."""
+    what ``cfg.per_sm`` programs may share, (``spill_free``; the three-consumer forward excepted, which spills a few
+    registers) no register spills, warpgroup MMAs not serialised (ptxas waits for each one when it cannot keep the
+    registers of the products in flight), and the registers of stationary first operands never overwritten."""
     import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -234,7 +234,7 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     assert {str(consumer_regs), "24"} <= counts, f"{label}: register counts {counts}"
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, f"{label}: {compiled.metadata.shared} bytes of shared memory"
     assert cfg.per_sm * (compiled.metadata.shared + 1024) <= fg._SMEM_PER_SM, f"{label}: {cfg.per_sm} do not fit"
-    if cfg.num_wg == 2 and spill_free:
+    if spill_free and (cfg.num_wg == 2 or kernel is not fg._fwd_kernel):
         spills = re.findall(r"\b(LDL|STL)\b", sass)
         assert not spills, f"{label}: {len(spills)} local-memory accesses (register spills)"
         mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
@@ -412,9 +412,9 @@ PAIRED = {  # per head dim, configurations with the paired schedules (1: one pro
 @pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (97, 97)])
 @pytest.mark.parametrize("case", list(PAIRED))
 def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monkeypatch):
-    """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 3 so that each
-    takes several pairs, odd tile counts (9 tiles of 128 rows in 1025) included: against float64 (bf16), NaN-poisoned
-    outputs, the backward deterministic."""
+    """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 7, so that at N
+    1025 and 257/333 each takes several pairs and some one more than others; odd tile counts (9 tiles of 128 rows
+    in 1025) included: against float64 (bf16), NaN-poisoned outputs, the backward deterministic."""
     from lmtrain.kernels import flash_gluon_hopper as fg
     from lmtrain.kernels.flash_triton import _backward
 
@@ -423,7 +423,7 @@ def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monk
     monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "0")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(fg, "_persistent_programs", lambda cfg, pairs, device: 3)
+    monkeypatch.setattr(fg, "_persistent_programs", lambda cfg, pairs, device: 7)
     q, k, v, do = _inputs((2, 3, n_q, d), (2, 3, n_k, d), dtype=torch.bfloat16, device="cuda", seed=24)
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)

@@ -32,8 +32,8 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   multiprocessor each taking pairs p, p + grid, ...: each tile's first loads and last store then overlap the
   neighbouring tile's products, and each output tile leaves through its own buffer and a TMA store that overlaps the
   next tile. (A static order of single causal tiles measured slower, most likely because programs that drew long
-  tiles ran on while the others idled; pairs have equal work.) Where the persistent programs' last round would leave
-  most of them idle, the launcher takes one program per tile instead (``_persistent_programs``).
+  tiles ran on while the others idled; pairs have equal work.) Where the persistent programs' rounds would be less
+  than 95% full on average (few pairs), the launcher takes one program per tile instead (``_persistent_programs``).
 * **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
 
@@ -187,7 +187,8 @@ class Config:
 # faster there) and the configuration serves LMTRAIN_FLASH_GLUON=all. From the sweeps in
 # docs/benchmarks/2026-11-25-H100-flash-gluon.md, 2026-11-25-H100-flash-gluon-schedule.md and
 # 2026-11-25-H100-flash-gluon-pairs.md (bf16, causal, B*H*N = 2^21). Persistent pairs (schedule 2) gained in every
-# forward and dQ cell; the dK/dV kernel gains from them at 1024 keys only.
+# forward cell and most dQ cells; the dK/dV kernel gained from them at 1024 keys only. The d 64 dQ kernel from 4096
+# keys is the three-consumer one, which is also the faster where the launcher falls back to one program per tile.
 _TABLE = {
     (FWD, 64): ((0, Config(2, 128, 3, 1, 0, 2), True), (8192, Config(3, 128, 2, 1, 0, 2), True)),
     (FWD, 128): ((0, Config(2, 128, 2, 1, 0, 2), True), (16384, Config(3, 64, 3, 1, 0, 2), True)),
@@ -566,9 +567,9 @@ if _HAS_GLUON:
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
                     PAIRS: gl.constexpr):
-        """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H (by default the grid has one
-        program per tile). Shared memory and barriers are allocated here, then the warps split into
-        NUM_WG consumers (the first in the default partition) and the producer."""
+        """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H, or with PAIRS the pairs
+        of tiles p, p + grid, ... (``_items``). Shared memory and barriers are allocated here, then the warps split
+        into NUM_WG consumers (the first in the default partition) and the producer."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
@@ -1031,7 +1032,7 @@ if _HAS_GLUON:
         memory but moves nothing to or from global memory, 4 everything but the waits for the flags."""
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_T: gl.constexpr = NUM_WG * 64
-        gl.static_assert(NUM_WG == 2, "the backward kernels run two consumer warpgroups")
+        gl.static_assert(NUM_WG == 2, "the fused backward runs two consumer warpgroups")
         gl.static_assert(BLOCK_M == 64, "the fused backward streams 64-query blocks (the M of the dQ product)")
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
@@ -1088,9 +1089,9 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def _persistent_programs(cfg: Config, pairs: int, device: torch.device) -> int | None:
     """The grid of a persistent launch (schedule 2) over ``pairs`` pairs of tiles: ``per_sm`` programs per
     multiprocessor; or None where one program per tile should run instead. Every round of the persistent programs
-    takes one pair each, and a last round that leaves many of them idle costs more than persistence gains (16 heads of
-    16384 keys at 192-row tiles: 688 pairs, 5.2 rounds over 132 programs); there one program per tile, the longest
-    first, evens out the tail instead."""
+    takes one pair each, and where the rounds are less than ``_FULL_ROUNDS`` full on average, the idle programs of
+    the last one cost more than persistence gains (16 heads of 16384 keys at 192-row tiles: 688 pairs, 5.2 rounds
+    over 132 programs, 87% full); there one program per tile, the longest first, evens out the tail instead."""
     if device.type != "cuda":  # no launch on other devices
         return None
     programs = cfg.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
@@ -1105,10 +1106,8 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
     maxnreg, consumer_regs = cfg.registers()
     per_head = triton.cdiv(n_stat, cfg.tile_rows)
     tiles = per_head * z * h
-    # Schedule 0: one program per tile. The hardware then hands tiles to multiprocessors as they free up, so the
-    # programs running at any moment hold neighbouring tiles of one head and share its streamed blocks in L2; a
-    # persistent grid with a static order of single tiles lost that locality as causal tiles of different lengths
-    # drifted apart. Schedules 1 and 2: one work unit per pair of tiles (Config).
+    # Schedule 0: one program per tile, which the hardware hands to multiprocessors as they free up (a head's longest
+    # causal tile first). Schedules 1 and 2: one work unit per pair of tiles (Config).
     schedule = cfg.schedule
     units = (per_head + 1) // 2 * z * h
     if schedule == 2 and programs is None:
@@ -1124,7 +1123,8 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
 def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None,
                  programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the forward kernel; ``programs`` (default:
-    one per tile) caps the grid, each program then taking tiles p, p + grid, ..."""
+    as ``cfg.schedule`` says) caps the grid, each program then taking the work items p, p + grid, ... (tiles, or
+    with schedules 1 and 2 pairs of tiles)."""
     z, h, n_q, d = q4.shape
     cfg = cfg or config(FWD, d, k4.shape[2])
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
