@@ -1108,12 +1108,12 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
     tiles = per_head * z * h
     # Schedule 0: one program per tile, which the hardware hands to multiprocessors as they free up (a head's longest
     # causal tile first). Schedules 1 and 2: one work unit per pair of tiles (Config).
+    pairs = (per_head + 1) // 2 * z * h
     schedule = cfg.schedule
-    units = (per_head + 1) // 2 * z * h
     if schedule == 2 and programs is None:
-        programs = _persistent_programs(cfg, units, device)
+        programs = _persistent_programs(cfg, pairs, device)
         schedule = 2 if programs else 0
-    units = units if schedule else tiles
+    units = pairs if schedule else tiles
     grid = (max(1, min(units, programs or units)),)
     options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
                    REG_A=bool(cfg.reg_a), PAIRS=bool(schedule), num_warps=4, maxnreg=maxnreg)

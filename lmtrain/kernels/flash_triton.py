@@ -591,16 +591,16 @@ def _backward(
     with _device_guard(q), _plans.recording(plan_key) as launches:
         if fused:
             _gluon.backward(q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta, bool(is_causal))
-        elif _gluon.DQ in gluon:
-            _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
-        elif tma:
-            _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
         else:
-            _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
-                q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4),
-                h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
-            ), common, key)
-        if not fused:
+            if _gluon.DQ in gluon:
+                _gluon.dq(q4, k4, v4, o4, do4, dq4, lse, delta, bool(is_causal))
+            elif tma:
+                _hopper.dq(q4, k4, v4, o4, do4, lse, delta, dq4, common, key, descriptors)
+            else:
+                _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
+                    q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4),
+                    h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
+                ), common, key)
             if _gluon.DKDV in gluon:
                 _gluon.dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, bool(is_causal))
             elif tma:

@@ -11,18 +11,17 @@ launch here always takes one program per multiprocessor (the probe passes the gr
 falls back to one program per tile when the last round would leave most programs idle.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
 
 import torch
-from triton.testing import do_bench
 
 from lmtrain.kernels import flash_gluon_hopper as fg
-from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check, prepared, tflops, tl_backward_kernels  # noqa: E402
+from gluon_probe import _median_ms, check, prepared, print_table, tflops, tl_kernels  # noqa: E402
 
 ENV = ("LMTRAIN_FLASH_GLUON_FWD", "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV")
 CHECKS = {64: [("2,128,3,1,0,1", "2,128,3,1,0,2", "2,64,3,1,1,1"), ("2,128,3,1,0,2", "3,64,3,1,0,1", "3,32,3,1,1,2")],
@@ -37,12 +36,21 @@ EXTRA_FWD = {64: ["2,64,3,2,0,2", "2,64,3,2,0,0"], 128: []}  # two programs per 
 
 
 def variants(cfgs):
+    """Each configuration at schedules 0 and 2, the first also at 1, as (label, Config); labels in the override
+    format of all six fields."""
     out = []
     for i, c in enumerate(cfgs):
-        parts = c.split(",") + ["1", "0"][len(c.split(",")) - 3:]
-        base = ",".join(parts[:5])
-        out += [f"{base},{s}" for s in ((0, 1, 2) if i == 0 else (0, 2))]
+        base = fg.Config.parse(c)
+        for schedule in (0, 1, 2) if i == 0 else (0, 2):
+            cfg = dataclasses.replace(base, schedule=schedule)
+            out.append((",".join(map(str, dataclasses.astuple(cfg))), cfg))
     return out
+
+
+def persistent_grid(cfg, sms):
+    """The probe's grid for ``cfg``: per_sm programs per multiprocessor at schedule 2 (no fallback), else the
+    launcher's."""
+    return cfg.per_sm * sms if cfg.schedule == 2 else None
 
 
 def main():
@@ -64,42 +72,26 @@ def main():
     os.environ["LMTRAIN_FLASH_GLUON"] = "1"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = {}
+    extra = [(c, fg.Config.parse(c)) for c in EXTRA_FWD[d]]
     for n in a.seq_lens:
         b, h, q, k, v, do, o, lse, dq, dk, dv, delta = prepared(d, n)
         res = {}
-
-        def grid(cfg):
-            return cfg.per_sm * sms if cfg.schedule == 2 else None
-
-        for c in variants(FWD[d].get(n, FWD[d][max(FWD[d])])) + EXTRA_FWD[d]:
-            cfg = fg.Config.parse(c)
-            res[f"fwd {c}"] = tflops(_median_ms(fg._fwd_kernel, fg.forward_args(q, k, v, o, lse, True, cfg, grid(cfg))),
-                                     b, h, n, d)
-        for c in variants(DQ[d]):
-            cfg = fg.Config.parse(c)
-            ms = _median_ms(fg._dq_kernel, fg.dq_args(q, k, v, o, do, dq, lse, delta, True, cfg, grid(cfg)))
-            res[f"dq {c}"] = tflops(ms, b, h, n, d, 1.5)
-        for c in variants(DKDV[d]):
-            cfg = fg.Config.parse(c)
-            ms = _median_ms(fg._dkdv_kernel, fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, cfg, grid(cfg)))
-            res[f"dkdv {c}"] = tflops(ms, b, h, n, d, 2.0)
-        os.environ["LMTRAIN_FLASH_GLUON"] = "0"
-        ms = do_bench(lambda q=q, k=k, v=v, o=o, lse=lse: ft._forward(q, k, v, True, o=o, lse=lse),
-                      return_mode="median")
-        res["tl fwd"] = tflops(ms, b, h, n, d)
-        res["tl dq"], res["tl dkdv"] = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
-        os.environ["LMTRAIN_FLASH_GLUON"] = "1"
+        for label, cfg in variants(FWD[d].get(n, FWD[d][max(FWD[d])])) + extra:
+            ms = _median_ms(fg._fwd_kernel, fg.forward_args(q, k, v, o, lse, True, cfg, persistent_grid(cfg, sms)))
+            res[f"fwd {label}"] = tflops(ms, b, h, n, d)
+        for label, cfg in variants(DQ[d]):
+            ms = _median_ms(fg._dq_kernel,
+                            fg.dq_args(q, k, v, o, do, dq, lse, delta, True, cfg, persistent_grid(cfg, sms)))
+            res[f"dq {label}"] = tflops(ms, b, h, n, d, 1.5)
+        for label, cfg in variants(DKDV[d]):
+            ms = _median_ms(fg._dkdv_kernel,
+                            fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, cfg, persistent_grid(cfg, sms)))
+            res[f"dkdv {label}"] = tflops(ms, b, h, n, d, 2.0)
+        res.update(tl_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta))
         table[n] = res
         print(n, {k_: round(v_) for k_, v_ in res.items()}, f"{time.time() - t0:.0f}s", flush=True)
         del q, k, v, do, o, lse, dq, dk, dv, delta
-    names = []
-    for n in a.seq_lens:
-        names += [x for x in table[n] if x not in names]
-    print(f"\n| d {d}: kernel, config | " + " | ".join(f"N {n}" for n in a.seq_lens) + " |")
-    print("| --- |" + " ---: |" * len(a.seq_lens))
-    for name in names:
-        print(f"| {name} | " + " | ".join(f"{table[n][name]:.0f}" if name in table[n] else "" for n in a.seq_lens)
-              + " |")
+    print_table(f"d {d}: kernel, config", [(f"N {n}", table[n]) for n in a.seq_lens])
 
 
 if __name__ == "__main__":

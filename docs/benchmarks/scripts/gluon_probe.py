@@ -5,6 +5,7 @@ forward / forward+backward TFLOP/s against SDPA's cuDNN backend (bf16, causal, 1
     PYTHONPATH=. python docs/benchmarks/scripts/gluon_probe.py [--check-only] [--no-sweep] [--leaderboard]
 """
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -132,6 +133,42 @@ def tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta):
     return tflops(ms_dq, b, h, n, d, 1.5), tflops(ms_dkdv, b, h, n, d, 2.0)
 
 
+@contextlib.contextmanager
+def gluon_setting(value: str):
+    """``LMTRAIN_FLASH_GLUON=value`` inside the block, the previous value (or none) after it."""
+    before = os.environ.get("LMTRAIN_FLASH_GLUON")
+    os.environ["LMTRAIN_FLASH_GLUON"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LMTRAIN_FLASH_GLUON")
+        else:
+            os.environ["LMTRAIN_FLASH_GLUON"] = before
+
+
+def tl_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta):
+    """Executed TFLOP/s of the tl forward (through flash_triton with the Gluon kernels off) and of the tl dQ and
+    dK/dV kernels alone: {"tl fwd", "tl dq", "tl dkdv"}."""
+    n, d = q.shape[-2:]
+    with gluon_setting("0"):
+        ms = do_bench(lambda: ft._forward(q, k, v, True, o=o, lse=lse), return_mode="median")
+        tl_dq, tl_dkdv = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
+    return {"tl fwd": tflops(ms, b, h, n, d), "tl dq": tl_dq, "tl dkdv": tl_dkdv}
+
+
+def print_table(title: str, cells) -> None:
+    """A markdown table of ``cells`` ([(column heading, {row name: TFLOP/s})]): a row per name in the order first
+    seen, blank where a column lacks it."""
+    names = []
+    for _, res in cells:
+        names += [name for name in res if name not in names]
+    print(f"\n| {title} | " + " | ".join(str(col) for col, _ in cells) + " |")
+    print("| --- |" + " ---: |" * len(cells))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{res[name]:.0f}" if name in res else "" for _, res in cells) + " |")
+
+
 def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
     """Each kernel and configuration alone, one program per tile and persistent (``p`` suffix, one program per
     multiprocessor); the tl TMA kernels of the same pass for comparison (exec TFLOP/s: fwd 2 products, dq 3, dkdv
@@ -154,18 +191,13 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
                     ms = _median_ms(fg._dkdv_kernel,
                                     fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, fg.Config.parse(c), progs))
                     res.append(f"dkdv{c}{tag}={tflops(ms, b, h, n, d, 2.0):.0f}")
-            setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
-            os.environ["LMTRAIN_FLASH_GLUON"] = "0"
+            tl = tl_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
             tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
-            ms = do_bench(lambda t=tensors: ft._forward(t["q"], t["k"], t["v"], True, o=t["o"], lse=t["lse"]),
-                          return_mode="median")
-            res.append(f"tl_fwd={tflops(ms, b, h, n, d):.0f}")
-            ms = do_bench(lambda t=tensors: ft._backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True,
-                                                         dq=t["dq"], dk=t["dk"], dv=t["dv"]), return_mode="median")
-            res.append(f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}")
-            tl_dq, tl_dkdv = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
-            res += [f"tl_dq={tl_dq:.0f}", f"tl_dkdv={tl_dkdv:.0f}"]
-            os.environ["LMTRAIN_FLASH_GLUON"] = setting
+            with gluon_setting("0"):
+                ms = do_bench(lambda t=tensors: ft._backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], True,
+                                                             dq=t["dq"], dk=t["dk"], dv=t["dv"]), return_mode="median")
+            res += [f"tl_fwd={tl['tl fwd']:.0f}", f"tl_bwd={tflops(ms, b, h, n, d, 3.5):.0f}",
+                    f"tl_dq={tl['tl dq']:.0f}", f"tl_dkdv={tl['tl dkdv']:.0f}"]
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
 

@@ -16,13 +16,11 @@ import sys
 import time
 
 import torch
-from triton.testing import do_bench
 
 from lmtrain.kernels import flash_gluon_hopper as fg
-from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check, prepared, tflops, tl_backward_kernels  # noqa: E402
+from gluon_probe import _median_ms, check, prepared, print_table, tflops, tl_kernels  # noqa: E402
 
 FWD = {64: ["2,128,3", "2,128,3,1,1", "3,128,2"], 128: ["2,128,2", "2,128,2,1,1", "3,64,3"]}
 DQ = {64: ["2,128,3", "2,128,3,1,1", "2,128,2,1,1", "2,64,3,1,1"],
@@ -60,13 +58,7 @@ def sweep(head_dims, seq_lens, old):
                     cfg = mod.Config.parse(c) if c else None
                     ms = _median_ms(mod._dkdv_kernel, mod.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, cfg))
                     res[f"{tag}dkdv {c or 'default'}"] = tflops(ms, b, h, n, d, 2.0)
-            setting = os.environ.get("LMTRAIN_FLASH_GLUON", "1")
-            os.environ["LMTRAIN_FLASH_GLUON"] = "0"
-            ms = do_bench(lambda q=q, k=k, v=v, o=o, lse=lse: ft._forward(q, k, v, True, o=o, lse=lse),
-                          return_mode="median")
-            res["tl fwd"] = tflops(ms, b, h, n, d)
-            res["tl dq"], res["tl dkdv"] = tl_backward_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta)
-            os.environ["LMTRAIN_FLASH_GLUON"] = setting
+            res.update(tl_kernels(b, h, q, k, v, do, o, lse, dq, dk, dv, delta))
             rows.append((d, n, res))
             print(f"sweep d={d} N={n}: " + "; ".join(f"{k_} {v_:.0f}" for k_, v_ in res.items()), flush=True)
     return rows
@@ -96,11 +88,7 @@ def main():
     print(f"sweep done {time.time() - t0:.0f}s", flush=True)
     print("\nexecuted TFLOP/s, bf16 causal, B*H*N = 2^21")
     for d in a.head_dims:
-        mine = [(n, r) for d_, n, r in rows if d_ == d]
-        print(f"\n| d {d}: kernel, config | " + " | ".join(f"N {n}" for n, _ in mine) + " |")
-        print("| --- |" + " ---: |" * len(mine))
-        for name in mine[0][1]:
-            print(f"| {name} | " + " | ".join(f"{r[name]:.0f}" for _, r in mine) + " |")
+        print_table(f"d {d}: kernel, config", [(f"N {n}", r) for d_, n, r in rows if d_ == d])
 
 
 if __name__ == "__main__":
