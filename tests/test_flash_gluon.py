@@ -139,6 +139,123 @@ def test_paired_schedules_launch_shape(monkeypatch):
     assert (grid, options["PAIRS"]) == ((1376,), False), "688 pairs: 5.2 rounds, one program per tile instead"
 
 
+
+def _schedule_functions(pid: int, grid: int) -> dict:
+    """The kernels' own tile-scheduling helpers (``_items``, ``_item_tile``, ``_tile_of``, ``_tile_coords``,
+    ``_streamed``) as plain Python functions over integers, as program ``pid`` of ``grid`` runs them: their code
+    objects, with ``gl``'s integer operations and the program's id and count standing in for Gluon's."""
+    import types
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    gl = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, program_id=lambda axis: pid,
+                               num_programs=lambda axis: grid, constexpr=object)
+    names = ("_items", "_item_tile", "_tile_of", "_tile_coords", "_streamed")
+    scope = dict(vars(fg), gl=gl)
+    for name in names:
+        fn = getattr(fg, name).fn
+        scope[name] = types.FunctionType(fn.__code__, scope, name, fn.__defaults__)
+    return {name: scope[name] for name in names}
+
+
+def _program_tiles(pid: int, grid: int, num_tiles: int, n: int, block_t: int, pairs: bool) -> list[int]:
+    """The tiles program ``pid`` of ``grid`` works on, in order, as its producer and consumers loop over them."""
+    f = _schedule_functions(pid, grid)
+    lo, hi, step = f["_items"](num_tiles, n, block_t, pairs)
+    tiles = []
+    for item in range(lo, hi, step):
+        tile, valid = f["_item_tile"](item, n, block_t, pairs)
+        if valid:
+            tiles.append(tile)
+    return tiles
+
+
+@requires_triton
+@pytest.mark.parametrize("n,block_t", [(1025, 128), (16384, 192), (333, 128), (97, 192), (4096, 128), (640, 128)])
+def test_every_tile_done_once_by_any_grid(n, block_t):
+    """Run as Python, the kernels' loops over work items give every tile of every head to exactly one program, for
+    one program per tile, one per pair (the launch's grid) and persistent grids of any size, also where programs
+    take unequal numbers of pairs; with pairs, a program's tiles come two by two from one head (the middle tile of
+    an odd count alone)."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    if not fg._HAS_GLUON:
+        pytest.skip("needs Triton's Gluon")
+    heads = 6
+    per_head = -(-n // block_t)
+    num_tiles = per_head * heads
+    pairs = (per_head + 1) // 2 * heads
+    for paired, grids in ((False, (num_tiles, 7, 1)), (True, (pairs, pairs - 1, 7, 5, 3, 1))):
+        for grid in grids:
+            done = [tile for pid in range(grid) for tile in _program_tiles(pid, grid, num_tiles, n, block_t, paired)]
+            assert sorted(done) == list(range(num_tiles)), (paired, grid)
+            if not paired:
+                continue
+            for pid in range(grid):
+                tiles = _program_tiles(pid, grid, num_tiles, n, block_t, True)
+                units = []
+                while tiles:  # each pair: a head's position j then num - 1 - j (one tile where they coincide)
+                    j = tiles[0] % per_head
+                    size = 1 if 2 * j + 1 == per_head else 2
+                    units.append(tiles[:size])
+                    tiles = tiles[size:]
+                for unit in units:
+                    assert len({t // per_head for t in unit}) == 1, (grid, pid, unit)
+                    assert sum(t % per_head for t in unit) == (per_head - 1) * (len(unit) == 2) \
+                        or unit[0] % per_head * 2 + 1 == per_head, (grid, pid, unit)
+                lo, hi, _ = _schedule_functions(pid, grid)["_items"](num_tiles, n, block_t, True)
+                assert len(units) == (hi - lo) // 2 == len(range(pid, pairs, grid)), "pairs p, p + grid, ..."
+
+
+@requires_triton
+@pytest.mark.parametrize("block_t,block_s", [(128, 128), (192, 64), (128, 32), (192, 128)])
+def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, block_s):
+    """Run as Python, the kernels' streamed ranges: the forward/dQ tile of queries [s, e) streams exactly the key
+    blocks that hold a visible key, unmasked only where every query sees every key of the block; the dK/dV tile of
+    keys streams every query block that sees one of them, masked wherever some query does not see some key. And the
+    two tiles of every causal pair stream the same number of blocks, when N is a multiple of the tile rows."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    if not fg._HAS_GLUON:
+        pytest.skip("needs Triton's Gluon")
+    f = _schedule_functions(0, 1)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    for n_q, n_k in ((1025, 1025), (257, 333), (333, 257), (97, 97), (2304, 2304)):
+        for causal in (True, False):
+            for tile in range(cdiv(n_q, block_t)):
+                _, _, _, start = f["_tile_of"](tile, n_q, n_k, 1, block_t, causal, 0)
+                first, end, boundary = f["_streamed"](start, n_q, n_k, block_t, block_s, causal, 0)
+                last_q = min(start + block_t, n_q) - 1
+                needed = cdiv(min(last_q + 1, n_k) if causal else n_k, block_s)
+                # Causal with N_q < N_k, the last tile also streams the key blocks up to its rows' end, past N_q,
+                # which no query sees (wholly masked: no effect on the result, and at most that one tile).
+                assert first == 0 and end >= needed, (n_q, n_k, causal, start, end)
+                assert end == needed or (causal and start + block_t > n_q), (n_q, n_k, causal, start, end)
+                assert end == cdiv(min(start + block_t, n_k) if causal else n_k, block_s)
+                for j in range(first, end):
+                    whole = (j + 1) * block_s <= n_k and (not causal or (j + 1) * block_s - 1 <= start)
+                    assert (j < boundary) == whole, f"block {j} of tile {start}: masked exactly when not all visible"
+            for tile in range(cdiv(n_k, block_t)):
+                _, _, _, start = f["_tile_of"](tile, n_q, n_k, 1, block_t, causal, 2)
+                first, end, boundary = f["_streamed"](start, n_q, n_k, block_t, block_s, causal, 2)
+                assert end == cdiv(n_q, block_s)
+                assert first * block_s <= (start if causal else 0), "a query block that sees a key is streamed"
+                if causal:
+                    assert (first + 1) * block_s > start, "no query block that sees none of the keys"
+                    assert boundary * block_s >= start + block_t - 1, "blocks past the boundary see every key"
+    n = 12 * block_t
+    per_head = 12
+    work = []
+    for pair in range(per_head // 2):
+        blocks = 0
+        for pos in (pair, per_head - 1 - pair):
+            _, _, _, start = f["_tile_of"](pos, n, n, 1, block_t, True, 0)
+            first, end, _ = f["_streamed"](start, n, n, block_t, block_s, True, 0)
+            blocks += end - first
+        work.append(blocks)
+    assert len(set(work)) == 1, work
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled for sm_90a on the CPU
 # ---------------------------------------------------------------------------------------------
