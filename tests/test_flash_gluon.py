@@ -219,7 +219,7 @@ def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, blo
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
     f = _schedule_functions(0, 1)
-    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    cdiv = lambda a, b: -(-a // b)
     for n_q, n_k in ((1025, 1025), (257, 333), (333, 257), (97, 97), (2304, 2304)):
         for causal in (True, False):
             for tile in range(cdiv(n_q, block_t)):
