@@ -139,16 +139,17 @@ def test_paired_schedules_launch_shape(monkeypatch):
     assert (grid, options["PAIRS"]) == ((1376,), False), "688 pairs: 5.2 rounds, one program per tile instead"
 
 
-
 def _schedule_functions(pid: int, grid: int) -> dict:
     """The kernels' own tile-scheduling helpers (``_items``, ``_item_tile``, ``_tile_of``, ``_tile_coords``,
     ``_streamed``) as plain Python functions over integers, as program ``pid`` of ``grid`` runs them: their code
     objects, with ``gl``'s integer operations and the program's id and count standing in for Gluon's."""
     import types
 
+    import triton
+
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    gl = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, program_id=lambda axis: pid,
+    gl = types.SimpleNamespace(cdiv=triton.cdiv, minimum=min, program_id=lambda axis: pid,
                                num_programs=lambda axis: grid, constexpr=object)
     names = ("_items", "_item_tile", "_tile_of", "_tile_coords", "_streamed")
     scope = dict(vars(fg), gl=gl)
@@ -177,22 +178,23 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
     one program per tile, one per pair (the launch's grid) and persistent grids of any size, also where programs
     take unequal numbers of pairs; with pairs, a program's tiles come two by two from one head (the middle tile of
     an odd count alone)."""
+    import triton
+
     from lmtrain.kernels import flash_gluon_hopper as fg
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
     heads = 6
-    per_head = -(-n // block_t)
+    per_head = triton.cdiv(n, block_t)
     num_tiles = per_head * heads
     pairs = (per_head + 1) // 2 * heads
     for paired, grids in ((False, (num_tiles, 7, 1)), (True, (pairs, pairs - 1, 7, 5, 3, 1))):
         for grid in grids:
-            done = [tile for pid in range(grid) for tile in _program_tiles(pid, grid, num_tiles, n, block_t, paired)]
-            assert sorted(done) == list(range(num_tiles)), (paired, grid)
+            by_program = [_program_tiles(pid, grid, num_tiles, n, block_t, paired) for pid in range(grid)]
+            assert sorted(tile for tiles in by_program for tile in tiles) == list(range(num_tiles)), (paired, grid)
             if not paired:
                 continue
-            for pid in range(grid):
-                tiles = _program_tiles(pid, grid, num_tiles, n, block_t, True)
+            for pid, tiles in enumerate(by_program):
                 units = []
                 while tiles:  # each pair: a head's position j then num - 1 - j (one tile where they coincide)
                     j = tiles[0] % per_head
@@ -200,11 +202,10 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
                     units.append(tiles[:size])
                     tiles = tiles[size:]
                 for unit in units:
+                    first = unit[0] % per_head
                     assert len({t // per_head for t in unit}) == 1, (grid, pid, unit)
-                    assert sum(t % per_head for t in unit) == (per_head - 1) * (len(unit) == 2) \
-                        or unit[0] % per_head * 2 + 1 == per_head, (grid, pid, unit)
-                lo, hi, _ = _schedule_functions(pid, grid)["_items"](num_tiles, n, block_t, True)
-                assert len(units) == (hi - lo) // 2 == len(range(pid, pairs, grid)), "pairs p, p + grid, ..."
+                    assert [t % per_head for t in unit] == [first, per_head - 1 - first][:len(unit)], (grid, pid, unit)
+                assert len(units) == len(range(pid, pairs, grid)), "pairs p, p + grid, ..."
 
 
 @requires_triton
@@ -214,12 +215,13 @@ def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, blo
     blocks that hold a visible key, unmasked only where every query sees every key of the block; the dK/dV tile of
     keys streams every query block that sees one of them, masked wherever some query does not see some key. And the
     two tiles of every causal pair stream the same number of blocks, when N is a multiple of the tile rows."""
+    from triton import cdiv
+
     from lmtrain.kernels import flash_gluon_hopper as fg
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
     f = _schedule_functions(0, 1)
-    cdiv = lambda a, b: -(-a // b)
     for n_q, n_k in ((1025, 1025), (257, 333), (333, 257), (97, 97), (2304, 2304)):
         for causal in (True, False):
             for tile in range(cdiv(n_q, block_t)):
@@ -243,8 +245,8 @@ def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, blo
                 if causal:
                     assert (first + 1) * block_s > start, "no query block that sees none of the keys"
                     assert boundary * block_s >= start + block_t - 1, "blocks past the boundary see every key"
-    n = 12 * block_t
     per_head = 12
+    n = per_head * block_t
     work = []
     for pair in range(per_head // 2):
         blocks = 0
