@@ -37,11 +37,12 @@ def test_config_checks_and_parsing():
     assert Config(3, 128, 2).tile_rows == 192
     assert Config.parse("2,64,2,1,1") == Config(2, 64, 2, 1, 1)
     assert Config.parse("2,64,2,1,0,2") == Config(2, 64, 2, schedule=2)
-    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0), (2, 128, 2, 1, 2), (2, 128, 2, 1, 0, 3)):
+    assert Config.parse("3,128,2,1,0,2,1") == Config(3, 128, 2, schedule=2, pingpong=1)
+    for bad in ((4, 128, 2), (2, 96, 2), (2, 128, 0), (2, 128, 2, 1, 2), (2, 128, 2, 1, 0, 3), (2, 128, 2, 1, 0, 0, 2)):
         with pytest.raises(ValueError, match="num_wg 2 or 3"):
             Config(*bad)
-    for bad in ("2,128", "2,128,2,1,1,1,1", "2,x,2"):
-        with pytest.raises(ValueError, match=r"expected num_wg,block,num_stages\[,per_sm\[,reg_a\[,schedule\]\]\]"):
+    for bad in ("2,128", "2,128,2,1,1,1,1,1", "2,x,2"):
+        with pytest.raises(ValueError, match=r"num_wg,block,num_stages\[,per_sm\[,reg_a\[,schedule\[,pingpong"):
             Config.parse(bad)
 
 
@@ -393,6 +394,27 @@ def test_two_programs_per_multiprocessor_compile_for_sm90a():
 
 
 @requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_pingpong_compiles_for_sm90a(d):
+    """Each kernel's N-16384 default with the consumers taking turns (``Config.pingpong``): the machine code checks
+    above hold, and the PTX waits on one more barrier per turn than without (the turn), in every consumer's loop."""
+    pytest.importorskip("triton.experimental.gluon")
+    import dataclasses
+
+    for name, kernel, cfg, (_, args, kwargs) in _launches(d, 16384):
+        waits = {}
+        for pingpong in (0, 1):
+            turn_cfg = dataclasses.replace(cfg, pingpong=pingpong)
+            turn_kwargs = dict(kwargs, PINGPONG=bool(pingpong))  # the launch's other arguments do not change
+            if pingpong:
+                _check_machine_code(f"{name} d={d} {turn_cfg}", kernel, turn_cfg, args, turn_kwargs)
+            ptx = _compile_sm90(kernel, args, turn_kwargs).asm["ptx"]
+            waits[pingpong] = ptx.count("mbarrier.try_wait")
+        assert waits[1] > waits[0], f"{name} d={d}: {waits[1]} barrier waits with turns, {waits[0]} without"
+
+
+@requires_triton
 def test_fused_backward_is_opt_in_and_causal_head_dim_64_only(monkeypatch):
     """``fused``: only with LMTRAIN_FLASH_GLUON_FUSED=1, where the Gluon dK/dV kernel serves the call, causal, d 64."""
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -522,6 +544,11 @@ PAIRED = {  # per head dim, configurations with the paired schedules (1: one pro
                           "LMTRAIN_FLASH_GLUON_DKDV": "3,32,3,1,1,2"}),
     "d128": (128, {"LMTRAIN_FLASH_GLUON_FWD": "3,64,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,2",
                    "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2"}),
+    # Consumers taking turns (the seventh field), two and three of them, all three schedules.
+    "d64_pingpong": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,1,1",
+                          "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,0,1"}),
+    "d128_pingpong": (128, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,0,1",
+                            "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2,1"}),
 }
 
 

@@ -34,6 +34,9 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   next tile. (A static order of single causal tiles measured slower, most likely because programs that drew long
   tiles ran on while the others idled; pairs have equal work.) Where the persistent programs' rounds would be less
   than 95% full on average (few pairs), the launcher takes one program per tile instead (``_persistent_programs``).
+* **Turns** (``Config.pingpong``, off in every default: it measured within noise, see
+  docs/benchmarks/2026-11-26-H100-flash-gluon-turns.md). The consumers may issue each block's products in turns,
+  passed round-robin through one mbarrier each, so that one's exponentials overlap another's products.
 * **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
 
@@ -133,6 +136,12 @@ class Config:
             and the producer loads the second tile's rows while the consumers finish the first. 2: pairs, with
             ``per_sm`` programs per multiprocessor (persistent), each taking pairs p, p + grid, ... (balanced
             because pairs are: a static order of single causal tiles was not).
+        pingpong: 1 makes the consumers issue each streamed block's products in turns, round-robin (two mbarriers
+            per consumer pass the turn on): consumer 0 issues its products, then consumer 1 its own while consumer
+            0 computes its exponentials, and so on. Without it the consumers wait for the same blocks and tend to
+            run in step, their products queueing at the tensor cores together and their exponentials then leaving
+            the tensor cores idle together. The forward takes turns for ``Q K^T`` with the previous block's
+            ``P V``; dQ and dK/dV for their two score products.
     """
 
     num_wg: int
@@ -141,24 +150,26 @@ class Config:
     per_sm: int = 1
     reg_a: int = 0
     schedule: int = 0
+    pingpong: int = 0
 
     def __post_init__(self) -> None:
         if self.num_wg not in (2, 3) or self.block not in (16, 32, 64, 128, 256) or self.num_stages < 1 \
-                or self.per_sm not in (1, 2) or self.reg_a not in (0, 1) or self.schedule not in (0, 1, 2):
+                or self.per_sm not in (1, 2) or self.reg_a not in (0, 1) or self.schedule not in (0, 1, 2) \
+                or self.pingpong not in (0, 1):
             raise ValueError(f"{self}: num_wg 2 or 3, block a power of two from 16 to 256, num_stages >= 1, "
-                             "per_sm 1 or 2, reg_a 0 or 1, schedule 0, 1 or 2.")
+                             "per_sm 1 or 2, reg_a 0 or 1, schedule 0, 1 or 2, pingpong 0 or 1.")
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``"num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]]"`` -> Config."""
+        """``"num_wg,block,num_stages[,per_sm[,reg_a[,schedule[,pingpong]]]]"`` -> Config."""
         try:
             parts = [int(x) for x in text.split(",")]
-            if len(parts) not in (3, 4, 5, 6):
+            if not 3 <= len(parts) <= 7:
                 raise ValueError(f"{len(parts)} numbers")
             return cls(*parts)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad Gluon flash configuration {text!r}: expected "
-                             f"num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]] ({exc})") from None
+            raise ValueError(f"bad Gluon flash configuration {text!r}: expected num_wg,block,num_stages"
+                             f"[,per_sm[,reg_a[,schedule[,pingpong]]]] ({exc})") from None
 
     @property
     def tile_rows(self) -> int:
@@ -209,7 +220,8 @@ def _step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
 
 def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
     """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys;
-    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm[,reg_a[,schedule]]]`` overrides it
+    ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm[,reg_a[,schedule[,pingpong]]]]``
+    overrides it
     (for sweeps)."""
     override = os.environ.get(_ENV[kernel])
     if override:
@@ -473,16 +485,45 @@ if _HAS_GLUON:
             keep = keep & (offs_q[:, None] >= offs_k[None, :])
         return keep
 
+    @gluon.jit
+    def _turn_barriers(NUM_WG: gl.constexpr, unused, PINGPONG: gl.constexpr):
+        """The consumers' turn barriers (PINGPONG), one per consumer; without PINGPONG none is allocated and
+        ``unused`` (any barriers) stands in for them."""
+        if PINGPONG:
+            turns = _barriers(NUM_WG, 1)
+        else:
+            turns = unused
+        return turns
+
+    @gluon.jit
+    def _turn_wait(turns, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """With PINGPONG: wait until it is this consumer's ``k``-th turn to issue its products. The consumers take
+        turns round-robin, consumer 0 first (a fresh barrier counts as having completed the phase before phase 0,
+        so its first wait passes), each after the one before passed it the turn (``_turn_pass``)."""
+        if PINGPONG:
+            if WG == 0:
+                mbarrier.wait(turns.index(0), (k & 1) ^ 1)
+            else:
+                mbarrier.wait(turns.index(WG), k & 1)
+
+    @gluon.jit
+    def _turn_pass(turns, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """With PINGPONG: hand the turn to the next consumer, once this one's products of the turn are issued."""
+        if PINGPONG:
+            mbarrier.arrive(turns.index((WG + 1) % NUM_WG), count=1)
+
     # -----------------------------------------------------------------------------------------
     # Forward
     # -----------------------------------------------------------------------------------------
 
     @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                      LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                      turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      REG_A: gl.constexpr, PAIRS: gl.constexpr):
-        """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles."""
+                      REG_A: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+        """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles. With
+        PINGPONG the consumers issue each block's products in turns (``_turn_wait``)."""
+        NUM_WG: gl.constexpr = BLOCK_T // 64
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -494,6 +535,7 @@ if _HAS_GLUON:
 
         c = 0  # key/value blocks consumed so far: the ring position
         it = 0  # tiles done so far: the query barrier's phase
+        turn = 0  # turns taken so far (PINGPONG)
         lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
         for item in range(lo, hi, step):
             tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
@@ -510,7 +552,10 @@ if _HAS_GLUON:
                 q_a = _first_operand(q, a_layout, REG_A)
                 mbarrier.wait(k_ready.index(stage), (c // NUM_STAGES) & 1)
                 k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                _turn_wait(turns, turn, WG, PINGPONG)
                 s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                turn += 1
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
@@ -526,10 +571,13 @@ if _HAS_GLUON:
                     prev = (c + j - 1) % NUM_STAGES
                     mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
                     k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                    _turn_wait(turns, turn, WG, PINGPONG)
                     s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                     mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_STAGES) & 1)
                     v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
                     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    turn += 1
                     s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; P V may still run
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     if j >= n_full:
@@ -550,7 +598,10 @@ if _HAS_GLUON:
                 last = (c + n_blocks - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // NUM_STAGES) & 1)
                 v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+                _turn_wait(turns, turn, WG, PINGPONG)
                 o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                turn += 1
                 acc = warpgroup_mma_wait(0, deps=(o_tok,))
                 mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -566,7 +617,7 @@ if _HAS_GLUON:
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                    PAIRS: gl.constexpr):
+                    PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
         """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H, or with PAIRS the pairs
         of tiles p, p + grid, ... (``_items``). Shared memory and barriers are allocated here, then the warps split
         into NUM_WG consumers (the first in the default partition) and the producer."""
@@ -579,15 +630,16 @@ if _HAS_GLUON:
         q_ready, q_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
         k_ready, k_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         v_ready, v_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        turns = _turn_barriers(NUM_WG, q_ready, PINGPONG)
         # Partitions take their arguments spelled out: a tuple built here would turn constexprs into values.
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, PAIRS)),
@@ -595,14 +647,14 @@ if _HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, PAIRS)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, PAIRS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, PAIRS)),
@@ -614,11 +666,13 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _dq_consumer(dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready, k_empty,
-                     v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K, NUM_TILES,
-                     qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
-                     PAIRS: gl.constexpr):
-        """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D."""
+                     v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
+                     NUM_TILES, qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
+                     REG_A: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+        """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D. With
+        PINGPONG the consumers issue each block's score products in turns (``_turn_wait``)."""
+        NUM_WG: gl.constexpr = BLOCK_T // 64
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -633,6 +687,7 @@ if _HAS_GLUON:
 
         c = 0
         it = 0
+        turn = 0
         lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
         for item in range(lo, hi, step):
             tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
@@ -662,10 +717,13 @@ if _HAS_GLUON:
                     phase = ((c + j) // NUM_STAGES) & 1
                     mbarrier.wait(k_ready.index(stage), phase)
                     k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+                    _turn_wait(turns, turn, WG, PINGPONG)
                     s_tok = warpgroup_mma(q_a, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                     mbarrier.wait(v_ready.index(stage), phase)
                     v = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
                     dp_tok = warpgroup_mma(do_a, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    turn += 1
                     s = warpgroup_mma_wait(1, deps=(s_tok,))
                     p = gl.exp2(s * qk_scale - lse2[:, None])
                     if j >= n_full:
@@ -689,7 +747,7 @@ if _HAS_GLUON:
                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                   PAIRS: gl.constexpr):
+                   PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
         """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -702,16 +760,17 @@ if _HAS_GLUON:
         qdo_ready, qdo_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
         k_ready, k_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         v_ready, v_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
+        turns = _turn_barriers(NUM_WG, qdo_ready, PINGPONG)
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
-                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                                0, REG_A, PAIRS)),
+                                k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
+                                N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
-                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                                1, REG_A, PAIRS)),
+                                k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
+                                N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 1, PAIRS)),
@@ -719,17 +778,17 @@ if _HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
-                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                                0, REG_A, PAIRS)),
+                                k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
+                                N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
-                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                                1, REG_A, PAIRS)),
+                                k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
+                                N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
-                                k_empty, v_ready, v_empty, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q,
-                                N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                                2, REG_A, PAIRS)),
+                                k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
+                                N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                IS_CAUSAL, 2, REG_A, PAIRS, PINGPONG)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 1, PAIRS)),
@@ -737,15 +796,17 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty,
-                       q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready, part_empty,
+                       q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready, part_empty, turns,
                        LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
-                       FUSED: gl.constexpr, PAIRS: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       FUSED: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr = False,
+                       ABLATE: gl.constexpr = 0):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
         ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
-        otherwise)."""
+        otherwise). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``)."""
+        NUM_WG: gl.constexpr = BLOCK_T // 64
         st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -764,6 +825,7 @@ if _HAS_GLUON:
 
         c = 0
         it = 0
+        turn = 0
         lo, hi, step = _items(NUM_TILES, N_K, BLOCK_T, PAIRS)
         for item in range(lo, hi, step):
             tile, valid = _item_tile(item, N_K, BLOCK_T, PAIRS)
@@ -790,10 +852,13 @@ if _HAS_GLUON:
                     delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
                     mbarrier.wait(q_ready.index(stage), phase)
                     qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+                    _turn_wait(turns, turn, WG, PINGPONG)
                     st_tok = warpgroup_mma(k_a, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
                     mbarrier.wait(do_ready.index(stage), phase)
                     dos = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
                     dpt_tok = warpgroup_mma(v_a, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    turn += 1
                     st = warpgroup_mma_wait(1, deps=(st_tok,))
                     pt = gl.exp2(st * qk_scale - lse2[None, :])
                     if i < boundary:
@@ -859,22 +924,23 @@ if _HAS_GLUON:
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                     PAIRS: gl.constexpr):
+                     PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
         """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
         stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
+        turns = _turn_barriers(NUM_WG, kv_ready, PINGPONG)
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                                  NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS)),
+                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                                  NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS)),
+                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS, PINGPONG)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 2, PAIRS)),
@@ -883,16 +949,16 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                                  NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS)),
+                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                                  NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS)),
+                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M, HEAD_DIM,
-                                  NUM_STAGES, IS_CAUSAL, 2, REG_A, False, PAIRS)),
+                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, False, PAIRS, PINGPONG)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 2, PAIRS)),
@@ -1046,12 +1112,12 @@ if _HAS_GLUON:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
-                              part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, True, False, ABLATE)),
+                              part_empty, part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                              BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, True, False, False, ABLATE)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                               kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, part_smem, part_ready,
-                              part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                              HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, True, False, ABLATE)),
+                              part_empty, part_empty, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                              BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, True, False, False, ABLATE)),
             (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
                          IS_CAUSAL, 3, False)),
@@ -1116,7 +1182,8 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
     units = pairs if schedule else tiles
     grid = (max(1, min(units, programs or units)),)
     options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
-                   REG_A=bool(cfg.reg_a), PAIRS=bool(schedule), num_warps=4, maxnreg=maxnreg)
+                   REG_A=bool(cfg.reg_a), PAIRS=bool(schedule), PINGPONG=bool(cfg.pingpong),
+                   num_warps=4, maxnreg=maxnreg)
     return grid, tiles, options
 
 
