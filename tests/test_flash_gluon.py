@@ -119,7 +119,8 @@ def test_setting_and_cpu_tensors(monkeypatch):
 @requires_triton
 def test_paired_schedules_launch_shape(monkeypatch):
     """Schedule 0: one program per tile; 1: one per pair of tiles (a middle tile of an odd count alone); 2: one per
-    multiprocessor (times per_sm), unless the last round would leave most programs idle, then one per tile."""
+    multiprocessor (times per_sm), unless the last round would leave most programs idle, then one per tile, taken
+    position by position where each head has at least four programs running at once."""
     from types import SimpleNamespace
 
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -129,15 +130,19 @@ def test_paired_schedules_launch_shape(monkeypatch):
     cfg = fg.Config(2, 128, 3)
     assert fg._launch_shape(1025, 2, 3, cfg, None, cuda)[:2] == ((54,), 54)  # 9 tiles of 128 rows a head
     grid, tiles, options = fg._launch_shape(1025, 2, 3, fg.Config(2, 128, 3, schedule=1), None, cuda)
-    assert (grid, tiles, options["PAIRS"]) == ((30,), 54, True)  # 5 pairs a head
+    assert (grid, tiles, options["ITEMS"]) == ((30,), 54, 1)  # 5 pairs a head
     for pairs, programs in ((8192, 132), (5504, 132), (688, None), (100, None)):
         assert fg._persistent_programs(fg.Config(2, 128, 3, schedule=2), pairs, cuda) == programs, pairs
     assert fg._persistent_programs(fg.Config(2, 64, 3, per_sm=2, schedule=2), 8192, cuda) == 264
     assert fg._persistent_programs(cfg, 8192, torch.device("cpu")) is None
     grid, tiles, options = fg._launch_shape(16384, 128, 1, fg.Config(2, 128, 3, schedule=2), None, cuda)
-    assert (grid, tiles, options["PAIRS"]) == ((132,), 16384, True)
+    assert (grid, tiles, options["ITEMS"]) == ((132,), 16384, 1)
     grid, _, options = fg._launch_shape(16384, 1, 16, fg.Config(3, 128, 2, schedule=2), None, cuda)
-    assert (grid, options["PAIRS"]) == ((1376,), False), "688 pairs: 5.2 rounds, one program per tile instead"
+    assert (grid, options["ITEMS"]) == ((1376,), 2), "688 pairs: 5.2 rounds, one program per tile instead"
+    # ... taken position by position with 16 heads (8 programs of each at once), head by head with 100
+    grid, _, options = fg._launch_shape(4096, 1, 100, fg.Config(3, 128, 2, schedule=2), None, cuda)
+    assert (grid, options["ITEMS"]) == ((2200,), 0), "1100 pairs: 8.3 rounds, one program per tile, head by head"
+    assert fg._launch_shape(16384, 1, 16, fg.Config(2, 64, 3), None, cuda)[2]["ITEMS"] == 0, "schedule 0 asked for"
 
 
 def _schedule_functions(pid: int, grid: int) -> dict:
@@ -160,13 +165,14 @@ def _schedule_functions(pid: int, grid: int) -> dict:
     return {name: scope[name] for name in names}
 
 
-def _program_tiles(pid: int, grid: int, num_tiles: int, n: int, block_t: int, pairs: bool) -> list[int]:
-    """The tiles program ``pid`` of ``grid`` works on, in order, as its producer and consumers loop over them."""
+def _program_tiles(pid: int, grid: int, num_tiles: int, n: int, block_t: int, items: int) -> list[int]:
+    """The tiles program ``pid`` of ``grid`` works on, in order, as its producer and consumers loop over them
+    (``items``: the kernels' ITEMS, 0 single tiles head by head, 1 pairs, 2 single tiles position by position)."""
     f = _schedule_functions(pid, grid)
-    lo, hi, step = f["_items"](num_tiles, n, block_t, pairs)
+    lo, hi, step = f["_items"](num_tiles, n, block_t, items)
     tiles = []
     for item in range(lo, hi, step):
-        tile, valid = f["_item_tile"](item, n, block_t, pairs)
+        tile, valid = f["_item_tile"](item, n, num_tiles, block_t, items)
         if valid:
             tiles.append(tile)
     return tiles
@@ -178,7 +184,8 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
     """Run as Python, the kernels' loops over work items give every tile of every head to exactly one program, for
     one program per tile, one per pair (the launch's grid) and persistent grids of any size, also where programs
     take unequal numbers of pairs; with pairs, a program's tiles come two by two from one head (the middle tile of
-    an odd count alone)."""
+    an odd count alone); single tiles position by position go out every head's tile at position 0 first, then
+    position 1, and so on."""
     import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -189,11 +196,13 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
     per_head = triton.cdiv(n, block_t)
     num_tiles = per_head * heads
     pairs = (per_head + 1) // 2 * heads
-    for paired, grids in ((False, (num_tiles, 7, 1)), (True, (pairs, pairs - 1, 7, 5, 3, 1))):
+    for items, grids in ((0, (num_tiles, 7, 1)), (2, (num_tiles, 7, 1)), (1, (pairs, pairs - 1, 7, 5, 3, 1))):
         for grid in grids:
-            by_program = [_program_tiles(pid, grid, num_tiles, n, block_t, paired) for pid in range(grid)]
-            assert sorted(tile for tiles in by_program for tile in tiles) == list(range(num_tiles)), (paired, grid)
-            if not paired:
+            by_program = [_program_tiles(pid, grid, num_tiles, n, block_t, items) for pid in range(grid)]
+            assert sorted(tile for tiles in by_program for tile in tiles) == list(range(num_tiles)), (items, grid)
+            if items == 2 and grid == num_tiles:  # program p (launched p-th) takes head p % heads, position p // heads
+                assert by_program == [[p % heads * per_head + p // heads] for p in range(grid)]
+            if items != 1:
                 continue
             for pid, tiles in enumerate(by_program):
                 units = []

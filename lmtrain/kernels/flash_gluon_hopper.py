@@ -33,7 +33,8 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   neighbouring tile's products, and each output tile leaves through its own buffer and a TMA store that overlaps the
   next tile. (A static order of single causal tiles measured slower, most likely because programs that drew long
   tiles ran on while the others idled; pairs have equal work.) Where the persistent programs' rounds would be less
-  than 95% full on average (few pairs), the launcher takes one program per tile instead (``_persistent_programs``).
+  than 95% full on average (few pairs), the launcher takes one program per tile instead (``_persistent_programs``),
+  and with few heads hands the tiles out position by position, every head's longest first (``_few_heads``).
 * **Turns** (``Config.pingpong``, off in every default: it measured within noise, see
   docs/benchmarks/2026-11-26-H100-flash-gluon-turns.md). The consumers may issue each block's products in turns,
   passed round-robin through one mbarrier each, so that one's exponentials overlap another's products.
@@ -110,6 +111,7 @@ _REGISTERS = 64 * 1024  # 32-bit registers per multiprocessor (every Hopper GPU)
 _PRODUCER_REGS = 24  # the least setmaxnreg allows; the producer warp only issues copies
 _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on an H100/H200
 _SMEM_PER_SM = 228 * 1024  # shared memory of a multiprocessor; each resident program also reserves 1 KiB
+_HEADS_PER_ROUND = 4  # position-by-position tiles only where at least this many programs per head run at once
 _FULL_ROUNDS = 0.95  # persistent pairs (schedule 2) only where the programs' rounds are at least this full on average
 
 # The kernels (also the ``MODE`` constexpr of the shared producer: what a kernel's programs hold and stream).
@@ -341,23 +343,26 @@ if _HAS_GLUON:
         return bh, bh // H, bh % H, blk * BLOCK_T
 
     @gluon.jit
-    def _items(NUM_TILES, N, BLOCK_T: gl.constexpr, PAIRS: gl.constexpr):
-        """(start, end, step) of this program's work items: tiles p, p + grid, ... of the NUM_TILES (cdiv(N, BLOCK_T)
-        per head), or with PAIRS items 0, 1, ...: both tiles of each pair p, p + grid, ... (``_item_tile``)."""
+    def _items(NUM_TILES, N, BLOCK_T: gl.constexpr, ITEMS: gl.constexpr):
+        """(start, end, step) of this program's work items: items p, p + grid, ... of the NUM_TILES (cdiv(N, BLOCK_T)
+        per head; ITEMS 0 or 2), or with ITEMS 1 items 0, 1, ...: both tiles of each pair p, p + grid, ...
+        (``_item_tile``)."""
         pid = gl.program_id(0)
-        if PAIRS:
+        if ITEMS == 1:
             num = gl.cdiv(N, BLOCK_T)
             pairs = NUM_TILES // num * ((num + 1) // 2)
             return pid * 0, 2 * gl.cdiv(pairs - pid, gl.num_programs(0)), 1
         return pid, NUM_TILES, gl.num_programs(0)
 
     @gluon.jit
-    def _item_tile(item, N, BLOCK_T: gl.constexpr, PAIRS: gl.constexpr):
-        """(tile, whether to do it) of work item ``item`` (``_items``), tiles numbered as ``_tile_of`` takes them (a
-        head's longest causal tile at position 0). With PAIRS, pair j of a head is its tiles at positions j and
-        num - 1 - j: the j-th longest and the j-th shortest, together as long as any other pair (the middle tile of
-        an odd count pairs with itself and is done once); without, the item is the tile."""
-        if PAIRS:
+    def _item_tile(item, N, NUM_TILES, BLOCK_T: gl.constexpr, ITEMS: gl.constexpr):
+        """(tile, whether to do it) of work item ``item`` (``_items``), tiles numbered head by head as ``_tile_of``
+        takes them (a head's longest causal tile at position 0). ITEMS 1: pair j of a head is its tiles at positions
+        j and num - 1 - j: the j-th longest and the j-th shortest, together as long as any other pair (the middle
+        tile of an odd count pairs with itself and is done once). ITEMS 2: single tiles position by position (every
+        head's tile at position 0, then at position 1, ...), so that programs launched in order take the longest
+        causal tiles of all heads first. ITEMS 0: single tiles head by head, the item is the tile."""
+        if ITEMS == 1:
             num = gl.cdiv(N, BLOCK_T)
             per_head = (num + 1) // 2
             pair = gl.program_id(0) + (item // 2) * gl.num_programs(0)
@@ -365,6 +370,10 @@ if _HAS_GLUON:
             second = item % 2
             pos = j + second * (num - 1 - 2 * j)
             return pair // per_head * num + pos, (second == 0) | (2 * j + 1 != num)
+        if ITEMS == 2:
+            num = gl.cdiv(N, BLOCK_T)
+            heads = NUM_TILES // num
+            return item % heads * num + item // heads, True
         return item, True
 
     @gluon.jit
@@ -405,16 +414,16 @@ if _HAS_GLUON:
     def _producer(stat_a, stat_b, strm_a, strm_b, stat_a_smem, stat_b_smem, strm_a_smem, strm_b_smem,
                   stat_ready, stat_empty, a_ready, a_empty, b_ready, b_empty, H, N_Q, N_K, NUM_TILES,
                   BLOCK_S: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  MODE: gl.constexpr, PAIRS: gl.constexpr):
+                  MODE: gl.constexpr, ITEMS: gl.constexpr):
         """One warp: for each tile of this program, its stationary tiles (once the consumers are done with the
         previous ones; ``stat_b`` unused in the forward), then every streamed block of ``strm_a`` and ``strm_b``
         through the ring. Runs ahead of the consumers, across tiles too."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         c = 0  # streamed blocks issued so far: the ring position
         it = 0  # tiles issued so far: the stationary barriers' phase
-        lo, hi, step = _items(NUM_TILES, N_K if MODE >= 2 else N_Q, BLOCK_T, PAIRS)
+        lo, hi, step = _items(NUM_TILES, N_K if MODE >= 2 else N_Q, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
-            tile, valid = _item_tile(item, N_K if MODE >= 2 else N_Q, BLOCK_T, PAIRS)
+            tile, valid = _item_tile(item, N_K if MODE >= 2 else N_Q, NUM_TILES, BLOCK_T, ITEMS)
             if valid:
                 bh, z, h, start = _tile_of(tile, N_Q, N_K, H, BLOCK_T, IS_CAUSAL, MODE)
                 for w in gl.static_range(NUM_WG):
@@ -520,7 +529,7 @@ if _HAS_GLUON:
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      REG_A: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+                      REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles. With
         PINGPONG the consumers issue each block's products in turns (``_turn_wait``)."""
         NUM_WG: gl.constexpr = BLOCK_T // 64
@@ -536,9 +545,9 @@ if _HAS_GLUON:
         c = 0  # key/value blocks consumed so far: the ring position
         it = 0  # tiles done so far: the query barrier's phase
         turn = 0  # turns taken so far (PINGPONG)
-        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
+        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
-            tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
+            tile, valid = _item_tile(item, N_Q, NUM_TILES, BLOCK_T, ITEMS)
             if valid:
                 bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
                 first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
@@ -617,8 +626,8 @@ if _HAS_GLUON:
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                    PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
-        """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H, or with PAIRS the pairs
+                    ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
+        """Program p takes tiles p, p + grid, ... of the cdiv(N_Q, 64 NUM_WG) * Z * H, or with ITEMS the pairs
         of tiles p, p + grid, ... (``_items``). Shared memory and barriers are allocated here, then the warps split
         into NUM_WG consumers (the first in the default partition) and the producer."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -636,28 +645,28 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 0, PAIRS)),
+                             IS_CAUSAL, 0, ITEMS)),
             ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
         else:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
+                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
+                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, PAIRS, PINGPONG)),
+                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 0, PAIRS)),
+                             IS_CAUSAL, 0, ITEMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     # -----------------------------------------------------------------------------------------
@@ -669,7 +678,7 @@ if _HAS_GLUON:
                      v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H, N_Q, N_K,
                      NUM_TILES, qk_scale, sm_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
-                     REG_A: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+                     REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup: dQ of query rows [start + 64 WG, start + 64 (WG + 1)) of each tile, and their D. With
         PINGPONG the consumers issue each block's score products in turns (``_turn_wait``)."""
         NUM_WG: gl.constexpr = BLOCK_T // 64
@@ -688,9 +697,9 @@ if _HAS_GLUON:
         c = 0
         it = 0
         turn = 0
-        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, PAIRS)
+        lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
-            tile, valid = _item_tile(item, N_Q, BLOCK_T, PAIRS)
+            tile, valid = _item_tile(item, N_Q, NUM_TILES, BLOCK_T, ITEMS)
             if valid:
                 bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
                 first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 1)
@@ -747,7 +756,7 @@ if _HAS_GLUON:
                    H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                   PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+                   ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -766,32 +775,32 @@ if _HAS_GLUON:
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                                 k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
                                 N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
+                                IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                                 k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
                                 N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
+                                IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 1, PAIRS)),
+                             IS_CAUSAL, 1, ITEMS)),
             ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
         else:
             gl.warp_specialize([
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                                 k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
                                 N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                IS_CAUSAL, 0, REG_A, PAIRS, PINGPONG)),
+                                IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                                 k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
                                 N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                IS_CAUSAL, 1, REG_A, PAIRS, PINGPONG)),
+                                IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_dq_consumer, (dq_desc, q_smem, do_smem, dq_smem, k_smem, v_smem, qdo_ready, qdo_empty, k_ready,
                                 k_empty, v_ready, v_empty, turns, OUT, stride_oz, stride_oh, stride_on, LSE, DELTA, H,
                                 N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                IS_CAUSAL, 2, REG_A, PAIRS, PINGPONG)),
+                                IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 1, PAIRS)),
+                             IS_CAUSAL, 1, ITEMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     @gluon.jit
@@ -800,7 +809,7 @@ if _HAS_GLUON:
                        LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
-                       FUSED: gl.constexpr, PAIRS: gl.constexpr, PINGPONG: gl.constexpr = False,
+                       FUSED: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr = False,
                        ABLATE: gl.constexpr = 0):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
@@ -826,9 +835,9 @@ if _HAS_GLUON:
         c = 0
         it = 0
         turn = 0
-        lo, hi, step = _items(NUM_TILES, N_K, BLOCK_T, PAIRS)
+        lo, hi, step = _items(NUM_TILES, N_K, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
-            tile, valid = _item_tile(item, N_K, BLOCK_T, PAIRS)
+            tile, valid = _item_tile(item, N_K, NUM_TILES, BLOCK_T, ITEMS)
             if valid:
                 bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED)
                 first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
@@ -924,7 +933,7 @@ if _HAS_GLUON:
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                     PAIRS: gl.constexpr, PINGPONG: gl.constexpr):
+                     ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
         stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
@@ -936,32 +945,32 @@ if _HAS_GLUON:
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
                                   turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS, PINGPONG)),
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
                                   turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS, PINGPONG)),
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 2, PAIRS)),
+                             IS_CAUSAL, 2, ITEMS)),
             ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
         else:
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
                                   turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, PAIRS, PINGPONG)),
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
                                   turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, PAIRS, PINGPONG)),
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
                                   turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, False, PAIRS, PINGPONG)),
+                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, False, ITEMS, PINGPONG)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 2, PAIRS)),
+                             IS_CAUSAL, 2, ITEMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     # -----------------------------------------------------------------------------------------
@@ -1165,6 +1174,20 @@ def _persistent_programs(cfg: Config, pairs: int, device: torch.device) -> int |
     return programs if rounds >= math.ceil(rounds) * _FULL_ROUNDS else None
 
 
+def _few_heads(heads: int, device: torch.device) -> bool:
+    """Whether a launch that fell back from persistent pairs to one program per tile takes its tiles position by
+    position (every head's longest causal tile first, ``_item_tile``'s ITEMS 2) rather than head by head: where at
+    least ``_HEADS_PER_ROUND`` programs of each head run at once, so that they still share its streamed blocks in L2.
+    Head by head, a few heads' last head starts its longest tiles late and the launch waits for them: 16 heads of
+    16384 keys, the leaderboard problem, ran its forward 1% and its dQ kernel 4% faster position by position, and
+    the whole problem 4.43 ms instead of 4.53-4.55. The dK/dV kernel, which takes one program per tile by
+    configuration, stays head by head: position by position it measured 14% slower there and 18-29% slower at 128
+    and 512 heads (docs/benchmarks/2026-11-26-H100-flash-gluon-turns.md)."""
+    if device.type != "cuda":
+        return False
+    return heads * _HEADS_PER_ROUND <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None,
                   device: torch.device) -> tuple[tuple[int], int, dict]:
     """(grid, tiles, launch options) of a launch over ``n_stat`` stationary rows on ``device``, at most
@@ -1181,8 +1204,9 @@ def _launch_shape(n_stat: int, z: int, h: int, cfg: Config, programs: int | None
         schedule = 2 if programs else 0
     units = pairs if schedule else tiles
     grid = (max(1, min(units, programs or units)),)
+    items = 1 if schedule else (2 if cfg.schedule == 2 and _few_heads(z * h, device) else 0)
     options = dict(NUM_WG=cfg.num_wg, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=consumer_regs,
-                   REG_A=bool(cfg.reg_a), PAIRS=bool(schedule), PINGPONG=bool(cfg.pingpong),
+                   REG_A=bool(cfg.reg_a), ITEMS=items, PINGPONG=bool(cfg.pingpong),
                    num_warps=4, maxnreg=maxnreg)
     return grid, tiles, options
 
