@@ -1180,9 +1180,9 @@ def _few_heads(heads: int, device: torch.device) -> bool:
     least ``_HEADS_PER_ROUND`` programs of each head run at once, so that they still share its streamed blocks in L2.
     Head by head, a few heads' last head starts its longest tiles late and the launch waits for them: 16 heads of
     16384 keys, the leaderboard problem, ran its forward 1% and its dQ kernel 4% faster position by position, and
-    the whole problem 4.43 ms instead of 4.53-4.55. The dK/dV kernel, which takes one program per tile by
-    configuration, stays head by head: position by position it measured 14% slower there and 18-29% slower at 128
-    and 512 heads (docs/benchmarks/2026-11-26-H100-flash-gluon-turns.md)."""
+    the whole problem in 4.43-4.58 ms (mean 4.47 over four runs) instead of 4.53-4.55. The dK/dV kernel, which
+    takes one program per tile by configuration, stays head by head: position by position it measured 14% slower
+    there and 18-29% slower at 128 and 512 heads (docs/benchmarks/2026-11-26-H100-flash-gluon-turns.md)."""
     if device.type != "cuda":
         return False
     return heads * _HEADS_PER_ROUND <= torch.cuda.get_device_properties(device).multi_processor_count
