@@ -340,7 +340,7 @@ def test_overwritten_stationary_operands_are_found():
     assert _stationary_operands_overwritten(clobbered) == ["F2FP.BF16.F32.PACK_AB R181, R7, R6"]
 
 
-def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spill_free: bool = True) -> None:
+def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spill_free: bool = True):
     """Compile for sm_90a and check the SASS: warpgroup MMA, the setmaxnreg counts of ``cfg``, shared memory within
     what ``cfg.per_sm`` programs may share, (``spill_free``; the three-consumer forward excepted, which spills a few
     registers) no register spills, warpgroup MMAs not serialised (ptxas waits for each one when it cannot keep the
@@ -370,6 +370,7 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
         assert 4 * waits < mmas, f"{label}: {waits} full waits for {mmas} warpgroup MMAs (serialised)"
     overwritten = _stationary_operands_overwritten(sass)
     assert not overwritten, f"{label}: stationary MMA operands overwritten by {overwritten[:3]}"
+    return compiled
 
 
 @requires_triton
@@ -417,8 +418,10 @@ def test_pingpong_compiles_for_sm90a(d):
             turn_cfg = dataclasses.replace(cfg, pingpong=pingpong)
             turn_kwargs = dict(kwargs, PINGPONG=bool(pingpong))  # the launch's other arguments do not change
             if pingpong:
-                _check_machine_code(f"{name} d={d} {turn_cfg}", kernel, turn_cfg, args, turn_kwargs)
-            ptx = _compile_sm90(kernel, args, turn_kwargs).asm["ptx"]
+                compiled = _check_machine_code(f"{name} d={d} {turn_cfg}", kernel, turn_cfg, args, turn_kwargs)
+            else:
+                compiled = _compile_sm90(kernel, args, turn_kwargs)
+            ptx = compiled.asm["ptx"]
             waits[pingpong] = ptx.count("mbarrier.try_wait")
         assert waits[1] > waits[0], f"{name} d={d}: {waits[1]} barrier waits with turns, {waits[0]} without"
 

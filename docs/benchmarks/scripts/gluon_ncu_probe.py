@@ -10,23 +10,23 @@ dQ and dK/dV kernels, cuDNN's backward (its kernels), each with the library's de
 range names each launch (``ncu --print-nvtx-rename kernel`` or the NVTX columns tell them apart).
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.kernels import flash_gluon_hopper as fg
-from lmtrain.kernels import flash_triton as ft
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gluon_probe import poisoned  # noqa: E402
 
 
 def launches(d: int, n: int):
     """[(name, zero-argument launch)] of one cell, inputs random (never zeros), outputs NaN-poisoned."""
     b, h = 2**21 // (16 * n), 16
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(4))
-    lse = torch.full((b, h, n), float("nan"), device="cuda")
-    delta = torch.full((b * h, n), float("nan"), device="cuda")
-    ft._forward(q, k, v, True, o=o, lse=lse)
+    q, k, v, do, o, lse, dq, dk, dv, delta = poisoned(b, h, n, d)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)

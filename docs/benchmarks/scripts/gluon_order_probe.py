@@ -20,10 +20,9 @@ import time
 import torch
 
 from lmtrain.kernels import flash_gluon_hopper as fg
-from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check  # noqa: E402
+from gluon_probe import _median_ms, check, poisoned  # noqa: E402
 
 _LAUNCH_SHAPE = fg._launch_shape
 
@@ -41,12 +40,8 @@ def force_order(order: str) -> None:
 
 def time_case(b: int, h: int, n: int, d: int, kernels: tuple[str, ...]) -> None:
     """Print a row per kernel: four runs per order, interleaved, and the ratio of the fastest runs."""
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(4))
-    lse = torch.full((b, h, n), float("nan"), device="cuda")
-    delta = torch.full((b * h, n), float("nan"), device="cuda")
     force_order("head")
-    ft._forward(q, k, v, True, o=o, lse=lse)
+    q, k, v, do, o, lse, dq, dk, dv, delta = poisoned(b, h, n, d)
     launches = {"fwd": (fg._fwd_kernel, fg.FWD, lambda: fg.forward_args(q, k, v, o, lse, True)),
                 "dq": (fg._dq_kernel, fg.DQ, lambda: fg.dq_args(q, k, v, o, do, dq, lse, delta, True)),
                 "dkdv": (fg._dkdv_kernel, fg.DKDV, lambda: fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True))}

@@ -24,10 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from lmtrain.kernels import flash_gluon_hopper as fg
-from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check, print_table, tflops  # noqa: E402
+from gluon_probe import _median_ms, check, poisoned, print_table, tflops  # noqa: E402
 
 ENV = ("LMTRAIN_FLASH_GLUON_FWD", "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV")
 # Further configurations timed beside each cell's default, with and without turns.
@@ -53,11 +52,7 @@ def candidates(kernel: int, d: int, n: int) -> list[fg.Config]:
 
 def cell(b: int, h: int, n: int, d: int):
     """({row: ms}, {row: executed TFLOP/s}) of one shape."""
-    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(4))
-    lse = torch.full((b, h, n), float("nan"), device="cuda")
-    delta = torch.full((b * h, n), float("nan"), device="cuda")
-    ft._forward(q, k, v, True, o=o, lse=lse)
+    q, k, v, do, o, lse, dq, dk, dv, delta = poisoned(b, h, n, d)
     ms, tf = {}, {}
     for kernel, name, factor, launch in (
             (fg.FWD, "fwd", 1.0, lambda c: fg.forward_args(q, k, v, o, lse, True, c)),

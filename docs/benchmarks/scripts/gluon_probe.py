@@ -108,6 +108,17 @@ def prepared(d, n):
     return b, h, q, k, v, do, o, lse, dq, dk, dv, torch.empty(b * h, n, device="cuda")
 
 
+def poisoned(b, h, n, d):
+    """(q, k, v, dO, O, L, dQ, dK, dV, D) of a (b, h, n, d) bf16 causal problem: random inputs (never zeros), every
+    output buffer NaN-poisoned, then O and L from ``flash_triton``'s forward."""
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(4))
+    lse = torch.full((b, h, n), float("nan"), device="cuda")
+    delta = torch.full((b * h, n), float("nan"), device="cuda")
+    ft._forward(q, k, v, True, o=o, lse=lse)
+    return q, k, v, do, o, lse, dq, dk, dv, delta
+
+
 def _median_ms(kernel, launch) -> float:
     """Median milliseconds of ``kernel[grid](*args, **kwargs)`` for ``launch = (grid, args, kwargs)``."""
     grid, args, kwargs = launch
