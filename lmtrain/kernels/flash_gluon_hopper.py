@@ -42,7 +42,15 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
 
 The dK/dV kernel works on transposed scores (keys x queries), so P^T and dS^T come out of its products already as
-the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory.
+the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory. Each streamed
+query block also needs its queries' L and D, one value per column of the score tile, so every consumer thread holds
+a slice of them. The producer copies them (TMA, boxes of one row of the (Z * H, N_q) statistics) into the ring with
+the block's queries, and each consumer reads its slice from shared memory just before use: L before the
+exponential, D before dS. Loaded from global memory at the block's start instead, they waited on memory latency
+inside the block and held their registers across it; with the copies the kernel ran 3-17% faster at the same
+configuration, and at head dim 128 the freed registers let it stream 64-query blocks instead of 32 (up to 1.24x
+again; docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md). Where TMA cannot copy them (N_q not a multiple of
+4), the consumers load them as before (``_DKDV_LOADS``).
 
 **Fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV kernel's
 programs also compute each query block's share of dQ over their keys (``dS K``, dS^T through shared memory), five
@@ -202,14 +210,19 @@ class Config:
 # 2026-11-25-H100-flash-gluon-pairs.md (bf16, causal, B*H*N = 2^21). Persistent pairs (schedule 2) gained in every
 # forward cell and most dQ cells; the dK/dV kernel gained from them at 1024 keys only. The d 64 dQ kernel from 4096
 # keys is the three-consumer one, which is also the faster where the launcher falls back to one program per tile.
+# The d 128 dK/dV kernel streams 64-query blocks, persistent, since its L and D come through shared memory (registers
+# freed; 1.15-1.24x the 32-query blocks with the same copies, docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md).
 _TABLE = {
     (FWD, 64): ((0, Config(2, 128, 3, 1, 0, 2), True), (8192, Config(3, 128, 2, 1, 0, 2), True)),
     (FWD, 128): ((0, Config(2, 128, 2, 1, 0, 2), True), (16384, Config(3, 64, 3, 1, 0, 2), True)),
     (DQ, 64): ((0, Config(2, 128, 3, 1, 0, 2), False), (4096, Config(3, 64, 3, 1, 0, 2), True)),
     (DQ, 128): ((0, Config(2, 128, 2, 1, 0, 2), True),),
     (DKDV, 64): ((0, Config(2, 64, 3, 1, 1, 2), True), (4096, Config(2, 64, 3, 1, 1), True)),
-    (DKDV, 128): ((0, Config(2, 32, 2, 1, 0, 2), True), (4096, Config(2, 32, 2), True)),
+    (DKDV, 128): ((0, Config(2, 64, 2, 1, 0, 2), True),),
 }
+# The dK/dV configurations where the consumers load L and D themselves (N_q not a multiple of 4): the loads' registers
+# leave the d 128 kernel room for 32-query blocks only (64-query blocks spill there: 184 local-memory accesses).
+_DKDV_LOADS = {128: Config(2, 32, 2, 1, 0, 2)}
 _ENV = {FWD: "LMTRAIN_FLASH_GLUON_FWD", DQ: "LMTRAIN_FLASH_GLUON_DQ", DKDV: "LMTRAIN_FLASH_GLUON_DKDV"}
 # reg_a in the table applies with the Triton it was measured and checked with (3.6: no spills); Triton 3.9 spills
 # with it (dK/dV at head dim 64: 177 local-memory accesses), so newer versions take the same configuration without it.
@@ -414,10 +427,13 @@ if _HAS_GLUON:
     def _producer(stat_a, stat_b, strm_a, strm_b, stat_a_smem, stat_b_smem, strm_a_smem, strm_b_smem,
                   stat_ready, stat_empty, a_ready, a_empty, b_ready, b_empty, H, N_Q, N_K, NUM_TILES,
                   BLOCK_S: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  MODE: gl.constexpr, ITEMS: gl.constexpr):
+                  MODE: gl.constexpr, ITEMS: gl.constexpr, rows_a=None, rows_b=None, rows_a_smem=None,
+                  rows_b_smem=None, SMEM_STATS: gl.constexpr = False):
         """One warp: for each tile of this program, its stationary tiles (once the consumers are done with the
         previous ones; ``stat_b`` unused in the forward), then every streamed block of ``strm_a`` and ``strm_b``
-        through the ring. Runs ahead of the consumers, across tiles too."""
+        through the ring. Runs ahead of the consumers, across tiles too. SMEM_STATS (dK/dV): with each ``strm_a`` block
+        also the streamed rows' fp32 statistics (``rows_a``, ``rows_b``: descriptors of (Z * H, N_Q) tensors moving
+        (1, BLOCK_S) boxes) into ``rows_a_smem``, ``rows_b_smem``, on the same barrier."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         c = 0  # streamed blocks issued so far: the ring position
         it = 0  # tiles issued so far: the stationary barriers' phase
@@ -443,7 +459,12 @@ if _HAS_GLUON:
                     s = c % NUM_STAGES
                     phase = (c // NUM_STAGES) & 1
                     mbarrier.wait(a_empty.index(s), phase ^ 1)
-                    mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes)
+                    if SMEM_STATS:
+                        mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes + 2 * rows_a.block_type.nbytes)
+                        _tma_load(rows_a, [bh, j * BLOCK_S], a_ready.index(s), rows_a_smem.index(s))
+                        _tma_load(rows_b, [bh, j * BLOCK_S], a_ready.index(s), rows_b_smem.index(s))
+                    else:
+                        mbarrier.expect(a_ready.index(s), strm_a.block_type.nbytes)
                     _tma_load(strm_a, [z, h, j * BLOCK_S, 0], a_ready.index(s), strm_a_smem.index(s))
                     mbarrier.wait(b_empty.index(s), phase ^ 1)
                     mbarrier.expect(b_ready.index(s), strm_b.block_type.nbytes)
@@ -810,11 +831,16 @@ if _HAS_GLUON:
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
                        FUSED: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                       ABLATE: gl.constexpr = 0):
+                       ABLATE: gl.constexpr = 0, lse_smem=None, delta_smem=None, SMEM_STATS: gl.constexpr = False):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
         ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
-        otherwise). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``)."""
+        otherwise). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``).
+
+        Each query block's L and D: with SMEM_STATS from the ring's ``lse_smem`` and ``delta_smem`` (the producer copies
+        them with the block's queries; queries past N_Q read as L = D = 0 there, harmless beside their zero Q and
+        dO rows), each read just before its use; otherwise loaded from ``LSE`` and ``DELTA`` at the block's start,
+        queries past N_Q reading as L = inf (P = 0)."""
         NUM_WG: gl.constexpr = BLOCK_T // 64
         st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -844,8 +870,9 @@ if _HAS_GLUON:
                 row0 = start + WG * 64
                 offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
                 offs_i = gl.arange(0, BLOCK_M, layout=cols)
-                lse_base = LSE + bh.to(gl.int64) * N_Q
-                delta_base = DELTA + bh.to(gl.int64) * N_Q
+                if not SMEM_STATS:
+                    lse_base = LSE + bh.to(gl.int64) * N_Q
+                    delta_base = DELTA + bh.to(gl.int64) * N_Q
 
                 mbarrier.wait(kv_ready.index(WG), it & 1)
                 k_a, v_a = _first_operand(k, a_layout, REG_A), _first_operand(v, a_layout, REG_A)
@@ -856,10 +883,13 @@ if _HAS_GLUON:
                     stage = n % NUM_STAGES
                     phase = (n // NUM_STAGES) & 1
                     offs_q = i * BLOCK_M + offs_i
-                    q_ok = offs_q < N_Q
-                    lse2 = gl.load(lse_base + offs_q, mask=q_ok, other=float("inf")) * 1.4426950408889634
-                    delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
+                    if not SMEM_STATS:
+                        q_ok = offs_q < N_Q
+                        lse2 = gl.load(lse_base + offs_q, mask=q_ok, other=float("inf")) * 1.4426950408889634
+                        delta = gl.load(delta_base + offs_q, mask=q_ok, other=0.0)
                     mbarrier.wait(q_ready.index(stage), phase)
+                    if SMEM_STATS:
+                        lse2 = lse_smem.index(stage).reshape([BLOCK_M]).load(cols) * 1.4426950408889634
                     qs = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
                     _turn_wait(turns, turn, WG, PINGPONG)
                     st_tok = warpgroup_mma(k_a, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -875,6 +905,8 @@ if _HAS_GLUON:
                         pt = gl.where(offs_q[None, :] >= offs_k[:, None], pt, 0.0)
                     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), dos, dv, is_async=True)
                     dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+                    if SMEM_STATS:
+                        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(cols)
                     dst = (pt * (dpt - delta[None, :])).to(dtype)
                     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
                     if FUSED:
@@ -929,48 +961,63 @@ if _HAS_GLUON:
                 do_empty)
 
     @gluon.jit
-    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
                      H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
-                     ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
+                     ITEMS: gl.constexpr, PINGPONG: gl.constexpr, SMEM_STATS: gl.constexpr):
         """Over key tiles (the first, longest causal ones first): dK and dV of each; keys and values
-        stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel."""
+        stationary, queries and dO streamed. Reads D, which the dQ kernel writes, so it runs after that kernel.
+        With SMEM_STATS, L and D of each query block come into shared memory with its queries (``lse_desc``,
+        ``delta_desc``: descriptors of (Z * H, N_Q) fp32 tensors moving (1, BLOCK_M) boxes); without, they are the
+        tensors themselves and the consumers load them."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
+        if SMEM_STATS:
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape,
+                                                 lse_desc.layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
+                                                   delta_desc.layout)
+        else:
+            lse_smem, delta_smem = k_smem, k_smem  # unused
         turns = _turn_barriers(NUM_WG, kv_ready, PINGPONG)
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG)),
+                                  turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                                  BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG, 0,
+                                  lse_smem, delta_smem, SMEM_STATS)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG)),
+                                  turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                                  BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG, 0,
+                                  lse_smem, delta_smem, SMEM_STATS)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 2, ITEMS)),
+                             IS_CAUSAL, 2, ITEMS, lse_desc, delta_desc, lse_smem, delta_smem, SMEM_STATS)),
             ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
         else:
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG)),
+                                  turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                                  BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, False, ITEMS, PINGPONG, 0,
+                                  lse_smem, delta_smem, SMEM_STATS)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG)),
+                                  turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                                  BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, False, ITEMS, PINGPONG, 0,
+                                  lse_smem, delta_smem, SMEM_STATS)),
                 (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
                                   kv_empty, q_ready, q_empty, do_ready, do_empty, k_smem, k_smem, kv_ready, kv_ready,
-                                  turns, LSE, DELTA, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T, BLOCK_M,
-                                  HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, False, ITEMS, PINGPONG)),
+                                  turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                                  BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, False, ITEMS, PINGPONG, 0,
+                                  lse_smem, delta_smem, SMEM_STATS)),
                 (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
-                             IS_CAUSAL, 2, ITEMS)),
+                             IS_CAUSAL, 2, ITEMS, lse_desc, delta_desc, lse_smem, delta_smem, SMEM_STATS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
 
     # -----------------------------------------------------------------------------------------
@@ -1238,14 +1285,41 @@ def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config |
 
 def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Config | None = None,
               programs: int | None = None) -> tuple[tuple, tuple, dict]:
-    """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel."""
+    """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel: L and D of each query
+    block copied into shared memory with its queries where TMA can copy them (``_rows_aligned``), otherwise loaded by
+    the consumers, and then, unless ``cfg`` or the setting names a configuration, ``_DKDV_LOADS``'s for the head dim
+    where it has one."""
     z, h, n_k, d = k4.shape
-    cfg = cfg or config(DKDV, d, n_k)
+    n_q = q4.shape[2]
+    rows = _rows_aligned(n_q, lse, delta)
+    if cfg is None:
+        cfg = config(DKDV, d, n_k)
+        if not rows and not os.environ.get(_ENV[DKDV]):
+            cfg = _DKDV_LOADS.get(d, cfg)
     grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs, k4.device)
+    if rows:
+        lse, delta = _rows_descriptor(lse, z * h, n_q, cfg.block), _rows_descriptor(delta, z * h, n_q, cfg.block)
     args = (descriptor(q4, cfg.block), descriptor(k4, WG_ROWS), descriptor(v4, WG_ROWS), descriptor(do4, cfg.block),
             descriptor(dk4, WG_ROWS), descriptor(dv4, WG_ROWS), lse, delta,
-            h, q4.shape[2], n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
-    return grid, args, dict(HEAD_DIM=d, BLOCK_M=cfg.block, IS_CAUSAL=bool(is_causal), **options)
+            h, n_q, n_k, tiles, d**-0.5 * _LOG2E, d**-0.5)
+    return grid, args, dict(HEAD_DIM=d, BLOCK_M=cfg.block, IS_CAUSAL=bool(is_causal), SMEM_STATS=rows, **options)
+
+
+def _rows_aligned(n_q: int, *stats: torch.Tensor) -> bool:
+    """Whether TMA can copy blocks of the dense (Z * H, N_q) fp32 statistics ``stats`` (L, D): rows of a 16-byte
+    multiple (N_q a multiple of 4) from 16-byte aligned bases. Otherwise the dK/dV kernel loads them itself."""
+    return n_q % 4 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in stats)
+
+
+def _rows_descriptor(t: torch.Tensor, rows: int, n: int, block: int) -> TensorDescriptor:
+    """A host TMA descriptor of the dense fp32 statistics ``t`` viewed as (rows, n), moving (1, block) boxes into an
+    unswizzled layout (``_rows_aligned`` made the checks; the descriptor's base is ``t`` itself, so a launch plan
+    finds it by role)."""
+    return unchecked(TensorDescriptor, base=t, shape=[rows, n], strides=[n, 1], block_shape=[1, block],
+                     layout=_ROWS_LAYOUT)
+
+
+_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2) if _HAS_GLUON else None
 
 
 FUSED_REGS = 48  # the producer's and the reducer's warpgroup in the fused backward

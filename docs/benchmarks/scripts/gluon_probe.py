@@ -53,7 +53,9 @@ def check(overrides=None, setting="all") -> bool:
     ok = True
     shapes = [(1, 2, 97, 97, 64, False), (2, 3, 1025, 1025, 128, False), (1, 2, 257, 333, 64, False),
               (1, 2, 333, 257, 128, False), (1, 1, 30, 30, 128, False), (2, 2, 1025, 1025, 64, True),
-              (1, 2, 2048, 2048, 128, True), (1, 1, 200, 1000, 64, False), (1, 1, 1000, 200, 128, False)]
+              (1, 2, 2048, 2048, 128, True), (1, 1, 200, 1000, 64, False), (1, 1, 1000, 200, 128, False),
+              (1, 2, 100, 100, 64, False), (2, 3, 1028, 1028, 128, False), (1, 2, 260, 332, 64, False),
+              (2, 2, 1028, 1028, 64, True)]
     for z, h, n_q, n_k, d, fused in shapes:
         if overrides is not None and d not in overrides:
             continue
