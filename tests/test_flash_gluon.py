@@ -114,6 +114,12 @@ def test_setting_and_cpu_tensors(monkeypatch):
     monkeypatch.setattr(fg, "_REG_A_DEFAULTS", True)
     assert fg.config(fg.DKDV, 64, 4096) == fg.Config(2, 64, 3, 1, 1)
     assert fg.config(fg.DKDV, 64, 1024) == fg.Config(2, 64, 3, 1, 1, 2)
+    # Where the dK/dV consumers load L and D themselves: d 128 keeps 32-query blocks, d 64 and the other kernels
+    # their configuration.
+    assert fg.config(fg.DKDV, 128, 4096) == fg.Config(2, 64, 2, schedule=2)
+    assert fg.config(fg.DKDV, 128, 4096, loads=True) == fg.Config(2, 32, 2, schedule=2)
+    assert fg.config(fg.DKDV, 64, 4096, loads=True) == fg.config(fg.DKDV, 64, 4096)
+    assert fg.config(fg.FWD, 128, 4096, loads=True) == fg.config(fg.FWD, 128, 4096)
 
 
 @requires_triton

@@ -48,7 +48,7 @@ a slice of them. The producer copies them (TMA, boxes of one row of the (Z * H, 
 the block's queries, and each consumer reads its slice from shared memory just before use: L before the
 exponential, D before dS. Loaded from global memory at the block's start instead, they waited on memory latency
 inside the block and held their registers across it; with the copies the kernel ran 3-17% faster at the same
-configuration, and at head dim 128 the freed registers let it stream 64-query blocks instead of 32 (up to 1.24x
+configuration, and at head dim 128 the freed registers let it stream 64-query blocks instead of 32 (1.11-1.17x
 again; docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md). Where TMA cannot copy them (N_q not a multiple of
 4), the consumers load them as before (``_DKDV_LOADS``).
 
@@ -211,7 +211,7 @@ class Config:
 # forward cell and most dQ cells; the dK/dV kernel gained from them at 1024 keys only. The d 64 dQ kernel from 4096
 # keys is the three-consumer one, which is also the faster where the launcher falls back to one program per tile.
 # The d 128 dK/dV kernel streams 64-query blocks, persistent, since its L and D come through shared memory (registers
-# freed; 1.15-1.24x the 32-query blocks with the same copies, docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md).
+# freed; 1.11-1.17x the 32-query blocks with the same copies, docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md).
 _TABLE = {
     (FWD, 64): ((0, Config(2, 128, 3, 1, 0, 2), True), (8192, Config(3, 128, 2, 1, 0, 2), True)),
     (FWD, 128): ((0, Config(2, 128, 2, 1, 0, 2), True), (16384, Config(3, 64, 3, 1, 0, 2), True)),
@@ -233,15 +233,17 @@ def _step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
     return [step for step in _TABLE[(kernel, head_dim)] if n_keys >= step[0]][-1]
 
 
-def config(kernel: int, head_dim: int, n_keys: int = 0) -> Config:
-    """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys;
+def config(kernel: int, head_dim: int, n_keys: int = 0, loads: bool = False) -> Config:
+    """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys; ``loads`` (dK/dV):
+    the consumers load L and D themselves (``_rows_aligned`` false), which takes ``_DKDV_LOADS``'s configuration
+    where it has one for the head dim;
     ``LMTRAIN_FLASH_GLUON_{FWD,DQ,DKDV}=num_wg,block,num_stages[,per_sm[,reg_a[,schedule[,pingpong]]]]``
-    overrides it
-    (for sweeps)."""
+    overrides it (for sweeps)."""
     override = os.environ.get(_ENV[kernel])
     if override:
         return Config.parse(override)
-    cfg = _step(kernel, head_dim, n_keys)[1]
+    cfg = _DKDV_LOADS.get(head_dim) if loads and kernel == DKDV else None
+    cfg = cfg or _step(kernel, head_dim, n_keys)[1]
     return cfg if _REG_A_DEFAULTS or not cfg.reg_a else dataclasses.replace(cfg, reg_a=0)
 
 
@@ -1287,15 +1289,11 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
               programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the dK/dV kernel: L and D of each query
     block copied into shared memory with its queries where TMA can copy them (``_rows_aligned``), otherwise loaded by
-    the consumers, and then, unless ``cfg`` or the setting names a configuration, ``_DKDV_LOADS``'s for the head dim
-    where it has one."""
+    the consumers (with ``config``'s configuration for that)."""
     z, h, n_k, d = k4.shape
     n_q = q4.shape[2]
     rows = _rows_aligned(n_q, lse, delta)
-    if cfg is None:
-        cfg = config(DKDV, d, n_k)
-        if not rows and not os.environ.get(_ENV[DKDV]):
-            cfg = _DKDV_LOADS.get(d, cfg)
+    cfg = cfg or config(DKDV, d, n_k, loads=not rows)
     grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs, k4.device)
     if rows:
         lse, delta = _rows_descriptor(lse, z * h, n_q, cfg.block), _rows_descriptor(delta, z * h, n_q, cfg.block)
