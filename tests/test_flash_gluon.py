@@ -663,18 +663,22 @@ PAIRED = {  # per head dim, configurations with the paired schedules (1: one pro
                           "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,0,1"}),
     "d128_pingpong": (128, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,0,1",
                             "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2,1"}),
+    # 64-key blocks in the forward: the first consumer's rows pass the tile's last key block on unread.
+    "d64_fwd_64_keys": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,1,0,2"}),
 }
 
 
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (97, 97)])
+@pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (333, 257), (97, 97)])
 @pytest.mark.parametrize("case", list(PAIRED))
 def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monkeypatch):
     """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 7, so that at N
     1025 and 257/333 each takes several pairs and some one more than others; odd tile counts (9 tiles of 128 rows
-    in 1025) included: against float64 (bf16), NaN-poisoned outputs, the backward deterministic."""
+    in 1025) included: against float64 (bf16), NaN-poisoned outputs, the backward deterministic. With more queries
+    than keys (333/257) the causal forward's consumers see different numbers of key blocks (``n_mine``), and the
+    last query rows every key."""
     from lmtrain.kernels import flash_gluon_hopper as fg
     from lmtrain.kernels.flash_triton import _backward
 

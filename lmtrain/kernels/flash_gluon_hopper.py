@@ -452,10 +452,8 @@ if _HAS_GLUON:
                         mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes)
                     else:
                         mbarrier.expect(stat_ready.index(w), stat_a.block_type.nbytes + stat_b.block_type.nbytes)
-                        _tma_load(stat_b, [z, h, start + w * 64, 0], stat_ready.index(w),
-                                                        stat_b_smem.index(w))
-                    _tma_load(stat_a, [z, h, start + w * 64, 0], stat_ready.index(w),
-                                                    stat_a_smem.index(w))
+                        _tma_load(stat_b, [z, h, start + w * 64, 0], stat_ready.index(w), stat_b_smem.index(w))
+                    _tma_load(stat_a, [z, h, start + w * 64, 0], stat_ready.index(w), stat_a_smem.index(w))
                 first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_S, IS_CAUSAL, MODE)
                 for j in range(first, end):
                     s = c % NUM_STAGES
@@ -554,13 +552,24 @@ if _HAS_GLUON:
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
                       REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles. With
-        PINGPONG the consumers issue each block's products in turns (``_turn_wait``)."""
+        PINGPONG the consumers issue each block's products in turns (``_turn_wait``).
+
+        Causal: the warpgroup works only on the key blocks its own rows see (``n_mine``), not on all of the tile's;
+        it passes the others' ring buffers on unread. And where its rows see only the first half of their last
+        128-key block (the first warpgroup's rows on the diagonal), it multiplies with that half only (``half``):
+        (64 x 64) scores and a 64-deep ``P V``."""
         NUM_WG: gl.constexpr = BLOCK_T // 64
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        HALF: gl.constexpr = 64
+        SPLIT: gl.constexpr = IS_CAUSAL and BLOCK_N == 2 * HALF and NUM_WG == 2
+        h_layout: gl.constexpr = _wgmma_layout(HALF)
+        ha_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=2)
+        h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
         dtype: gl.constexpr = o_desc.dtype
         q = q_smem.index(WG).reshape([64, HEAD_DIM])
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
@@ -575,6 +584,16 @@ if _HAS_GLUON:
                 bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
                 first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
                 row0 = start + WG * 64
+                if IS_CAUSAL:
+                    seen = gl.minimum(row0 + 63, N_K - 1)  # the last key any of these rows sees
+                    n_mine = seen // BLOCK_N + 1
+                else:
+                    seen = N_K - 1
+                    n_mine = n_blocks
+                if SPLIT:
+                    half = (seen % BLOCK_N < HALF) & (n_mine >= 2)
+                else:
+                    half = False
                 offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
                 offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
@@ -598,7 +617,7 @@ if _HAS_GLUON:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
-                for j in range(1, n_blocks):
+                for j in range(1, n_mine - half):
                     stage = (c + j) % NUM_STAGES
                     prev = (c + j - 1) % NUM_STAGES
                     mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
@@ -625,17 +644,65 @@ if _HAS_GLUON:
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     q_a = _renewed(q_a, N_K, REG_A)
 
-                # Every Q K^T of the tile has completed: the producer may load the next tile's queries.
-                mbarrier.arrive(q_empty.index(WG), count=1)
-                last = (c + n_blocks - 1) % NUM_STAGES
-                mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // NUM_STAGES) & 1)
-                v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-                _turn_wait(turns, turn, WG, PINGPONG)
-                o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-                _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                last = (c + n_mine - 1) % NUM_STAGES
+                if half:
+                    # The last block's first 64 keys only: its scores with the previous block's P V, as in the loop.
+                    prev = (c + n_mine - 2) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(last), ((c + n_mine - 1) // NUM_STAGES) & 1)
+                    k_h = k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF)
+                    _turn_wait(turns, turn, WG, PINGPONG)
+                    h_tok = warpgroup_mma(_first_operand(q, ha_layout, REG_A), k_h.permute((1, 0)),
+                                          gl.zeros([64, HALF], gl.float32, h_layout), use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(prev), ((c + n_mine - 2) // NUM_STAGES) & 1)
+                    v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    turn += 1
+                    s_h = warpgroup_mma_wait(1, deps=(h_tok,))
+                    mbarrier.arrive(k_empty.index(last), count=1)
+                    mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of the tile has completed
+                    offs_mh = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
+                    offs_nh = (n_mine - 1) * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
+                    s_h = gl.where(_causal_keep(offs_mh, offs_nh, N_K, IS_CAUSAL), s_h, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s_h, 1) * qk_scale, s_rows))
+                    p_h = gl.exp2(s_h * qk_scale - gl.convert_layout(m_new, h_rows)[:, None])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.convert_layout(gl.sum(p_h, 1), s_rows)
+                    m_i = m_new
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    ph_op = gl.convert_layout(p_h.to(dtype), p_layout)
+                    mbarrier.wait(v_ready.index(last), ((c + n_mine - 1) // NUM_STAGES) & 1)
+                    v_h = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF)
+                    _turn_wait(turns, turn, WG, PINGPONG)
+                    o_tok = warpgroup_mma(ph_op, v_h, acc, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    # Waited for in the branch: a product still running where the branches join made ptxas
+                    # serialise every warpgroup MMA of the kernel (C7512).
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                else:
+                    # Every Q K^T of the tile has completed: the producer may load queries into these buffers again.
+                    mbarrier.arrive(q_empty.index(WG), count=1)
+                    mbarrier.wait(v_ready.index(last), ((c + n_mine - 1) // NUM_STAGES) & 1)
+                    v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+                    _turn_wait(turns, turn, WG, PINGPONG)
+                    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
                 turn += 1
-                acc = warpgroup_mma_wait(0, deps=(o_tok,))
                 mbarrier.arrive(v_empty.index(last), count=1)
+                # The tile's blocks after the last one these rows see: passed on unread, once they have arrived (an
+                # early arrival would count towards the buffer's previous use), taking their turns.
+                for j in range(n_mine, n_blocks):
+                    stage = (c + j) % NUM_STAGES
+                    mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    mbarrier.wait(v_ready.index(stage), ((c + j) // NUM_STAGES) & 1)
+                    mbarrier.arrive(v_empty.index(stage), count=1)
+                    _turn_wait(turns, turn, WG, PINGPONG)
+                    _turn_pass(turns, WG, NUM_WG, PINGPONG)
+                    turn += 1
 
                 lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
                 gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
