@@ -40,6 +40,10 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   passed round-robin through one mbarrier each, so that one's exponentials overlap another's products.
 * **Masks only where needed.** Blocks wholly visible to every row of the tile run without mask arithmetic; the
   causal diagonal and the ragged key tail are masked. Rows past N read as zeros (TMA) and are not written.
+* **Each forward consumer on its own rows' key blocks.** In a causal tile a consumer works only on the key blocks its
+  64 rows see and passes the tile's later blocks on unread; with two consumers and 128-key blocks, a last block its
+  rows see only the first half of (the first consumer's, on the diagonal) runs at half width. At head dim 64 and
+  1024 keys the forward ran 4-6% faster (docs/benchmarks/2026-11-26-H100-flash-gluon-diagonal.md).
 
 The dK/dV kernel works on transposed scores (keys x queries), so P^T and dS^T come out of its products already as
 the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory. Each streamed
