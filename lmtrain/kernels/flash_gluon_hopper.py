@@ -551,6 +551,18 @@ if _HAS_GLUON:
     # -----------------------------------------------------------------------------------------
 
     @gluon.jit
+    def _online_softmax(s, m_i, l_i, qk_scale):
+        """One block's step of the online softmax (log2 domain, scale folded in): (P, the rescale factor alpha of the
+        earlier blocks' sums, the new row maxima m and sums l) from its masked scores ``s``. The rows of ``s`` may
+        come in another layout than ``m_i``'s with the same rows per thread (the half-width diagonal block's): the
+        conversions between the two move nothing."""
+        rows: gl.constexpr = m_i.type.layout
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s, 1) * qk_scale, rows))
+        p = gl.exp2(s * qk_scale - gl.convert_layout(m_new, gl.SliceLayout(1, s.type.layout))[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.convert_layout(gl.sum(p, 1), rows)
+
+    @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
@@ -568,12 +580,10 @@ if _HAS_GLUON:
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         HALF: gl.constexpr = 64
         SPLIT: gl.constexpr = IS_CAUSAL and BLOCK_N == 2 * HALF and NUM_WG == 2
         h_layout: gl.constexpr = _wgmma_layout(HALF)
         ha_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=2)
-        h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
         dtype: gl.constexpr = o_desc.dtype
         q = q_smem.index(WG).reshape([64, HEAD_DIM])
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
@@ -592,7 +602,6 @@ if _HAS_GLUON:
                     seen = gl.minimum(row0 + 63, N_K - 1)  # the last key any of these rows sees
                     n_mine = seen // BLOCK_N + 1
                 else:
-                    seen = N_K - 1
                     n_mine = n_blocks
                 if SPLIT:
                     half = (seen % BLOCK_N < HALF) & (n_mine >= 2)
@@ -637,11 +646,7 @@ if _HAS_GLUON:
                     mbarrier.arrive(k_empty.index(stage), count=1)
                     if j >= n_full:
                         s = gl.where(_causal_keep(offs_m, j * BLOCK_N + offs_n, N_K, IS_CAUSAL), s, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                    p = gl.exp2(s * qk_scale - m_new[:, None])
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, 1)
-                    m_i = m_new
+                    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
                     acc = warpgroup_mma_wait(0, deps=(o_tok,))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -668,11 +673,7 @@ if _HAS_GLUON:
                     offs_mh = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
                     offs_nh = (n_mine - 1) * BLOCK_N + gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
                     s_h = gl.where(_causal_keep(offs_mh, offs_nh, N_K, IS_CAUSAL), s_h, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s_h, 1) * qk_scale, s_rows))
-                    p_h = gl.exp2(s_h * qk_scale - gl.convert_layout(m_new, h_rows)[:, None])
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.convert_layout(gl.sum(p_h, 1), s_rows)
-                    m_i = m_new
+                    p_h, alpha, m_i, l_i = _online_softmax(s_h, m_i, l_i, qk_scale)
                     acc = warpgroup_mma_wait(0, deps=(o_tok,))
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
