@@ -12,7 +12,6 @@ default configuration of each cell is timed in the same rounds (column "baseline
 run the float64 check with (instead of the fastest ones), "default" for the defaults.
 """
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from triton.testing import do_bench
 from lmtrain.kernels import flash_gluon_hopper as fg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check, poisoned, tflops  # noqa: E402
+from gluon_probe import _median_ms, check, load, poisoned, tflops  # noqa: E402
 
 
 def main():
@@ -40,11 +39,7 @@ def main():
     t0 = time.time()
     d = a.head_dim
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    base = None
-    if a.baseline:
-        spec = importlib.util.spec_from_file_location("flash_gluon_baseline", a.baseline)
-        base = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+    base = load(a.baseline) if a.baseline else None
     labels = [*a.configs, *(["baseline"] if base else [])]
     wins = {}
     print("| N | default | " + " | ".join(labels) + " | cuDNN |")

@@ -7,6 +7,7 @@ forward / forward+backward TFLOP/s against SDPA's cuDNN backend (bf16, causal, 1
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -119,6 +120,16 @@ def poisoned(b, h, n, d):
     delta = torch.full((b * h, n), float("nan"), device="cuda")
     ft._forward(q, k, v, True, o=o, lse=lse)
     return q, k, v, do, o, lse, dq, dk, dv, delta
+
+
+def load(path):
+    """Another version of ``lmtrain/kernels/flash_gluon_hopper.py`` (a file) as a module of its own, to time beside
+    the current one."""
+    spec = importlib.util.spec_from_file_location("lmtrain.kernels._flash_gluon_other", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _median_ms(kernel, launch) -> float:

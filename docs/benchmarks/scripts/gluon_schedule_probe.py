@@ -10,7 +10,6 @@ B*H*N = 2^21).
 Configurations are ``num_wg,block,num_stages[,per_sm[,reg_a]]`` (``flash_gluon_hopper.Config``).
 """
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -20,21 +19,13 @@ import torch
 from lmtrain.kernels import flash_gluon_hopper as fg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import _median_ms, check, prepared, print_table, tflops, tl_kernels  # noqa: E402
+from gluon_probe import _median_ms, check, load, prepared, print_table, tflops, tl_kernels  # noqa: E402
 
 FWD = {64: ["2,128,3", "2,128,3,1,1", "3,128,2"], 128: ["2,128,2", "2,128,2,1,1", "3,64,3"]}
 DQ = {64: ["2,128,3", "2,128,3,1,1", "2,128,2,1,1", "2,64,3,1,1"],
       128: ["2,128,2", "2,64,3", "2,64,3,1,1", "2,64,2,1,1"]}
 DKDV = {64: ["2,64,2", "2,64,2,1,1", "2,64,3,1,1", "2,32,2,1,1"],
         128: ["2,32,2", "2,32,3", "2,16,2,1,1", "2,16,3,1,1"]}
-
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("lmtrain.kernels._flash_gluon_other", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def sweep(head_dims, seq_lens, old):
