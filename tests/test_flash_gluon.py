@@ -224,6 +224,72 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
                 assert len(units) == len(range(pid, pairs, grid)), "pairs p, p + grid, ..."
 
 
+def _fast_div_python(x: int, d: int, magic: int) -> int:
+    """``_fast_div``'s arithmetic over Python integers: the high 32 bits of the 64-bit product (``umulhi``), then
+    the shift; d 1 returns x."""
+    return x if d == 1 else ((x * (magic >> 8)) >> 32) >> (magic & 255)
+
+
+@requires_triton
+def test_fast_divisor_divides_exactly():
+    """``fast_divisor``'s multiplier fits 32 bits and, with ``_fast_div``'s multiply-high and shift, gives x // d
+    for every divisor tried (all up to 3000, powers of two and their neighbours, random ones up to 2^31) and
+    dividends at the ends of [0, 2^31) and around multiples of d; bad divisors are refused."""
+    import random
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    rng = random.Random(0)
+    divisors = [*range(1, 3000), *(2**k + e for k in range(1, 31) for e in (-1, 0, 1)),
+                *(rng.randrange(1, 2**31) for _ in range(500))]
+    for d in divisors:
+        magic = fg.fast_divisor(d)
+        assert magic >> 8 < 2**32, d
+        xs = [0, 1, d - 1, d, d + 1, 7 * d - 1, 7 * d, 2**31 - 1, *(rng.randrange(0, 2**31) for _ in range(50))]
+        for x in (x for x in xs if 0 <= x < 2**31):
+            assert _fast_div_python(x, d, magic) == x // d, (x, d)
+    for bad in (0, -3, 2**31):
+        with pytest.raises(ValueError):
+            fg.fast_divisor(bad)
+
+
+@requires_triton
+@pytest.mark.parametrize("n,block_t,heads", [(1025, 128, 6), (16384, 192, 5), (97, 192, 1), (4096, 128, 16),
+                                             (640, 128, 3), (333, 128, 7)])
+def test_pair_tile_matches_item_tile_and_coords(n, block_t, heads):
+    """Run as Python, the forward consumers' ``_pair_tile`` gives every work item of every program of a persistent
+    grid the same (whether to do it, batch x head, batch, head, first row) as ``_item_tile`` (pairs) followed by
+    ``_tile_coords``, causal (a head's tiles last to first) or not."""
+    import types
+
+    import triton
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    if not fg._HAS_GLUON:
+        pytest.skip("needs Triton's Gluon")
+    per_head = triton.cdiv(n, block_t)
+    num_tiles = per_head * heads
+    pairs = (per_head + 1) // 2 * heads
+    z = 2 if heads % 2 == 0 else 1
+    h = heads // z
+    for grid in (pairs, 7, 3):
+        for pid in range(grid):
+            f = _schedule_functions(pid, grid)
+            scope = dict(f["_items"].__globals__)
+            scope["_fast_div"] = _fast_div_python
+            pair_tile = types.FunctionType(fg._pair_tile.fn.__code__, scope, "_pair_tile")
+            lo, hi, step = f["_items"](num_tiles, n, block_t, 1)
+            for item in range(lo, hi, step):
+                tile, valid = f["_item_tile"](item, n, num_tiles, block_t, 1)
+                for causal in (False, True):
+                    got = pair_tile(item, n, h, block_t, causal, fg.fast_divisor((per_head + 1) // 2),
+                                    fg.fast_divisor(h))
+                    assert bool(got[0]) == bool(valid), (grid, pid, item)
+                    if valid:
+                        assert tuple(got[1:]) == tuple(f["_tile_coords"](tile, n, h, block_t, causal)), (grid, item)
+
+
 @requires_triton
 @pytest.mark.parametrize("block_t,block_s", [(128, 128), (192, 64), (128, 32), (192, 128)])
 def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, block_s):

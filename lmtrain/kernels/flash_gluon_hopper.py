@@ -396,6 +396,34 @@ if _HAS_GLUON:
         return item, True
 
     @gluon.jit
+    def _fast_div(x, d, magic):
+        """x // d for 0 <= x < 2^31 and a divisor d >= 1 the same for the whole launch, by a multiply-high and a
+        shift: ``magic`` is ``fast_divisor(d)`` (computed on the host). A division by a value the compiler does not
+        know is some 20 dependent instructions around a reciprocal; the tile loop of the forward consumers did three
+        of them in a row between two tiles."""
+        mult = (magic >> 8).to(gl.uint32)
+        q = (gl.umulhi(x.to(gl.uint32), mult) >> (magic & 255).to(gl.uint32)).to(gl.int32)
+        return gl.where(d == 1, x, q)
+
+    @gluon.jit
+    def _pair_tile(item, N, H, BLOCK_T: gl.constexpr, REVERSE: gl.constexpr, PAIR_DIV, HEAD_DIV):
+        """``_item_tile`` (ITEMS 1) and ``_tile_coords`` of work item ``item`` in one: (whether to do it, batch x
+        head index, batch, head, first stationary row), dividing with ``_fast_div`` (``PAIR_DIV``: the magic of the
+        pairs per head, ``HEAD_DIV``: of H) and without the division by the tiles per head that the two steps take
+        one after the other (the pair gives the head and the position directly)."""
+        num = gl.cdiv(N, BLOCK_T)
+        per_head = (num + 1) // 2
+        pair = gl.program_id(0) + (item // 2) * gl.num_programs(0)
+        bh = _fast_div(pair, per_head, PAIR_DIV)
+        j = pair - bh * per_head
+        second = item % 2
+        blk = j + second * (num - 1 - 2 * j)
+        if REVERSE:
+            blk = num - 1 - blk
+        z = _fast_div(bh, H, HEAD_DIV)
+        return (second == 0) | (2 * j + 1 != num), bh, z, bh - z * H, blk * BLOCK_T
+
+    @gluon.jit
     def _tile_of(tile, N_Q, N_K, H, BLOCK_T: gl.constexpr, IS_CAUSAL: gl.constexpr, MODE: gl.constexpr):
         if MODE == 2:
             return _tile_coords(tile, N_K, H, BLOCK_T, False)  # key tiles: the first (longest causal) first
@@ -551,6 +579,13 @@ if _HAS_GLUON:
     # -----------------------------------------------------------------------------------------
 
     @gluon.jit
+    def _log2_approx(x):
+        """log2 of positive ``x`` on the multiplier's approximate unit (``lg2.approx``, relative error about 2^-22):
+        ``gl.log2`` is a software polynomial of some 40 dependent instructions, run on every tile's end."""
+        return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
     def _online_softmax(s, m_i, l_i, qk_scale):
         """One block's step of the online softmax (log2 domain, scale folded in): (P, the rescale factor alpha of the
         earlier blocks' sums, the new row maxima m and sums l) from its masked scores ``s``. The rows of ``s`` may
@@ -564,9 +599,10 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                      turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
+                      turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr, ITEMS: gl.constexpr,
+                      PINGPONG: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles. With
         PINGPONG the consumers issue each block's products in turns (``_turn_wait``).
 
@@ -593,9 +629,12 @@ if _HAS_GLUON:
         turn = 0  # turns taken so far (PINGPONG)
         lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
-            tile, valid = _item_tile(item, N_Q, NUM_TILES, BLOCK_T, ITEMS)
-            if valid:
+            if ITEMS == 1:
+                valid, bh, z, h, start = _pair_tile(item, N_Q, H, BLOCK_T, IS_CAUSAL, PAIR_DIV, HEAD_DIV)
+            else:
+                tile, valid = _item_tile(item, N_Q, NUM_TILES, BLOCK_T, ITEMS)
                 bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+            if valid:
                 first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
                 row0 = start + WG * 64
                 if IS_CAUSAL:
@@ -622,8 +661,15 @@ if _HAS_GLUON:
                 turn += 1
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed.
-                s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+                # Every row sees key 0, so each row's maximum is finite from here on: no NaN guard needed. With two
+                # consumers the mask is applied only where block 0 needs one (it crosses the diagonal or the end of
+                # the keys: the tile's first streamed block is not whole, n_full 0); elsewhere the selects cost some
+                # 200 instructions per thread on each tile's start, outside the overlapped loop. Three consumers
+                # always mask: the branch makes their kernel (160 registers) spill.
+                if NUM_WG > 2:
+                    s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
+                elif n_full == 0:
+                    s = gl.where(_causal_keep(offs_m, offs_n, N_K, IS_CAUSAL), s, float("-inf"))
                 m_i = gl.max(s, 1) * qk_scale
                 p = gl.exp2(s * qk_scale - m_i[:, None])
                 l_i = gl.sum(p, 1)
@@ -709,16 +755,17 @@ if _HAS_GLUON:
                     _turn_pass(turns, WG, NUM_WG, PINGPONG)
                     turn += 1
 
-                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log
-                gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
                 acc = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
                 _store_tile(o_desc, o_smem.index(WG), z, h, row0, acc.to(dtype), 0)
+                # L after O: the fence before O's copy would otherwise wait for L's global stores to complete.
+                lse = (m_i + _log2_approx(l_i)) * 0.6931471805599453  # log2 domain -> natural log
+                gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
                 c += n_blocks
                 it += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
                     ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
@@ -739,11 +786,11 @@ if _HAS_GLUON:
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
+                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
+                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
@@ -751,14 +798,14 @@ if _HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
+                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
+                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, BLOCK_T, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
+                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
@@ -1340,9 +1387,23 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     z, h, n_q, d = q4.shape
     cfg = cfg or config(FWD, d, k4.shape[2])
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
+    pairs_per_head = (triton.cdiv(n_q, cfg.tile_rows) + 1) // 2
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
-            lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E)
+            lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, fast_divisor(pairs_per_head), fast_divisor(h))
     return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
+
+
+def fast_divisor(d: int) -> int:
+    """The magic of ``_fast_div`` by ``d`` (1 <= d < 2^31): ``multiplier << 8 | shift`` with l = ceil(log2 d),
+    multiplier = ceil(2^(31 + l) / d) (below 2^32 for d >= 2) and shift = l - 1, so that
+    x // d = ((x * multiplier) >> 32) >> shift for every 0 <= x < 2^31. d 1 is taken apart in the kernel."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range [1, 2^31)")
+    if d == 1:
+        return 0
+    log = (d - 1).bit_length()
+    multiplier = -(-(1 << (31 + log)) // d)
+    return multiplier << 8 | (log - 1)
 
 
 def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config | None = None,
