@@ -15,12 +15,15 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   Registers move from the producer to the consumers (``setmaxnreg``), so a consumer keeps its fp32 accumulators and
   score tiles in registers without spilling.
 * **Overlap inside a warpgroup.** Matrix products are issued asynchronously and waited for only when their result is
-  needed: the forward issues the scores of key block j+1 and ``O += P V`` of block j, waits for the scores only and
-  computes block j+1's softmax while ``P V`` runs; the backward kernels issue both score-like products (``Q K^T`` and
-  ``dO V^T``), compute P while the second runs, issue ``dV += P^T dO`` before computing dS, and wait for the
-  gradient products at the end of the block. (Letting them run on into the next block's products put three or four
-  products in flight, and ptxas then serialised every warpgroup MMA of the kernel: each one waited for before the
-  next, its C7512 "insufficient register resources". The CPU tests check the machine code for that.) P and dS stay
+  needed: the forward issues the scores of key block j+1 and ``O += P V`` of block j and waits for the scores only
+  (ptxas moves the wait for ``P V`` up to the start of the softmax's basic block, so ``P V`` runs beside the other
+  consumers' work rather than this one's exponentials; forcing that overlap measured slower,
+  docs/benchmarks/2026-11-26-H100-flash-gluon-tile-boundary.md); the backward kernels issue both score-like
+  products (``Q K^T`` and ``dO V^T``), compute P while the second runs, issue ``dV += P^T dO`` before computing dS,
+  and wait for the gradient products at the end of the block. (Letting them run on into the next block's products
+  put three or four products in flight, and ptxas then serialised every warpgroup MMA of the kernel: each one waited
+  for before the next, its C7512 "insufficient register resources". The CPU tests check the machine code for
+  that.) P and dS stay
   in registers as the first operand of the products that need them; with ``reg_a`` the stationary rows do too
   (``Config``). With two or three consumers on a multiprocessor, one's exponentials also overlap the others'
   products.
@@ -44,6 +47,10 @@ deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), 
   64 rows see and passes the tile's later blocks on unread; with two consumers and 128-key blocks, a last block its
   rows see only the first half of (the first consumer's, on the diagonal) runs at half width. At head dim 64 and
   1024 keys the forward ran 4-6% faster (docs/benchmarks/2026-11-26-H100-flash-gluon-diagonal.md).
+* **Short work between tiles.** Block 0 is masked only where it needs it (two consumers), persistent pairs find the
+  next tile by multiply-high and shift (``fast_divisor``), and L leaves after O's copy with ``lg2.approx``: at head
+  dim 64 and 1024 keys the forward went from 0.864 to 0.785 ms
+  (docs/benchmarks/2026-11-26-H100-flash-gluon-tile-boundary.md).
 
 The dK/dV kernel works on transposed scores (keys x queries), so P^T and dS^T come out of its products already as
 the first operands of ``dV += P^T dO`` and ``dK += dS^T Q``: no score tile goes through shared memory. Each streamed
