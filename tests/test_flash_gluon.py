@@ -224,30 +224,57 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
                 assert len(units) == len(range(pid, pairs, grid)), "pairs p, p + grid, ..."
 
 
-def _fast_div_python(x: int, d: int, magic: int) -> int:
-    """``_fast_div``'s arithmetic over Python integers: the high 32 bits of the 64-bit product (``umulhi``), then
-    the shift; d 1 returns x."""
-    return x if d == 1 else ((x * (magic >> 8)) >> 32) >> (magic & 255)
+class _Int32:
+    """A 32-bit integer as ``_fast_div`` uses one: ``to`` (int32 / uint32, bitcast or not: the same bits), ``>>``
+    (logical on uint32); with ``_FAKE_GL`` it runs the kernel function's own code over Python integers."""
+
+    def __init__(self, value: int, unsigned: bool = False):
+        self.unsigned = unsigned
+        self.value = value % 2**32 if unsigned else (value + 2**31) % 2**32 - 2**31
+
+    def to(self, dtype, bitcast: bool = False):
+        return _Int32(self.value, dtype == "uint32")
+
+    def __rshift__(self, other):
+        assert self.unsigned and other.unsigned
+        return _Int32(self.value >> other.value, True)
+
+
+def _fast_div_run(x: int, d: int, mul: int, shift: int) -> int:
+    """``flash_gluon_hopper._fast_div``'s own code run over Python integers."""
+    import types
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    gl = types.SimpleNamespace(uint32="uint32", int32="int32", to_tensor=_Int32,
+                               umulhi=lambda a, b: _Int32((a.value * b.value) >> 32, True),
+                               where=lambda c, a, b: a if c else b)
+    fast_div = types.FunctionType(fg._fast_div.fn.__code__, dict(vars(fg), gl=gl), "_fast_div")
+    q = fast_div(_Int32(x), d, mul, shift)
+    return q.value if isinstance(q, _Int32) else q
 
 
 @requires_triton
 def test_fast_divisor_divides_exactly():
-    """``fast_divisor``'s multiplier fits 32 bits and, with ``_fast_div``'s multiply-high and shift, gives x // d
-    for every divisor tried (all up to 3000, powers of two and their neighbours, random ones up to 2^31) and
-    dividends at the ends of [0, 2^31) and around multiples of d; bad divisors are refused."""
+    """``_fast_div``'s own code (run as Python over 32-bit integers) with ``fast_divisor``'s multiplier and shift
+    gives x // d for every divisor tried (all up to 1500, powers of two and their neighbours, random ones up to
+    2^31) and dividends at the ends of [0, 2^31) and around multiples of d; the multiplier fits a signed int32; bad
+    divisors are refused."""
     import random
 
     from lmtrain.kernels import flash_gluon_hopper as fg
 
+    if not fg._HAS_GLUON:
+        pytest.skip("needs Triton's Gluon")
     rng = random.Random(0)
-    divisors = [*range(1, 3000), *(2**k + e for k in range(1, 31) for e in (-1, 0, 1)),
-                *(rng.randrange(1, 2**31) for _ in range(500))]
+    divisors = [*range(1, 1500), *(2**k + e for k in range(1, 31) for e in (-1, 0, 1)),
+                *(rng.randrange(1, 2**31) for _ in range(300))]
     for d in divisors:
-        magic = fg.fast_divisor(d)
-        assert magic >> 8 < 2**32, d
-        xs = [0, 1, d - 1, d, d + 1, 7 * d - 1, 7 * d, 2**31 - 1, *(rng.randrange(0, 2**31) for _ in range(50))]
+        mul, shift = fg.fast_divisor(d)
+        assert -(2**31) <= mul < 2**31 and 0 <= shift < 31, d
+        xs = [0, 1, d - 1, d, d + 1, 7 * d - 1, 7 * d, 2**31 - 1, *(rng.randrange(0, 2**31) for _ in range(20))]
         for x in (x for x in xs if 0 <= x < 2**31):
-            assert _fast_div_python(x, d, magic) == x // d, (x, d)
+            assert _fast_div_run(x, d, mul, shift) == x // d, (x, d)
     for bad in (0, -3, 2**31):
         with pytest.raises(ValueError):
             fg.fast_divisor(bad)
@@ -257,9 +284,10 @@ def test_fast_divisor_divides_exactly():
 @pytest.mark.parametrize("n,block_t,heads", [(1025, 128, 6), (16384, 192, 5), (97, 192, 1), (4096, 128, 16),
                                              (640, 128, 3), (333, 128, 7)])
 def test_pair_tile_matches_item_tile_and_coords(n, block_t, heads):
-    """Run as Python, the forward consumers' ``_pair_tile`` gives every work item of every program of a persistent
-    grid the same (whether to do it, batch x head, batch, head, first row) as ``_item_tile`` (pairs) followed by
-    ``_tile_coords``, causal (a head's tiles last to first) or not."""
+    """Run as Python, the forward consumers' ``_pair_tile`` and ``_batch_head`` (with ``_fast_div``'s own code) give
+    every work item of every program of a persistent grid the same (whether to do it, batch x head, batch, head,
+    first row) as ``_item_tile`` (pairs) followed by ``_tile_coords``, causal (a head's tiles last to first) or
+    not."""
     import types
 
     import triton
@@ -277,17 +305,18 @@ def test_pair_tile_matches_item_tile_and_coords(n, block_t, heads):
         for pid in range(grid):
             f = _schedule_functions(pid, grid)
             scope = dict(f["_items"].__globals__)
-            scope["_fast_div"] = _fast_div_python
+            scope["_fast_div"] = _fast_div_run
             pair_tile = types.FunctionType(fg._pair_tile.fn.__code__, scope, "_pair_tile")
+            batch_head = types.FunctionType(fg._batch_head.fn.__code__, scope, "_batch_head")
             lo, hi, step = f["_items"](num_tiles, n, block_t, 1)
             for item in range(lo, hi, step):
                 tile, valid = f["_item_tile"](item, n, num_tiles, block_t, 1)
                 for causal in (False, True):
-                    got = pair_tile(item, n, h, block_t, causal, fg.fast_divisor((per_head + 1) // 2),
-                                    fg.fast_divisor(h))
-                    assert bool(got[0]) == bool(valid), (grid, pid, item)
+                    ok, bh, start = pair_tile(item, n, block_t, causal, *fg.fast_divisor((per_head + 1) // 2))
+                    assert bool(ok) == bool(valid), (grid, pid, item)
                     if valid:
-                        assert tuple(got[1:]) == tuple(f["_tile_coords"](tile, n, h, block_t, causal)), (grid, item)
+                        got = (bh, *batch_head(bh, h, *fg.fast_divisor(h)), start)
+                        assert got == tuple(f["_tile_coords"](tile, n, h, block_t, causal)), (grid, item)
 
 
 @requires_triton

@@ -403,32 +403,40 @@ if _HAS_GLUON:
         return item, True
 
     @gluon.jit
-    def _fast_div(x, d, magic):
+    def _fast_div(x, d, MUL, SHIFT):
         """x // d for 0 <= x < 2^31 and a divisor d >= 1 the same for the whole launch, by a multiply-high and a
-        shift: ``magic`` is ``fast_divisor(d)`` (computed on the host). A division by a value the compiler does not
-        know is some 20 dependent instructions around a reciprocal; the tile loop of the forward consumers did three
-        of them in a row between two tiles."""
-        mult = (magic >> 8).to(gl.uint32)
-        q = (gl.umulhi(x.to(gl.uint32), mult) >> (magic & 255).to(gl.uint32)).to(gl.int32)
-        return gl.where(d == 1, x, q)
+        shift: (``MUL``, ``SHIFT``) is ``fast_divisor(d)`` (computed on the host; the multiplier's 32 bits passed as
+        a signed int32, so that both come from the kernel's constant bank rather than from registers decoded once and
+        held through the loops). A division by a value the compiler does not know is some 20 dependent instructions
+        around a reciprocal; the tile loop of the forward consumers did three of them in a row between two tiles."""
+        # to_tensor: Triton passes an integer argument equal to 1 as a constant
+        mul = gl.to_tensor(MUL).to(gl.uint32, bitcast=True)
+        q = gl.umulhi(x.to(gl.uint32), mul) >> gl.to_tensor(SHIFT).to(gl.uint32)
+        return gl.where(d == 1, x, q.to(gl.int32))
 
     @gluon.jit
-    def _pair_tile(item, N, H, BLOCK_T: gl.constexpr, REVERSE: gl.constexpr, PAIR_DIV, HEAD_DIV):
-        """``_item_tile`` (ITEMS 1) and ``_tile_coords`` of work item ``item`` in one: (whether to do it, batch x
-        head index, batch, head, first stationary row), dividing with ``_fast_div`` (``PAIR_DIV``: the magic of the
-        pairs per head, ``HEAD_DIV``: of H) and without the division by the tiles per head that the two steps take
-        one after the other (the pair gives the head and the position directly)."""
+    def _pair_tile(item, N, BLOCK_T: gl.constexpr, REVERSE: gl.constexpr, PAIR_MUL, PAIR_SHIFT):
+        """``_item_tile`` (ITEMS 1) and ``_tile_coords`` of work item ``item`` in one, less the batch and head: (whether
+        to do it, batch x head index, first stationary row), dividing by the pairs per head with ``_fast_div``
+        (``PAIR_MUL``, ``PAIR_SHIFT``) and without the division by the tiles per head that the two steps take one after
+        the other (the pair gives the head and the position directly). ``_batch_head`` gives the batch and head where
+        they are needed: computed here, they would stay in registers through the tile (spills with Triton 3.9)."""
         num = gl.cdiv(N, BLOCK_T)
         per_head = (num + 1) // 2
         pair = gl.program_id(0) + (item // 2) * gl.num_programs(0)
-        bh = _fast_div(pair, per_head, PAIR_DIV)
+        bh = _fast_div(pair, per_head, PAIR_MUL, PAIR_SHIFT)
         j = pair - bh * per_head
         second = item % 2
         blk = j + second * (num - 1 - 2 * j)
         if REVERSE:
             blk = num - 1 - blk
-        z = _fast_div(bh, H, HEAD_DIV)
-        return (second == 0) | (2 * j + 1 != num), bh, z, bh - z * H, blk * BLOCK_T
+        return (second == 0) | (2 * j + 1 != num), bh, blk * BLOCK_T
+
+    @gluon.jit
+    def _batch_head(bh, H, HEAD_MUL, HEAD_SHIFT):
+        """(batch, head) of batch x head index ``bh`` (``HEAD_MUL``, ``HEAD_SHIFT``: ``fast_divisor(H)``)."""
+        z = _fast_div(bh, H, HEAD_MUL, HEAD_SHIFT)
+        return z, bh - z * H
 
     @gluon.jit
     def _tile_of(tile, N_Q, N_K, H, BLOCK_T: gl.constexpr, IS_CAUSAL: gl.constexpr, MODE: gl.constexpr):
@@ -606,7 +614,8 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                      turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T: gl.constexpr,
+                      turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT, HEAD_MUL, HEAD_SHIFT,
+                      BLOCK_T: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                       IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr, ITEMS: gl.constexpr,
                       PINGPONG: gl.constexpr):
@@ -637,10 +646,10 @@ if _HAS_GLUON:
         lo, hi, step = _items(NUM_TILES, N_Q, BLOCK_T, ITEMS)
         for item in range(lo, hi, step):
             if ITEMS == 1:
-                valid, bh, z, h, start = _pair_tile(item, N_Q, H, BLOCK_T, IS_CAUSAL, PAIR_DIV, HEAD_DIV)
+                valid, bh, start = _pair_tile(item, N_Q, BLOCK_T, IS_CAUSAL, PAIR_MUL, PAIR_SHIFT)
             else:
                 tile, valid = _item_tile(item, N_Q, NUM_TILES, BLOCK_T, ITEMS)
-                bh, z, h, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
+                bh, _, _, start = _tile_coords(tile, N_Q, H, BLOCK_T, IS_CAUSAL)
             if valid:
                 first, n_blocks, n_full = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_N, IS_CAUSAL, 0)
                 row0 = start + WG * 64
@@ -763,6 +772,7 @@ if _HAS_GLUON:
                     turn += 1
 
                 acc = acc * gl.convert_layout(1.0 / l_i, o_rows)[:, None]
+                z, h = _batch_head(bh, H, HEAD_MUL, HEAD_SHIFT)
                 _store_tile(o_desc, o_smem.index(WG), z, h, row0, acc.to(dtype), 0)
                 # L after O: the fence before O's copy would otherwise wait for L's global stores to complete.
                 lse = (m_i + _log2_approx(l_i)) * 0.6931471805599453  # log2 domain -> natural log
@@ -772,7 +782,8 @@ if _HAS_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                    HEAD_MUL, HEAD_SHIFT,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                     IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
                     ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
@@ -793,11 +804,11 @@ if _HAS_GLUON:
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
-                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
-                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
@@ -805,14 +816,14 @@ if _HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
-                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
-                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_DIV, HEAD_DIV, BLOCK_T,
-                                 BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
+                                 v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
@@ -1396,21 +1407,21 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
     pairs_per_head = (triton.cdiv(n_q, cfg.tile_rows) + 1) // 2
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),
-            lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, fast_divisor(pairs_per_head), fast_divisor(h))
+            lse, h, n_q, k4.shape[2], tiles, d**-0.5 * _LOG2E, *fast_divisor(pairs_per_head), *fast_divisor(h))
     return grid, args, dict(HEAD_DIM=d, BLOCK_N=cfg.block, IS_CAUSAL=bool(is_causal), **options)
 
 
-def fast_divisor(d: int) -> int:
-    """The magic of ``_fast_div`` by ``d`` (1 <= d < 2^31): ``multiplier << 8 | shift`` with l = ceil(log2 d),
-    multiplier = ceil(2^(31 + l) / d) (below 2^32 for d >= 2) and shift = l - 1, so that
-    x // d = ((x * multiplier) >> 32) >> shift for every 0 <= x < 2^31. d 1 is taken apart in the kernel."""
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(multiplier, shift) of ``_fast_div`` by ``d`` (1 <= d < 2^31): with l = ceil(log2 d), the multiplier is
+    ceil(2^(31 + l) / d) (below 2^32 for d >= 2), given as the signed int32 of the same bits, and the shift l - 1, so
+    that x // d = ((x * multiplier) >> 32) >> shift for every 0 <= x < 2^31. d 1 is taken apart in the kernel."""
     if not 1 <= d < 2**31:
         raise ValueError(f"divisor {d} out of range [1, 2^31)")
     if d == 1:
-        return 0
+        return 0, 0
     log = (d - 1).bit_length()
     multiplier = -(-(1 << (31 + log)) // d)
-    return multiplier << 8 | (log - 1)
+    return multiplier - 2**32 if multiplier >= 2**31 else multiplier, log - 1
 
 
 def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config | None = None,
