@@ -615,10 +615,9 @@ if _HAS_GLUON:
     @gluon.jit
     def _fwd_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT, HEAD_MUL, HEAD_SHIFT,
-                      BLOCK_T: gl.constexpr,
-                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr, ITEMS: gl.constexpr,
-                      PINGPONG: gl.constexpr):
+                      BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
+                      ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup: query rows [start + 64 WG, start + 64 (WG + 1)) of each of the program's tiles. With
         PINGPONG the consumers issue each block's products in turns (``_turn_wait``).
 
@@ -805,10 +804,12 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
-                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
-                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                 1, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
@@ -817,13 +818,16 @@ if _HAS_GLUON:
             gl.warp_specialize([
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
-                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, ITEMS, PINGPONG)),
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                 0, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
-                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, ITEMS, PINGPONG)),
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                 1, REG_A, ITEMS, PINGPONG)),
                 (_fwd_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, turns, LSE, H, N_Q, N_K, NUM_TILES, qk_scale, PAIR_MUL, PAIR_SHIFT,
-                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 2, REG_A, ITEMS, PINGPONG)),
+                                 HEAD_MUL, HEAD_SHIFT, BLOCK_T, BLOCK_N, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                                 2, REG_A, ITEMS, PINGPONG)),
                 (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty,
                              k_ready, k_empty, v_ready, v_empty, H, N_Q, N_K, NUM_TILES, BLOCK_N, NUM_WG, NUM_STAGES,
                              IS_CAUSAL, 0, ITEMS)),
