@@ -9,6 +9,7 @@ are compared with the float64 reference of ``test_flash_attention`` on odd shape
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -226,7 +227,7 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
 
 class _Int32:
     """A 32-bit integer as ``_fast_div`` uses one: ``to`` (int32 / uint32, bitcast or not: the same bits), ``>>``
-    (logical on uint32); with ``_FAKE_GL`` it runs the kernel function's own code over Python integers."""
+    (logical on uint32); ``_fast_div_run`` runs the kernel function's own code over these."""
 
     def __init__(self, value: int, unsigned: bool = False):
         self.unsigned = unsigned
@@ -240,8 +241,9 @@ class _Int32:
         return _Int32(self.value >> other.value, True)
 
 
-def _fast_div_run(x: int, d: int, mul: int, shift: int) -> int:
-    """``flash_gluon_hopper._fast_div``'s own code run over Python integers."""
+@functools.cache
+def _fast_div_python():
+    """``flash_gluon_hopper._fast_div``'s own code as a Python function over ``_Int32``, built once."""
     import types
 
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -249,8 +251,12 @@ def _fast_div_run(x: int, d: int, mul: int, shift: int) -> int:
     gl = types.SimpleNamespace(uint32="uint32", int32="int32", to_tensor=_Int32,
                                umulhi=lambda a, b: _Int32((a.value * b.value) >> 32, True),
                                where=lambda c, a, b: a if c else b)
-    fast_div = types.FunctionType(fg._fast_div.fn.__code__, dict(vars(fg), gl=gl), "_fast_div")
-    q = fast_div(_Int32(x), d, mul, shift)
+    return types.FunctionType(fg._fast_div.fn.__code__, dict(vars(fg), gl=gl), "_fast_div")
+
+
+def _fast_div_run(x: int, d: int, mul: int, shift: int) -> int:
+    """``flash_gluon_hopper._fast_div``'s own code run over Python integers."""
+    q = _fast_div_python()(_Int32(x), d, mul, shift)
     return q.value if isinstance(q, _Int32) else q
 
 
