@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -630,26 +631,115 @@ def test_pingpong_compiles_for_sm90a(d):
 
 
 @requires_triton
-def test_fused_backward_is_opt_in_and_causal_head_dim_64_only(monkeypatch):
-    """``fused``: only with LMTRAIN_FLASH_GLUON_FUSED=1, where the Gluon dK/dV kernel serves the call, causal, d 64."""
+def test_fused_backward_selection(monkeypatch):
+    """``fused``: unset, the fused backward with TMA reductions (2) at head dim 64 from 4096 keys on, with the default
+    ``LMTRAIN_FLASH_GLUON`` and without deterministic algorithms; ``2`` wherever its 64-query blocks apply (not head
+    dim 128 with N_q not a multiple of 4); ``1`` (ordered) causal head dim 64 only; ``0`` never; both need the Gluon
+    dK/dV kernel; bad values are errors."""
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    x64, x128 = torch.empty(1, 2, 100, 64), torch.empty(1, 2, 100, 128)
+    def x(n, d):
+        return torch.empty(1, 2, n, d)
+
     chosen = frozenset((fg.DKDV,))
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FUSED", raising=False)
-    assert not fg.fused(chosen, x64, x64, True)
+    monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
+    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_DKDV", raising=False)
+    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 2
+    assert fg.fused(chosen, x(100, 64), x(16384, 64), False) == 2  # the keys decide
+    assert fg.fused(chosen, x(4096, 64), x(1024, 64), True) == 0
+    assert fg.fused(chosen, x(16384, 128), x(16384, 128), True) == 0
+    assert fg.fused(frozenset((fg.FWD, fg.DQ)), x(4096, 64), x(4096, 64), True) == 0
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "2")
+    assert fg.fused(chosen, x(100, 64), x(100, 64), False) == 2
+    assert fg.fused(chosen, x(1028, 128), x(1028, 128), True) == 2
+    assert fg.fused(chosen, x(1025, 128), x(1025, 128), True) == 0  # 32-query blocks there
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "1")
-    assert fg.fused(chosen, x64, x64, True)
-    assert not fg.fused(chosen, x64, x64, False) and not fg.fused(chosen, x128, x128, True)
-    assert not fg.fused(frozenset((fg.FWD, fg.DQ)), x64, x64, True)
+    assert fg.fused(chosen, x(100, 64), x(100, 64), True) == 1
+    assert fg.fused(chosen, x(100, 64), x(100, 64), False) == 0
+    assert fg.fused(chosen, x(100, 128), x(100, 128), True) == 0
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "0")
-    assert not fg.fused(chosen, x64, x64, True)
-    for bad in ("yes", "true", " 1", "2"):
+    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
+    for bad in ("yes", "true", " 1", "3", ""):
         monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", bad)
         with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON_FUSED="):
-            fg.fused(chosen, x64, x64, True)
-        with pytest.raises(ValueError, match="use 1 .* or 0"):
-            fg.kernels(x64, x64)  # what the forward asks first
+            fg.fused(chosen, x(100, 64), x(100, 64), True)
+        with pytest.raises(ValueError, match="use 2 .* or 0"):
+            fg.kernels(x(100, 64), x(100, 64))  # what the forward asks first
+
+
+@requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("d,n", [(64, 1025), (64, 4096), (128, 4096)])
+def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
+    """``_bwd_atomic_kernel``'s machine code: dQ's shares leave by TMA reductions (``cp.reduce.async.bulk.tensor``
+    ... ``.add``), read dS^T transposed from shared memory; shared memory within one program's share; MMAs not
+    serialised; at head dim 64 with L and D copied (N a multiple of 4, where it is the default) nothing spilled in the
+    block loop (with them loaded, Triton 3.6 spills four accesses there)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    q, k, v, do, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(6))
+    lse, delta, acc = torch.empty(6, n), torch.empty(6, n), torch.empty(2, 3, n, d)
+    _, args, kwargs = fg.bwd_atomic_args(q, k, v, do, dk, dv, acc, lse, delta, True)
+    assert kwargs["SMEM_STATS"] == (n % 4 == 0) and kwargs["OUT_IN_SLOTS"] == (d == 128)
+    compiled = _compile_sm90(fg._bwd_atomic_kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
+    assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
+    mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert mmas and 4 * waits < mmas, f"{waits} full waits for {mmas} warpgroup MMAs"
+    assert "tnspA" in sass, "the dQ product reads dS^T transposed from shared memory"
+    if d == 64 and n % 4 == 0:
+        assert not _block_loop_spills(sass)
+
+
+@requires_triton
+def test_delta_zeroes_sums_and_sums_convert_to_dq(tmp_path):
+    """The fused backward's two small kernels, under Triton's interpreter (in a child process: it must be set before
+    Triton is imported): ``_delta_kernel`` with ``ZERO_ACC`` writes D and zeros over NaN-poisoned sums, and
+    ``_dq_convert_kernel`` scales the sums into a strided fp16 dQ, rows past N untouched."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import torch\n"
+        "from lmtrain.kernels import flash_gluon_hopper as fg\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "z, h, n, d = 2, 3, 97, 64\n"
+        "o, do = (torch.randn(z, h, n, d, generator=g) for _ in range(2))\n"
+        "delta = torch.full((z * h, n), float('nan'))\n"
+        "acc = torch.full((z, h, n, d), float('nan'))\n"
+        "grid, args, kwargs = fg.delta_args(o, do, delta, acc)\n"
+        "fg._delta_kernel[grid](*args, **kwargs)\n"
+        "assert torch.allclose(delta, (o * do).sum(-1).reshape(z * h, n), atol=1e-5), 'D'\n"
+        "assert torch.equal(acc, torch.zeros_like(acc)), 'sums not zeroed'\n"
+        "acc = torch.randn(z, h, n, d, generator=g)\n"
+        "dq = torch.full((z, n + 5, h, d), float('nan'), dtype=torch.float16)\n"
+        "dq4 = dq[:, :n].transpose(1, 2)\n"
+        "fg._dq_convert_kernel[(2, z * h)](acc, dq4, *dq4.stride()[:3], h, n, 0.125, HEAD_DIM=d, BLOCK=64)\n"
+        "assert torch.allclose(dq4.float(), (acc * 0.125).half().float()), 'dQ'\n"
+        "assert dq[:, n:].isnan().all(), 'rows past N written'\n"
+        "print('checked')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
 
 
 @requires_triton
@@ -844,6 +934,28 @@ FUSED_SHAPES = [((1, 2, 97, 64), (1, 2, 97, 64), False), ((2, 3, 1025, 64), (2, 
                 ((1, 2, 257, 64), (1, 2, 333, 64), False), ((1, 2, 333, 64), (1, 2, 257, 64), True),
                 ((1, 1, 30, 64), (1, 1, 30, 64), False), ((1, 1, 200, 64), (1, 1, 4100, 64), False),
                 ((1, 1, 4100, 64), (1, 1, 200, 64), False)]
+# The fused backward with reductions also at head dim 128 (N_q a multiple of 4) and without the causal mask.
+REDUCTION_SHAPES = FUSED_SHAPES + [((1, 2, 1028, 128), (1, 2, 1028, 128), False),
+                                   ((1, 2, 260, 128), (1, 2, 332, 128), True),
+                                   ((1, 1, 4100, 128), (1, 1, 200, 128), False)]
+
+
+def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
+    """Inputs of ``shapes``, checked to take fused backward ``mode`` (``LMTRAIN_FLASH_GLUON_FUSED``), run into
+    NaN-poisoned buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d
+
+    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", str(mode))
+    sq, sk, fused_v = shapes
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=30 + mode, fused_v=fused_v)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    assert fg.fused(fg.kernels(q4, k4, v4), q4, k4, causal) == mode, "these inputs should take the fused backward"
+    out = launch_into_poisoned(q, k, v, do, causal)
+    ref = _reference_results(q, k, v, do, causal, upcast=True)
+    base = _reference_results(q, k, v, do, causal, upcast=False)
+    assert_matches_reference(out, ref, base, dtype, f"fused backward {mode} {shapes} {dtype} causal={causal}")
+    return q, k, v, do, out, ref, base
 
 
 @pytest.mark.gpu
@@ -854,19 +966,64 @@ FUSED_SHAPES = [((1, 2, 97, 64), (1, 2, 97, 64), False), ((2, 3, 1025, 64), (2, 
 def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
     """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
     written by key tile 0, after every other tile's share), and the same bits on three more runs."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, _backward
+    from lmtrain.kernels.flash_triton import _backward
 
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "1")
-    sq, sk, fused_v = shapes
-    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=31, fused_v=fused_v)
-    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    assert fg.fused(fg.kernels(q4, k4, v4), q4, k4, True), "these inputs should take the fused backward"
-    out = launch_into_poisoned(q, k, v, do, True)
-    ref = _reference_results(q, k, v, do, True, upcast=True)
-    base = _reference_results(q, k, v, do, True, upcast=False)
-    assert_matches_reference(out, ref, base, dtype, f"fused backward {shapes} {dtype}")
+    q, k, v, do, out, _, _ = _fused_run(shapes, dtype, True, 1, monkeypatch)
     grads = (out["dq"], out["dk"], out["dv"])
     for _ in range(3):
         again = _backward(do, q, k, v, out["o"], out["lse"], True)
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "not deterministic"
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shapes", REDUCTION_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
+                         + ("_fused" if s[2] else ""))
+def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, monkeypatch):
+    """The fused backward with TMA reductions (LMTRAIN_FLASH_GLUON_FUSED=2) against float64 into NaN-poisoned
+    buffers, and a second run (its sums added in another order) as close."""
+    from lmtrain.kernels.flash_triton import _backward
+
+    q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, 2, monkeypatch)
+    dq, dk, dv = _backward(do, q, k, v, out["o"], out["lse"], causal)
+    assert_matches_reference({**out, "dq": dq, "dk": dk, "dv": dv}, ref, base, dtype, "second run")
+
+
+@pytest.mark.gpu
+@requires_hopper
+def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
+    """Head dim 64 at 4096 keys: by default the fused backward with reductions, through autograd and then from a
+    launch plan (its sums a role of the plan), both against float64; with deterministic algorithms requested, the
+    dQ and dK/dV kernels, the same bits twice."""
+    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels import flash_gluon_hopper as fg
+    from lmtrain.kernels.flash_triton import _as_4d, flash_attention
+
+    for name in ("LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_GLUON_DKDV",
+                 "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_LAUNCH_PLANS"):
+        monkeypatch.delenv(name, raising=False)
+    q, k, v, do = _inputs((1, 2, 4096, 64), (1, 2, 4096, 64), torch.bfloat16, device="cuda", seed=33)
+    assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 2
+    ref = _reference_results(q, k, v, do, True, upcast=True)
+    base = _reference_results(q, k, v, do, True, upcast=False)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*leaves, causal=True)
+        out.backward(do)
+        return {"o": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+    replayed = _launch_plans.STATS["replayed"]
+    for run in range(3):
+        assert_matches_reference(grads(), ref, base, torch.bfloat16, f"default, run {run}")
+    assert _launch_plans.STATS["replayed"] > replayed, "no call was replayed from a plan"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 0
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert all(torch.equal(first[name], second[name]) for name in ("dq", "dk", "dv")), "not deterministic"

@@ -4,8 +4,9 @@ work of one block overlapping the matrix products of the next.
 Same algorithm, outputs and properties as the kernels of ``flash_triton`` (online softmax in the log2 domain with the
 scale folded into one multiply-add before ``exp2``; O in the input dtype and the natural-log logsumexp L in fp32; a
 dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV kernel, no atomics, so the backward is
-deterministic; causal masks top-left aligned; any N_q and N_k; strided inputs), for fp16/bf16 inputs with head dims
-64 and 128. What differs is the schedule, which plain ``tl`` code does not let one write:
+deterministic, except where the fused backward with reductions below takes the call; causal masks top-left
+aligned; any N_q and N_k; strided inputs), for fp16/bf16 inputs with head dims 64 and 128. What differs is the
+schedule, which plain ``tl`` code does not let one write:
 
 * **Warp specialisation.** A program runs ``NUM_WG`` consumer warpgroups of 4 warps, each owning 64 rows of the
   program's *stationary* tile (queries in the forward and dQ kernels, keys in the dK/dV kernel), and one producer
@@ -63,17 +64,31 @@ configuration, and at head dim 128 the freed registers let it stream 64-query bl
 again; docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md). Where TMA cannot copy them (N_q not a multiple of
 4), the consumers load them as before (``_DKDV_LOADS``).
 
-**Fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV kernel's
-programs also compute each query block's share of dQ over their keys (``dS K``, dS^T through shared memory), five
-products per block pair instead of the seven of the dQ and dK/dV kernels. Without atomics, the shares are added in
-a fixed order: a reducer partition (two warps) of the program of key tile t waits until the tiles after t that see
-the block have added theirs (a per-block flag, read with acquire semantics, released after each TMA store of the
-fp32 sum), adds its consumers' two partial tiles to the sum and stores it back; key tile 0, the last, writes dQ. So
-dQ is the same bits on every run. Programs are launched a head's last key tile first, so a program only waits for
-programs launched before it. It measured slower than the two kernels on an H100
-(docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md): the dS store and the dQ product lengthen each
-block by more than the quarter more products they add, and each hand-over of a block's sum from one key tile to the
-next (a TMA store, the flag, a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
+**Fused backward with TMA reductions** (``backward_atomic``; the default at head dim 64 from 4096 keys on,
+``LMTRAIN_FLASH_GLUON_FUSED=2`` wherever it applies; see ``fused``). The dK/dV kernel's consumers also compute each
+query block's share of dQ over their 64 keys (``dS K``, dS^T through shared memory, read transposed), five products
+per block pair instead of seven, and add it into an fp32 (Z, H, N_q, d) tensor of sums by a TMA reduction
+(``cp.reduce.async.bulk.tensor ... .add``, which Gluon's Hopper module does not wrap: ``_tma_reduce_add`` builds
+Triton's own op) from one of two shared-memory slots per consumer, so the reduction runs in L2 while the consumer
+goes on. A small kernel first writes D and zeroes the sums, another scales them into dQ. The order in which key
+tiles add into a block varies, so dQ may differ in its last bits from run to run: with
+``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. At head dim 64, bf16 and
+causal on an H100 the backward took 0.92-0.98x the two kernels' time at 4096 and 16384 keys and 1.2x at 1024
+(docs/benchmarks/2026-11-27-H100-flash-gluon-reductions.md). At head dim 128 the sums leave in two column slices
+one after the other (their accumulators beside dK's and dV's would spill) and dK, dV through the slots, and it
+measured 1.1-1.5x slower than the two kernels: opt-in only.
+
+**Ordered fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV
+kernel's programs also compute each query block's share of dQ over their keys (``dS K``, dS^T through shared
+memory), five products per block pair instead of the seven of the dQ and dK/dV kernels. Without atomics, the shares
+are added in a fixed order: a reducer partition (two warps) of the program of key tile t waits until the tiles after
+t that see the block have added theirs (a per-block flag, read with acquire semantics, released after each TMA store
+of the fp32 sum), adds its consumers' two partial tiles to the sum and stores it back; key tile 0, the last, writes
+dQ. So dQ is the same bits on every run. Programs are launched a head's last key tile first, so a program only waits
+for programs launched before it. It measured slower than the two kernels on an H100
+(docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md): the dS store and the dQ product lengthen each block
+by more than the quarter more products they add, and each hand-over of a block's sum from one key tile to the next
+(a TMA store, the flag, a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
 
 Tiles move through host-side TMA descriptors over the whole (Z, H, N, d) tensors, with (1, 1, rows, d) boxes, as in
 ``flash_triton_hopper``, so strided views (heads of a fused qkv projection) are read in place.
@@ -116,6 +131,26 @@ try:  # Gluon with Hopper's warpgroup MMA and TMA: Triton 3.5 and later
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # A barrier of the calling partition's warps: thread_barrier until Triton 3.6, barrier after.
     _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """``global[coord box] += src`` (a shared-memory tile) by the tensor memory accelerator: the reduction
+        happens in L2, asynchronously, like a TMA store (``tma.store_wait`` counts it among the stores in flight).
+        Gluon's Hopper module has the store but not the reduction; the op it builds is Triton's own (TTGIR
+        ``async_tma_reduce``, what ``tl``'s ``descriptor.atomic_add`` lowers to)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    @_builtin
+    def _smem_view(smem, dtype, shape, layout, _semantic=None):
+        """``smem``'s bytes viewed as another dtype, shape and layout: ``_reinterpret`` until Triton 3.6,
+        ``reinterpret`` after."""
+        view = getattr(smem, "reinterpret", None) or smem._reinterpret
+        return view(dtype, shape, layout, _semantic=_semantic)
     _HAS_GLUON = True
 except ImportError:  # pragma: no cover - older Triton: the tl kernels serve every call
     _HAS_GLUON = False
@@ -323,21 +358,45 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
     return chosen
 
 
-def fused(chosen: frozenset[int], q4: torch.Tensor, k4: torch.Tensor, is_causal: bool) -> bool:
-    """Whether the fused backward (``backward``) serves a call whose Gluon kernels are ``chosen`` (``kernels``):
-    ``LMTRAIN_FLASH_GLUON_FUSED=1``, the Gluon dK/dV kernel applies, causal, head dim 64. Off by default: it
-    measured slower than the dQ and dK/dV kernels (docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md)."""
-    return fused_setting() and DKDV in chosen and bool(is_causal) and q4.shape[-1] == 64
+# Head dim -> from this many keys on, the fused backward with TMA reductions (``backward_atomic``) is the default: it
+# measured faster than the dQ and dK/dV kernels there (docs/benchmarks/2026-11-26-H100-flash-gluon-reductions.md).
+# Head dim 128 is not listed: its sums leave in two column slices, one after the other, and it measured slower.
+_FUSED_FROM = {64: 4096}
+AUTO = -1  # LMTRAIN_FLASH_GLUON_FUSED unset: the fused backward where _FUSED_FROM says
 
 
-def fused_setting() -> bool:
-    """``LMTRAIN_FLASH_GLUON_FUSED``: ``1`` the fused backward where it applies, ``0`` or unset not; any other value
-    is an error (checked by every call through ``kernels``, forward included, so a typo fails before the backward)."""
-    value = os.environ.get("LMTRAIN_FLASH_GLUON_FUSED", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"LMTRAIN_FLASH_GLUON_FUSED={value!r}: use 1 (the fused backward, causal, head dim 64) or 0 "
-                         "(the dQ and dK/dV kernels, the default).")
-    return value == "1"
+def fused(chosen: frozenset[int], q4: torch.Tensor, k4: torch.Tensor, is_causal: bool) -> int:
+    """Which backward serves a call whose Gluon kernels are ``chosen`` (``kernels``): 0 the dQ and dK/dV kernels,
+    1 the ordered fused backward (``backward``: causal, head dim 64), 2 the fused backward whose dQ sums are TMA
+    reductions (``backward_atomic``: its streamed blocks must be 64 queries, which rules out head dim 128 where N_q
+    is not a multiple of 4). Both need the Gluon dK/dV kernel to apply. ``LMTRAIN_FLASH_GLUON_FUSED`` (see
+    ``fused_setting``) unset: 2 where ``_FUSED_FROM`` says, with the default ``LMTRAIN_FLASH_GLUON``, unless
+    ``torch.use_deterministic_algorithms`` is on (2's sums are added in a different order on every run)."""
+    mode = fused_setting()
+    if not mode or DKDV not in chosen:
+        return 0
+    d, n_q, n_k = q4.shape[-1], q4.shape[-2], k4.shape[-2]
+    if mode == AUTO:
+        if n_k < _FUSED_FROM.get(d, 1 << 62) or setting() != "1" or torch.are_deterministic_algorithms_enabled():
+            return 0
+        mode = 2
+    if mode == 2:  # the dQ product's M is the streamed block: 64 queries
+        return mode if config(DKDV, d, n_k, loads=n_q % 4 != 0).block == 64 else 0
+    return mode if is_causal and d == 64 else 0
+
+
+def fused_setting() -> int:
+    """``LMTRAIN_FLASH_GLUON_FUSED``: unset ``AUTO`` (see ``fused``); ``0`` the dQ and dK/dV kernels; ``1`` the
+    ordered fused backward; ``2`` the fused backward with TMA reductions, wherever they apply. Any other value is an
+    error (checked by every call through ``kernels``, forward included, so a typo fails before the backward)."""
+    value = os.environ.get("LMTRAIN_FLASH_GLUON_FUSED")
+    if value is None:
+        return AUTO
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"LMTRAIN_FLASH_GLUON_FUSED={value!r}: use 2 (the fused backward with TMA reductions), 1 "
+                         "(the ordered fused backward, causal, head dim 64) or 0 (the dQ and dK/dV kernels); unset, "
+                         "the first where it measured faster.")
+    return int(value)
 
 
 def usable(*tensors: torch.Tensor, kernel: int = FWD) -> bool:
@@ -974,7 +1033,8 @@ if _HAS_GLUON:
                        BLOCK_T: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WG: gl.constexpr, REG_A: gl.constexpr,
                        FUSED: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                       ABLATE: gl.constexpr = 0, lse_smem=None, delta_smem=None, SMEM_STATS: gl.constexpr = False):
+                       ABLATE: gl.constexpr = 0, lse_smem=None, delta_smem=None, SMEM_STATS: gl.constexpr = False,
+                       acc_desc=None, NUM_SLOTS: gl.constexpr = 2, OUT_IN_SLOTS: gl.constexpr = False):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
         ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
@@ -990,14 +1050,16 @@ if _HAS_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
         cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-        dtype: gl.constexpr = dk_desc.dtype
+        dtype: gl.constexpr = k_smem.dtype
         k = k_smem.index(WG).reshape([64, HEAD_DIM])
         v = v_smem.index(WG).reshape([64, HEAD_DIM])
         zero_st = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
 
         if FUSED:
-            dq_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
-            zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+            DQ_COLS: gl.constexpr = acc_desc.block_type.shape[3] if FUSED == 2 else HEAD_DIM
+            DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
+            dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
+            zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
             ds_t = ds_smem.index(WG)
             part = 0  # partial dQ tiles handed over so far: the part ring's position
 
@@ -1008,7 +1070,7 @@ if _HAS_GLUON:
         for item in range(lo, hi, step):
             tile, valid = _item_tile(item, N_K, NUM_TILES, BLOCK_T, ITEMS)
             if valid:
-                bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED)
+                bh, z, h, start = _tile_coords(tile, N_K, H, BLOCK_T, FUSED == 1)
                 first, end, boundary = _streamed(start, N_Q, N_K, BLOCK_T, BLOCK_M, IS_CAUSAL, 2)
                 row0 = start + WG * 64
                 offs_k = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
@@ -1052,7 +1114,28 @@ if _HAS_GLUON:
                         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(cols)
                     dst = (pt * (dpt - delta[None, :])).to(dtype)
                     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-                    if FUSED:
+                    if FUSED == 2 and DQ_SPLIT > 1:
+                        # dQ of the query block over this warpgroup's keys in DQ_SPLIT column slices, one after the
+                        # other (all at once, their accumulators beside dK's and dV's spill), each added into the fp32
+                        # sums by a TMA reduction from the next of this warpgroup's NUM_SLOTS slots.
+                        ds_t.store(dst)
+                        fence_async_shared()
+                        for cs in gl.static_range(DQ_SPLIT):
+                            dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k.slice(cs * DQ_COLS, DQ_COLS, dim=1),
+                                                   zero_dq, use_acc=False, is_async=True)
+                            if cs == 0:
+                                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
+                                mbarrier.arrive(q_empty.index(stage), count=1)
+                                mbarrier.arrive(do_empty.index(stage), count=1)
+                            else:
+                                dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+                            slot = part_smem.index(NUM_SLOTS * WG + part % NUM_SLOTS)
+                            tma.store_wait(NUM_SLOTS - 1)
+                            slot.reshape([BLOCK_M, DQ_COLS]).store(dq)
+                            fence_async_shared()
+                            _tma_reduce_add(acc_desc, [z, h, i * BLOCK_M, cs * DQ_COLS], slot)
+                            part += 1
+                    elif FUSED:
                         # dQ of the query block over this warpgroup's keys: dS (queries x keys) is dS^T through shared
                         # memory, read transposed; K is the stationary tile.
                         ds_t.store(dst)
@@ -1061,7 +1144,16 @@ if _HAS_GLUON:
                         dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
                         mbarrier.arrive(q_empty.index(stage), count=1)
                         mbarrier.arrive(do_empty.index(stage), count=1)
-                        if ABLATE == 1:
+                        if FUSED == 2:
+                            # Added into the fp32 sums by a TMA reduction from this warpgroup's slot: the slot's
+                            # reduction of two blocks ago has read it once at most one later one is in flight.
+                            slot = part_smem.index(NUM_SLOTS * WG + part % NUM_SLOTS)
+                            tma.store_wait(NUM_SLOTS - 1)
+                            slot.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                            fence_async_shared()
+                            _tma_reduce_add(acc_desc, [z, h, i * BLOCK_M, 0], slot)
+                            part += 1
+                        elif ABLATE == 1:
                             dk = dk + dq * 0.0  # keeps the product
                         else:
                             slot = part % 2
@@ -1079,22 +1171,36 @@ if _HAS_GLUON:
                 n_blocks = end - first
                 mbarrier.arrive(kv_empty.index(WG), count=1)
                 # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
-                _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
-                _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
+                if OUT_IN_SLOTS:
+                    # dV and dK through this warpgroup's two sum slots (16 KiB each, a 64 x 128 tile of 16-bit values),
+                    # once every reduction has read them.
+                    dv_buf = _smem_view(part_smem.index(NUM_SLOTS * WG), dtype, dv_desc.block_type.shape,
+                                        dv_desc.layout)
+                    dk_buf = _smem_view(part_smem.index(NUM_SLOTS * WG + 1), dtype, dk_desc.block_type.shape,
+                                        dk_desc.layout)
+                    _store_tile(dv_desc, dv_buf, z, h, row0, dv.to(dtype), 0)
+                    _store_tile(dk_desc, dk_buf, z, h, row0, (dk * sm_scale).to(dtype), 1)
+                else:
+                    _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
+                    _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
                 c += n_blocks
                 it += 1
         tma.store_wait(0)
 
     @gluon.jit
     def _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG: gl.constexpr,
-                      NUM_STAGES: gl.constexpr):
-        """The dK/dV kernels' shared memory and barriers: K, V and the dK, dV output tiles (one 64-row tile per
-        consumer), the Q and dO rings; the stationary tiles' ready/empty barriers and the rings'."""
+                      NUM_STAGES: gl.constexpr, OUTPUTS: gl.constexpr = True):
+        """The dK/dV kernels' shared memory and barriers: K, V and (OUTPUTS) the dK, dV output tiles (one 64-row
+        tile per consumer; without OUTPUTS the K and V tiles stand in, unused), the Q and dO rings; the stationary
+        tiles' ready/empty barriers and the rings'."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
-        dk_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dk_desc.block_type.shape, dk_desc.layout)
-        dv_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dv_desc.block_type.shape, dv_desc.layout)
+        if OUTPUTS:
+            dk_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dk_desc.block_type.shape, dk_desc.layout)
+            dv_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + dv_desc.block_type.shape, dv_desc.layout)
+        else:
+            dk_smem, dv_smem = k_smem, v_smem
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
         kv_ready, kv_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
@@ -1102,6 +1208,19 @@ if _HAS_GLUON:
         do_ready, do_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         return (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
                 do_empty)
+
+    @gluon.jit
+    def _stats_buffers(lse_desc, delta_desc, unused, NUM_STAGES: gl.constexpr, SMEM_STATS: gl.constexpr):
+        """With SMEM_STATS, the ring's buffers of the streamed queries' L and D (``lse_desc``, ``delta_desc``:
+        descriptors of (Z * H, N_Q) fp32 tensors moving (1, BLOCK_M) boxes); otherwise ``unused`` twice."""
+        if SMEM_STATS:
+            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape,
+                                                 lse_desc.layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
+                                                   delta_desc.layout)
+        else:
+            lse_smem, delta_smem = unused, unused
+        return lse_smem, delta_smem
 
     @gluon.jit
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
@@ -1117,13 +1236,7 @@ if _HAS_GLUON:
         BLOCK_T: gl.constexpr = NUM_WG * 64
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES)
-        if SMEM_STATS:
-            lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape,
-                                                 lse_desc.layout)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
-                                                   delta_desc.layout)
-        else:
-            lse_smem, delta_smem = k_smem, k_smem  # unused
+        lse_smem, delta_smem = _stats_buffers(lse_desc, delta_desc, k_smem, NUM_STAGES, SMEM_STATS)
         turns = _turn_barriers(NUM_WG, kv_ready, PINGPONG)
         if NUM_WG == 2:
             gl.warp_specialize([
@@ -1325,6 +1438,46 @@ if _HAS_GLUON:
                            ABLATE)),
         ], [4, 1, 2], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
+    @gluon.jit
+    def _bwd_atomic_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, acc_desc, lse_desc, delta_desc,
+                           H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr,
+                           SMEM_STATS: gl.constexpr, NUM_SLOTS: gl.constexpr, OUT_IN_SLOTS: gl.constexpr):
+        """Over key tiles as ``_dkdv_kernel``: dK and dV of each, and every tile's share of dQ (``dS K`` over each
+        consumer's 64 keys) added into fp32 sums (``acc_desc``, zeroed before) by TMA reductions from NUM_SLOTS
+        shared-memory tiles per consumer. Five products per block pair; the sums' order of addition varies from run
+        to run. Reads D, which ``_delta_kernel`` writes. OUT_IN_SLOTS: dK and dV leave through the sum slots at the
+        end of a tile rather than tiles of their own, which leaves shared memory for the sums (head dim 128)."""
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_T: gl.constexpr = NUM_WG * 64
+        gl.static_assert(NUM_WG == 2, "the fused backward runs two consumer warpgroups")
+        (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+         do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES,
+                                   not OUT_IN_SLOTS)
+        lse_smem, delta_smem = _stats_buffers(lse_desc, delta_desc, k_smem, NUM_STAGES, SMEM_STATS)
+        ds_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
+        slots = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS * NUM_WG] + acc_desc.block_type.shape,
+                                          acc_desc.layout)
+        turns = _turn_barriers(NUM_WG, kv_ready, PINGPONG)
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, kv_ready, kv_ready,
+                              turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                              BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, 2, ITEMS, PINGPONG, 0,
+                              lse_smem, delta_smem, SMEM_STATS, acc_desc, NUM_SLOTS, OUT_IN_SLOTS)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, kv_ready, kv_ready,
+                              turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
+                              BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, 2, ITEMS, PINGPONG, 0,
+                              lse_smem, delta_smem, SMEM_STATS, acc_desc, NUM_SLOTS, OUT_IN_SLOTS)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                         q_ready, q_empty, do_ready, do_empty, H, N_Q, N_K, NUM_TILES, BLOCK_M, NUM_WG, NUM_STAGES,
+                         IS_CAUSAL, 2, ITEMS, lse_desc, delta_desc, lse_smem, delta_smem, SMEM_STATS)),
+        ], [4, 1], [CONSUMER_REGS, 24])  # 24: _PRODUCER_REGS
+
 
 # ---------------------------------------------------------------------------------------------
 # Launchers: (Z, H, N, d) views prepared and checked by flash_triton's _forward / _backward
@@ -1342,11 +1495,11 @@ def _layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, _GL_DTYPES[dtype]))
 
 
-def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, d) boxes in ``_layout``. Built
-    without the constructor's checks: ``usable`` made them for every tensor a launcher gets (the fused backward's
-    scratch of dQ sums is allocated dense and aligned)."""
-    d = t.shape[-1]
+def descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A host TMA descriptor of the (Z, H, N, d) tensor ``t`` moving (1, 1, rows, cols) boxes (default: all d
+    columns) in ``_layout``. Built without the constructor's checks: ``usable`` made them for every tensor a launcher
+    gets (the fused backwards' scratch of dQ sums is allocated dense and aligned)."""
+    d = min(cols or t.shape[-1], t.shape[-1])
     return unchecked(TensorDescriptor, base=t, shape=list(t.shape), strides=_tma_strides(t),
                      block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype))
 
@@ -1499,10 +1652,51 @@ def bwd_args(q4, k4, v4, do4, dq4, dk4, dv4, acc, flags, lse, delta, is_causal: 
     return (tiles,), args, kwargs
 
 
+def bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal: bool, cfg: Config | None = None,
+                    programs: int | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of one launch of ``_bwd_atomic_kernel``: those of the dK/dV
+    kernel (``dkdv_args``, the same configuration) with ``acc``, the dense fp32 (Z, H, N_Q, d) tensor of dQ sums
+    (zeroed), moved in 64-column boxes: at head dim 128 the sums leave in two slices, and dK and dV through the sum
+    slots (shared memory holds no tiles of their own beside them)."""
+    grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, cfg, programs)
+    args = (*args[:6], descriptor(acc, kwargs["BLOCK_M"], 64), *args[6:])
+    return grid, args, dict(kwargs, NUM_SLOTS=2, OUT_IN_SLOTS=q4.shape[-1] > 64)
+
+
 @triton.jit
-def _delta_kernel(OUT, DO, DELTA, stride_oz, stride_oh, stride_on, stride_dz, stride_dh, stride_dn, H, N_Q,
-                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """D = rowsum(O * dO) in fp32 for BLOCK rows of one head."""
+def _dq_convert_kernel(ACC, DQ, stride_z, stride_h, stride_n, H, N_Q, scale, HEAD_DIM: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """dQ = scale * the fp32 sums of the fused backward, in dQ's dtype, for BLOCK rows of one head."""
+    bh = tl.program_id(1)
+    z, h = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = (rows < N_Q)[:, None]
+    acc = tl.load(ACC + (bh.to(tl.int64) * N_Q + rows)[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
+    tl.store(DQ + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h + rows.to(tl.int64)[:, None] * stride_n
+             + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+def backward_atomic(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
+                    dq4: torch.Tensor, dk4: torch.Tensor, dv4: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                    acc: torch.Tensor, is_causal: bool, cfg: Config | None = None) -> None:
+    """dQ, dK and dV into ``dq4``, ``dk4``, ``dv4`` with ``_bwd_atomic_kernel``, for views that ``fused`` gave 2:
+    D into ``delta`` and zeros into ``acc`` (dense fp32 (Z, H, N_Q, d), ``_delta_kernel``), the fused kernel, then
+    dQ from the sums (``_dq_convert_kernel``)."""
+    bind_context(q4.device)
+    z, h, n_q, d = q4.shape
+    launch_compiled(_delta_kernel, *delta_args(o4, do4, delta, acc))
+    launch_compiled(_bwd_atomic_kernel, *bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal, cfg))
+    block = 64
+    launch_compiled(_dq_convert_kernel, (triton.cdiv(n_q, block), z * h),
+                    (acc, dq4, *dq4.stride()[:3], h, n_q, d**-0.5), dict(HEAD_DIM=d, BLOCK=block, num_warps=4))
+
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, stride_oz, stride_oh, stride_on, stride_dz, stride_dh, stride_dn, H, N_Q, ACC,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_ACC: tl.constexpr = False):
+    """D = rowsum(O * dO) in fp32 for BLOCK rows of one head; ZERO_ACC: also zeros for those rows of the dense fp32
+    (Z, H, N_Q, d) sums ``ACC``."""
     bh = tl.program_id(1)
     z, h = bh // H, bh % H
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -1513,14 +1707,19 @@ def _delta_kernel(OUT, DO, DELTA, stride_oz, stride_oh, stride_on, stride_dz, st
     do = tl.load(DO + z.to(tl.int64) * stride_dz + h.to(tl.int64) * stride_dh + rows.to(tl.int64)[:, None] * stride_dn
                  + cols[None, :], mask=ok, other=0.0)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < N_Q)
+    if ZERO_ACC:
+        tl.store(ACC + (bh.to(tl.int64) * N_Q + rows)[:, None] * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=ok)
 
 
-def delta_args(o4, do4, delta) -> tuple[tuple, tuple, dict]:
-    """(grid, positional arguments, keyword arguments) of ``_delta_kernel`` over (Z, H, N, d) O and dO."""
+def delta_args(o4, do4, delta, acc=None) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of ``_delta_kernel`` over (Z, H, N, d) O and dO, zeroing
+    ``acc`` if given."""
     z, h, n_q, d = o4.shape
     block = 64
-    return ((triton.cdiv(n_q, block), z * h), (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], h, n_q),
-            dict(HEAD_DIM=d, BLOCK=block, num_warps=4))
+    return ((triton.cdiv(n_q, block), z * h),
+            (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], h, n_q, delta if acc is None else acc),
+            dict(HEAD_DIM=d, BLOCK=block, ZERO_ACC=acc is not None, num_warps=4))
 
 
 def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,

@@ -546,9 +546,12 @@ def _backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the two backward kernels (dQ with D, then dK/dV). Returns (dQ, dK, dV), contiguous, in the input dtype."""
+    """Launch the backward kernels: dQ with D, then dK/dV; or one fused kernel for all three (Gluon, see
+    ``flash_gluon_hopper.fused``). Returns (dQ, dK, dV), contiguous, in the input dtype."""
     buffers_given = dq is not None or dk is not None or dv is not None
-    plan_key = None if buffers_given else _plans.key("bwd", (do, q, k, v, o, lse), bool(is_causal), bool(allow_tf32))
+    # Deterministic algorithms requested or not is part of the key: it decides whether the fused backward may run.
+    plan_key = None if buffers_given else _plans.key("bwd", (do, q, k, v, o, lse), bool(is_causal), bool(allow_tf32),
+                                                     torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(plan_key)
     if plan is not None:  # a call like an earlier one: its launches again, over these tensors (see _launch_plans)
         return _replay_backward(plan, do, q, k, v, o, lse)
@@ -589,7 +592,10 @@ def _backward(
     descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
     fused = _gluon.fused(gluon, q4, k4, is_causal)  # one kernel for all three gradients (opt-in)
     with _device_guard(q), _plans.recording(plan_key) as launches:
-        if fused:
+        if fused == 2:
+            acc = _dq_sums(q4)
+            _gluon.backward_atomic(q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta, acc, bool(is_causal))
+        elif fused:
             _gluon.backward(q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta, bool(is_causal))
         else:
             if _gluon.DQ in gluon:
@@ -610,8 +616,14 @@ def _backward(
                     q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4),
                     h, n_q, n_k, n_key, sm_scale * _LOG2E, sm_scale,
                 ), common, key)
-    _plans.store(plan_key, launches, (q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta), do_copied=do_copied)
+    roles = (q4, k4, v4, o4, do4, dq4, dk4, dv4, lse, delta) + ((acc,) if fused == 2 else ())
+    _plans.store(plan_key, launches, roles, do_copied=do_copied, sums=fused == 2)
     return dq, dk, dv
+
+
+def _dq_sums(q4: torch.Tensor) -> torch.Tensor:
+    """The fused backward's fp32 dQ sums, one per element of dQ (zeroed by its first kernel)."""
+    return torch.empty(q4.shape, dtype=torch.float32, device=q4.device)
 
 
 def _replay_backward(plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -626,7 +638,8 @@ def _replay_backward(plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     delta = _per_row((z * h, n_q), q.device)
     with _device_guard(q):
         _gluon.bind_context(q.device)
-        plan.run((q4, k4, v4, o4, do4, _as_4d(dq), _as_4d(dk), _as_4d(dv), lse.contiguous(), delta))
+        roles = (q4, k4, v4, o4, do4, _as_4d(dq), _as_4d(dk), _as_4d(dv), lse.contiguous(), delta)
+        plan.run(roles + ((_dq_sums(q4),) if plan.extra["sums"] else ()))
     return dq, dk, dv
 
 
