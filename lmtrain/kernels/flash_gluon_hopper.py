@@ -1173,7 +1173,11 @@ if _HAS_GLUON:
                 # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
                 if OUT_IN_SLOTS:
                     # dV and dK through this warpgroup's two sum slots (16 KiB each, a 64 x 128 tile of 16-bit values),
-                    # once every reduction has read them.
+                    # once every reduction has read them. The next tile's first reductions then refill slot 0 (its dV
+                    # store before the last in flight) and slot 1: each block fills both slots in order, so ``part``
+                    # is even at every block's start.
+                    gl.static_assert(DQ_SPLIT == NUM_SLOTS and NUM_SLOTS == 2,
+                                     "dV and dK leave through the slots only where each block fills both in order")
                     dv_buf = _smem_view(part_smem.index(NUM_SLOTS * WG), dtype, dv_desc.block_type.shape,
                                         dv_desc.layout)
                     dk_buf = _smem_view(part_smem.index(NUM_SLOTS * WG + 1), dtype, dk_desc.block_type.shape,
