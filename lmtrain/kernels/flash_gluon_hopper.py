@@ -359,7 +359,7 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
 
 
 # Head dim -> from this many keys on, the fused backward with TMA reductions (``backward_atomic``) is the default: it
-# measured faster than the dQ and dK/dV kernels there (docs/benchmarks/2026-11-26-H100-flash-gluon-reductions.md).
+# measured faster than the dQ and dK/dV kernels there (docs/benchmarks/2026-11-27-H100-flash-gluon-reductions.md).
 # Head dim 128 is not listed: its sums leave in two column slices, one after the other, and it measured slower.
 _FUSED_FROM = {64: 4096}
 AUTO = -1  # LMTRAIN_FLASH_GLUON_FUSED unset: the fused backward where _FUSED_FROM says
@@ -377,7 +377,8 @@ def fused(chosen: frozenset[int], q4: torch.Tensor, k4: torch.Tensor, is_causal:
         return 0
     d, n_q, n_k = q4.shape[-1], q4.shape[-2], k4.shape[-2]
     if mode == AUTO:
-        if n_k < _FUSED_FROM.get(d, 1 << 62) or setting() != "1" or torch.are_deterministic_algorithms_enabled():
+        if d not in _FUSED_FROM or n_k < _FUSED_FROM[d] or setting() != "1" \
+                or torch.are_deterministic_algorithms_enabled():
             return 0
         mode = 2
     if mode == 2:  # the dQ product's M is the streamed block: 64 queries
@@ -1036,9 +1037,11 @@ if _HAS_GLUON:
                        ABLATE: gl.constexpr = 0, lse_smem=None, delta_smem=None, SMEM_STATS: gl.constexpr = False,
                        acc_desc=None, NUM_SLOTS: gl.constexpr = 2, OUT_IN_SLOTS: gl.constexpr = False):
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
-        (keys x queries) score tiles. FUSED (``_bwd_kernel``): also this warpgroup's part of each query block's dQ,
-        ``dS K`` over its 64 keys, handed to the reducer through ``part_smem`` (``ds_smem``, ``part_*``: unused
-        otherwise). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``).
+        (keys x queries) score tiles. FUSED 1 (``_bwd_kernel``): also this warpgroup's part of each query block's
+        dQ, ``dS K`` over its 64 keys, handed to the reducer through ``part_smem``; FUSED 2 (``_bwd_atomic_kernel``):
+        that part added into the sums of ``acc_desc`` by TMA reductions from ``part_smem``'s NUM_SLOTS slots of this
+        warpgroup, and with OUT_IN_SLOTS dK and dV leaving through those slots (``ds_smem``, ``part_*``: unused
+        without FUSED). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``).
 
         Each query block's L and D: with SMEM_STATS from the ring's ``lse_smem`` and ``delta_smem`` (the producer copies
         them with the block's queries; queries past N_Q read as L = D = 0 there, harmless beside their zero Q and
@@ -1114,15 +1117,18 @@ if _HAS_GLUON:
                         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(cols)
                     dst = (pt * (dpt - delta[None, :])).to(dtype)
                     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-                    if FUSED == 2 and DQ_SPLIT > 1:
-                        # dQ of the query block over this warpgroup's keys in DQ_SPLIT column slices, one after the
-                        # other (all at once, their accumulators beside dK's and dV's spill), each added into the fp32
-                        # sums by a TMA reduction from the next of this warpgroup's NUM_SLOTS slots.
+                    if FUSED == 2:
+                        # dQ of the query block over this warpgroup's keys (dS^T through shared memory, read
+                        # transposed), in DQ_SPLIT column slices one after the other (head dim 128: all at once,
+                        # their accumulators beside dK's and dV's spill), each added into the fp32 sums by a TMA
+                        # reduction from the next of this warpgroup's NUM_SLOTS slots; a slot is refilled once the
+                        # reduction that read it last has (at most NUM_SLOTS - 1 later ones in flight).
                         ds_t.store(dst)
                         fence_async_shared()
                         for cs in gl.static_range(DQ_SPLIT):
-                            dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k.slice(cs * DQ_COLS, DQ_COLS, dim=1),
-                                                   zero_dq, use_acc=False, is_async=True)
+                            k_cols = k if DQ_SPLIT == 1 else k.slice(cs * DQ_COLS, DQ_COLS, dim=1)
+                            dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                                                   is_async=True)
                             if cs == 0:
                                 dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
                                 mbarrier.arrive(q_empty.index(stage), count=1)
@@ -1144,16 +1150,7 @@ if _HAS_GLUON:
                         dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
                         mbarrier.arrive(q_empty.index(stage), count=1)
                         mbarrier.arrive(do_empty.index(stage), count=1)
-                        if FUSED == 2:
-                            # Added into the fp32 sums by a TMA reduction from this warpgroup's slot: the slot's
-                            # reduction of two blocks ago has read it once at most one later one is in flight.
-                            slot = part_smem.index(NUM_SLOTS * WG + part % NUM_SLOTS)
-                            tma.store_wait(NUM_SLOTS - 1)
-                            slot.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-                            fence_async_shared()
-                            _tma_reduce_add(acc_desc, [z, h, i * BLOCK_M, 0], slot)
-                            part += 1
-                        elif ABLATE == 1:
+                        if ABLATE == 1:
                             dk = dk + dq * 0.0  # keeps the product
                         else:
                             slot = part % 2

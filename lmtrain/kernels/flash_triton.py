@@ -590,7 +590,7 @@ def _backward(
     # dQ kernels write D in one layout, which every dK/dV kernel reads.
     gluon = _gluon.kernels(q4, k4, v4, o4, do4, dq4, dk4, dv4)
     descriptors: dict = {}  # the tl TMA kernels' host descriptors, shared by both
-    fused = _gluon.fused(gluon, q4, k4, is_causal)  # one kernel for all three gradients (opt-in)
+    fused = _gluon.fused(gluon, q4, k4, is_causal)  # one kernel for all three gradients: 0 none, 1 or 2 which
     with _device_guard(q), _plans.recording(plan_key) as launches:
         if fused == 2:
             acc = _dq_sums(q4)
