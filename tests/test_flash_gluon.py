@@ -794,12 +794,16 @@ GLUON_SHAPES = [
 ]
 
 
+def _gluon_shape_id(shapes) -> str:
+    """Test id of a (q shape, k shape, v from a fused qkv tensor) case: q's shape, the key count, ``_fused``."""
+    return "x".join(map(str, shapes[0])) + "_k" + str(shapes[1][-2]) + ("_fused" if shapes[2] else "")
+
+
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shapes", GLUON_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
-                         + ("_fused" if s[2] else ""))
+@pytest.mark.parametrize("shapes", GLUON_SHAPES, ids=_gluon_shape_id)
 def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
     """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -961,8 +965,7 @@ def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shapes", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
-                         + ("_fused" if s[2] else ""))
+@pytest.mark.parametrize("shapes", FUSED_SHAPES, ids=_gluon_shape_id)
 def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
     """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
     written by key tile 0, after every other tile's share), and the same bits on three more runs."""
@@ -979,8 +982,7 @@ def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shapes", REDUCTION_SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "_k" + str(s[1][-2])
-                         + ("_fused" if s[2] else ""))
+@pytest.mark.parametrize("shapes", REDUCTION_SHAPES, ids=_gluon_shape_id)
 def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, monkeypatch):
     """The fused backward with TMA reductions (LMTRAIN_FLASH_GLUON_FUSED=2) against float64 into NaN-poisoned
     buffers, and a second run (its sums added in another order) as close."""
