@@ -16,15 +16,13 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import inputs, make, reference, rel  # noqa: E402
+from gluon_probe import fwd_bwd_ms, inputs, make, reference, rel  # noqa: E402
 
 SHAPES = [(1, 2, 97, 97, False), (2, 3, 1025, 1025, False), (1, 2, 257, 333, False), (1, 2, 333, 257, False),
           (1, 1, 30, 30, False), (2, 2, 1025, 1025, True), (1, 1, 200, 1000, False), (1, 1, 1000, 200, False),
@@ -83,14 +81,7 @@ def cell(d, n, configs, rounds):
             res.setdefault(f"bwd {name}", []).append(ms)
         for name, fused, cfg in variants[:2] + [("cuDNN", None, "default")]:
             use(fused or 0, cfg)
-
-            def fn(t=leaves, cudnn=fused is None):
-                if cudnn:
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(*t, is_causal=True)
-                return ft.FlashAttentionTriton.apply(*t, True)
-            ms = do_bench(lambda f=fn: f().backward(do), grad_to_none=leaves, return_mode="median")
-            res.setdefault(f"f+b {name}", []).append(ms)
+            res.setdefault(f"f+b {name}", []).append(fwd_bwd_ms(leaves, do, fused is None))
     use(0)
     best = {key: min(v) for key, v in res.items()}
     print(f"d {d} N {n}: " + "; ".join(f"{key} {'/'.join(f'{x:.3f}' for x in v)}" for key, v in res.items()),

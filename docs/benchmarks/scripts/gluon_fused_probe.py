@@ -16,9 +16,7 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from lmtrain.kernels import flash_gluon_hopper as fg
@@ -26,7 +24,7 @@ from lmtrain.kernels import flash_triton as ft
 from lmtrain.kernels.flash_triton import _as_4d
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import make, prepared, reference, rel, tflops, tl_constants  # noqa: E402
+from gluon_probe import fwd_bwd_ms, make, prepared, reference, rel, tflops, tl_constants  # noqa: E402
 
 SHAPES = [(1, 2, 97, 97, False), (2, 3, 1025, 1025, False), (1, 2, 257, 333, False), (1, 2, 333, 257, False),
           (1, 1, 30, 30, False), (2, 2, 1025, 1025, True), (1, 1, 200, 1000, False), (1, 1, 1000, 200, False),
@@ -96,14 +94,7 @@ def cell(n):
     for name, fused in (("f+b TFLOP/s, two kernels", False), ("f+b TFLOP/s, fused", True),
                         ("f+b TFLOP/s, cuDNN", None)):
         use(bool(fused))
-
-        def fn(t=leaves, cudnn=fused is None):
-            if cudnn:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(*t, is_causal=True)
-            return ft.FlashAttentionTriton.apply(*t, True)
-        ms = do_bench(lambda f=fn: f().backward(do), grad_to_none=leaves, return_mode="median")
-        res[name] = tflops(ms, b, h, n, 64, 3.5)
+        res[name] = tflops(fwd_bwd_ms(leaves, do, fused is None), b, h, n, 64, 3.5)
     use(False)
     print(f"N {n}: " + "; ".join(f"{k_} {v_:.3f}" for k_, v_ in res.items()), flush=True)
     return res

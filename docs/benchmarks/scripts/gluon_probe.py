@@ -225,6 +225,20 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
 
+def causal_attention(leaves, cudnn: bool):
+    """A causal forward over ``leaves`` (q, k, v) through SDPA's cuDNN backend or ``FlashAttentionTriton``."""
+    if cudnn:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*leaves, is_causal=True)
+    return ft.FlashAttentionTriton.apply(*leaves, True)
+
+
+def fwd_bwd_ms(leaves, do, cudnn: bool) -> float:
+    """Median ms (``do_bench``) of ``causal_attention`` forward then backward of ``do``."""
+    return do_bench(lambda: causal_attention(leaves, cudnn).backward(do), grad_to_none=list(leaves),
+                    return_mode="median")
+
+
 def compare(head_dims, seq_lens, settings=("1",)):
     """flash_triton (under each LMTRAIN_FLASH_GLUON setting) against SDPA's cuDNN backend, forward and
     forward+backward TFLOP/s."""
@@ -236,17 +250,10 @@ def compare(head_dims, seq_lens, settings=("1",)):
             out = {}
             leaves = (qg, kg, vg)
             for name in ("cudnn", *settings):
-                if name == "cudnn":
-                    def fn(t=leaves):
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            return F.scaled_dot_product_attention(*t, is_causal=True)
-                else:
+                if name != "cudnn":
                     os.environ["LMTRAIN_FLASH_GLUON"] = name
-
-                    def fn(t=leaves):
-                        return ft.FlashAttentionTriton.apply(*t, True)
-                fwd = do_bench(fn, return_mode="median")
-                fb = do_bench(lambda f=fn, g=do: f().backward(g), grad_to_none=list(leaves), return_mode="median")
+                fwd = do_bench(lambda t=leaves, c=name == "cudnn": causal_attention(t, c), return_mode="median")
+                fb = fwd_bwd_ms(leaves, do, name == "cudnn")
                 out[name] = (tflops(fwd, b, h, n, d), tflops(fb, b, h, n, d, 3.5))
             os.environ["LMTRAIN_FLASH_GLUON"] = "1"
             c = out["cudnn"]
