@@ -632,7 +632,8 @@ def test_pingpong_compiles_for_sm90a(d):
 
 @requires_triton
 def test_fused_backward_selection(monkeypatch):
-    """``fused``: unset, the fused backward with TMA reductions (2) at head dim 64 from 4096 keys on, with the default
+    """``fused``: unset, the fused backward with TMA reductions (2) at head dims 64 and 128 from 4096 keys on (where its
+    64-query blocks apply), with the default
     ``LMTRAIN_FLASH_GLUON`` and without deterministic algorithms; ``2`` wherever its 64-query blocks apply (not head
     dim 128 with N_q not a multiple of 4); ``1`` (ordered) causal head dim 64 only; ``0`` never; both need the Gluon
     dK/dV kernel; bad values are errors."""
@@ -648,7 +649,10 @@ def test_fused_backward_selection(monkeypatch):
     assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 2
     assert fg.fused(chosen, x(100, 64), x(16384, 64), False) == 2  # the keys decide
     assert fg.fused(chosen, x(4096, 64), x(1024, 64), True) == 0
-    assert fg.fused(chosen, x(16384, 128), x(16384, 128), True) == 0
+    assert fg.fused(chosen, x(16384, 128), x(16384, 128), True) == 2
+    assert fg.fused(chosen, x(2048, 128), x(2048, 128), True) == 0
+    assert fg.fused(chosen, x(4097, 128), x(4097, 128), True) == 0  # 32-query blocks there
+    assert fg.fused(chosen, x(4096, 80), x(4096, 80), True) == 0
     assert fg.fused(frozenset((fg.FWD, fg.DQ)), x(4096, 64), x(4096, 64), True) == 0
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:

@@ -64,19 +64,20 @@ configuration, and at head dim 128 the freed registers let it stream 64-query bl
 again; docs/benchmarks/2026-11-26-H100-flash-gluon-stats.md). Where TMA cannot copy them (N_q not a multiple of
 4), the consumers load them as before (``_DKDV_LOADS``).
 
-**Fused backward with TMA reductions** (``backward_atomic``; the default at head dim 64 from 4096 keys on,
+**Fused backward with TMA reductions** (``backward_atomic``; the default at head dims 64 and 128 from 4096 keys on,
 ``LMTRAIN_FLASH_GLUON_FUSED=2`` wherever it applies; see ``fused``). The dK/dV kernel's consumers also compute each
-query block's share of dQ over their 64 keys (``dS K``, dS^T through shared memory, read transposed), five products
-per block pair instead of seven, and add it into an fp32 (Z, H, N_q, d) tensor of sums by a TMA reduction
-(``cp.reduce.async.bulk.tensor ... .add``, which Gluon's Hopper module does not wrap: ``_tma_reduce_add`` builds
-Triton's own op) from one of two shared-memory slots per consumer, so the reduction runs in L2 while the consumer
-goes on. A small kernel first writes D and zeroes the sums, another scales them into dQ. The order in which key
-tiles add into a block varies, so dQ may differ in its last bits from run to run: with
-``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. At head dim 64, bf16 and
-causal on an H100 the backward took 0.92-0.98x the two kernels' time at 4096 and 16384 keys and 1.2x at 1024
-(docs/benchmarks/2026-11-27-H100-flash-gluon-reductions.md). At head dim 128 the sums leave in two column slices
-one after the other (their accumulators beside dK's and dV's would spill) and dK, dV through the slots, and it
-measured 1.1-1.5x slower than the two kernels: opt-in only.
+query block's dQ over the tile's keys (``dS K``), five products per block pair instead of seven: the two consumers
+split dQ's columns, each multiplying both consumers' dS^T tiles (through double-buffered shared memory, a barrier
+per block) by its half of both K tiles' columns. Each consumer adds its (block x d/2) product into an fp32
+(Z, H, N_q, d) tensor of sums by a TMA reduction (``cp.reduce.async.bulk.tensor ... .add``, which Gluon's Hopper
+module does not wrap: ``_tma_reduce_add`` builds Triton's own op) from one of two shared-memory slots, so the
+reduction runs in L2 while the consumer goes on. A small kernel first writes D and zeroes the sums, another scales
+them into dQ. The order in which key tiles add into a block varies, so dQ may differ in its last bits from run to
+run: with ``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. Against a share of
+all d columns per consumer over its own 64 keys, the split halves the reductions and keeps the share's accumulator
+small enough beside dK's and dV's at head dim 128. At head dims 64 and 128, bf16 and causal on an H100 the backward
+took 0.90-0.98x the two kernels' time at 4096 to 16384 keys, and 1.15-1.26x at 1024
+(docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md). At head dim 128 dK and dV leave through the sum slots.
 
 **Ordered fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV
 kernel's programs also compute each query block's share of dQ over their keys (``dS K``, dS^T through shared
@@ -359,9 +360,9 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
 
 
 # Head dim -> from this many keys on, the fused backward with TMA reductions (``backward_atomic``) is the default: it
-# measured faster than the dQ and dK/dV kernels there (docs/benchmarks/2026-11-27-H100-flash-gluon-reductions.md).
-# Head dim 128 is not listed: its sums leave in two column slices, one after the other, and it measured slower.
-_FUSED_FROM = {64: 4096}
+# measured faster than the dQ and dK/dV kernels there, and slower below (1024 keys: 0.87x at head dim 64, 0.79x at
+# 128; docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md).
+_FUSED_FROM = {64: 4096, 128: 4096}
 AUTO = -1  # LMTRAIN_FLASH_GLUON_FUSED unset: the fused backward where _FUSED_FROM says
 
 
@@ -1039,9 +1040,11 @@ if _HAS_GLUON:
         """One warpgroup: dK, dV of key rows [start + 64 WG, start + 64 (WG + 1)) of each tile, on transposed
         (keys x queries) score tiles. FUSED 1 (``_bwd_kernel``): also this warpgroup's part of each query block's
         dQ, ``dS K`` over its 64 keys, handed to the reducer through ``part_smem``; FUSED 2 (``_bwd_atomic_kernel``):
-        that part added into the sums of ``acc_desc`` by TMA reductions from ``part_smem``'s NUM_SLOTS slots of this
-        warpgroup, and with OUT_IN_SLOTS dK and dV leaving through those slots (``ds_smem``, ``part_*``: unused
-        without FUSED). With PINGPONG the consumers issue each block's score products in turns (``_turn_wait``).
+        this warpgroup's half of each query block's dQ columns over both consumers' keys (the two dS^T tiles through
+        ``ds_smem``, double buffered, ``part_ready`` the two blocks' barriers), added into the sums of ``acc_desc``
+        by TMA reductions from ``part_smem``'s NUM_SLOTS slots of this warpgroup, and with OUT_IN_SLOTS dK and dV
+        leaving through those slots (``ds_smem``, ``part_*``: unused without FUSED). With PINGPONG the consumers
+        issue each block's score products in turns (``_turn_wait``).
 
         Each query block's L and D: with SMEM_STATS from the ring's ``lse_smem`` and ``delta_smem`` (the producer copies
         them with the block's queries; queries past N_Q read as L = D = 0 there, harmless beside their zero Q and
@@ -1060,7 +1063,6 @@ if _HAS_GLUON:
 
         if FUSED:
             DQ_COLS: gl.constexpr = acc_desc.block_type.shape[3] if FUSED == 2 else HEAD_DIM
-            DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
             dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
             zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
             ds_t = ds_smem.index(WG)
@@ -1118,29 +1120,32 @@ if _HAS_GLUON:
                     dst = (pt * (dpt - delta[None, :])).to(dtype)
                     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
                     if FUSED == 2:
-                        # dQ of the query block over this warpgroup's keys (dS^T through shared memory, read
-                        # transposed), in DQ_SPLIT column slices one after the other (head dim 128: all at once,
-                        # their accumulators beside dK's and dV's spill), each added into the fp32 sums by a TMA
-                        # reduction from the next of this warpgroup's NUM_SLOTS slots; a slot is refilled once the
-                        # reduction that read it last has (at most NUM_SLOTS - 1 later ones in flight).
-                        ds_t.store(dst)
+                        # dQ's columns split between the two consumers: this one's DQ_COLS columns of the query
+                        # block's dQ over both consumers' keys. Both dS^T tiles go through shared memory (double
+                        # buffered by block, a barrier per block that both consumers arrive on) and are read
+                        # transposed against the matching columns of both K tiles; the product is added into the
+                        # fp32 sums by a TMA reduction from the next of this warpgroup's NUM_SLOTS slots, refilled
+                        # once the reduction that read it last has (at most NUM_SLOTS - 1 later ones in flight).
+                        # Half the reductions of a per-consumer share of all d columns, and one product fewer.
+                        buf = NUM_WG * (n % 2)
+                        ds_smem.index(buf + WG).store(dst)
                         fence_async_shared()
-                        for cs in gl.static_range(DQ_SPLIT):
-                            k_cols = k if DQ_SPLIT == 1 else k.slice(cs * DQ_COLS, DQ_COLS, dim=1)
-                            dq_tok = warpgroup_mma(ds_t.permute((1, 0)), k_cols, zero_dq, use_acc=False,
-                                                   is_async=True)
-                            if cs == 0:
-                                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
-                                mbarrier.arrive(q_empty.index(stage), count=1)
-                                mbarrier.arrive(do_empty.index(stage), count=1)
-                            else:
-                                dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-                            slot = part_smem.index(NUM_SLOTS * WG + part % NUM_SLOTS)
-                            tma.store_wait(NUM_SLOTS - 1)
-                            slot.reshape([BLOCK_M, DQ_COLS]).store(dq)
-                            fence_async_shared()
-                            _tma_reduce_add(acc_desc, [z, h, i * BLOCK_M, cs * DQ_COLS], slot)
-                            part += 1
+                        mbarrier.arrive(part_ready.index(n % 2), count=1)
+                        mbarrier.wait(part_ready.index(n % 2), (n // 2) & 1)
+                        k0 = k_smem.index(0).reshape([64, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                        k1 = k_smem.index(1).reshape([64, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                        dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k0, zero_dq, use_acc=False,
+                                               is_async=True)
+                        dq_tok = warpgroup_mma(ds_smem.index(buf + 1).permute((1, 0)), k1, dq_tok, is_async=True)
+                        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq_tok))
+                        mbarrier.arrive(q_empty.index(stage), count=1)
+                        mbarrier.arrive(do_empty.index(stage), count=1)
+                        slot = part_smem.index(NUM_SLOTS * WG + part % NUM_SLOTS)
+                        tma.store_wait(NUM_SLOTS - 1)
+                        slot.reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        fence_async_shared()
+                        _tma_reduce_add(acc_desc, [z, h, i * BLOCK_M, WG * DQ_COLS], slot)
+                        part += 1
                     elif FUSED:
                         # dQ of the query block over this warpgroup's keys: dS (queries x keys) is dS^T through shared
                         # memory, read transposed; K is the stationary tile.
@@ -1166,21 +1171,26 @@ if _HAS_GLUON:
                         mbarrier.arrive(do_empty.index(stage), count=1)
                     k_a, v_a = _renewed(k_a, N_K, REG_A), _renewed(v_a, N_K, REG_A)
                 n_blocks = end - first
-                mbarrier.arrive(kv_empty.index(WG), count=1)
+                if FUSED == 2:
+                    # Both consumers read both K tiles (the dQ product): each tile is free once both are done.
+                    for w in gl.static_range(NUM_WG):
+                        mbarrier.arrive(kv_empty.index(w), count=1)
+                else:
+                    mbarrier.arrive(kv_empty.index(WG), count=1)
                 # Stores go out dV, dK, dV, dK, ...: each buffer's previous store is the one before the last.
                 if OUT_IN_SLOTS:
                     # dV and dK through this warpgroup's two sum slots (16 KiB each, a 64 x 128 tile of 16-bit values),
-                    # once every reduction has read them. The next tile's first reductions then refill slot 0 (its dV
-                    # store before the last in flight) and slot 1: each block fills both slots in order, so ``part``
-                    # is even at every block's start.
-                    gl.static_assert(DQ_SPLIT == NUM_SLOTS and NUM_SLOTS == 2,
-                                     "dV and dK leave through the slots only where each block fills both in order")
+                    # once every reduction has read them (``_store_tile`` waits for all).
+                    gl.static_assert(NUM_SLOTS == 2, "dV and dK leave through the two slots")
                     dv_buf = _smem_view(part_smem.index(NUM_SLOTS * WG), dtype, dv_desc.block_type.shape,
                                         dv_desc.layout)
                     dk_buf = _smem_view(part_smem.index(NUM_SLOTS * WG + 1), dtype, dk_desc.block_type.shape,
                                         dk_desc.layout)
                     _store_tile(dv_desc, dv_buf, z, h, row0, dv.to(dtype), 0)
                     _store_tile(dk_desc, dk_buf, z, h, row0, (dk * sm_scale).to(dtype), 1)
+                    # The next reduction must refill slot 0 (dV's store, before the last in flight), not slot 1
+                    # (dK's, the last): one reduction per block leaves ``part`` odd after an odd number of blocks.
+                    part += part % 2
                 else:
                     _store_tile(dv_desc, dv_smem.index(WG), z, h, row0, dv.to(dtype), 1)
                     _store_tile(dk_desc, dk_smem.index(WG), z, h, row0, (dk * sm_scale).to(dtype), 1)
@@ -1190,7 +1200,7 @@ if _HAS_GLUON:
 
     @gluon.jit
     def _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, OUTPUTS: gl.constexpr = True):
+                      NUM_STAGES: gl.constexpr, OUTPUTS: gl.constexpr = True, KV_READERS: gl.constexpr = 1):
         """The dK/dV kernels' shared memory and barriers: K, V and (OUTPUTS) the dK, dV output tiles (one 64-row
         tile per consumer; without OUTPUTS the K and V tiles stand in, unused), the Q and dO rings; the stationary
         tiles' ready/empty barriers and the rings'."""
@@ -1204,7 +1214,7 @@ if _HAS_GLUON:
             dk_smem, dv_smem = k_smem, v_smem
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-        kv_ready, kv_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, 1)
+        kv_ready, kv_empty = _barriers(NUM_WG, 1), _barriers(NUM_WG, KV_READERS)
         q_ready, q_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         do_ready, do_empty = _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, NUM_WG)
         return (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
@@ -1446,31 +1456,33 @@ if _HAS_GLUON:
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            REG_A: gl.constexpr, ITEMS: gl.constexpr, PINGPONG: gl.constexpr,
                            SMEM_STATS: gl.constexpr, NUM_SLOTS: gl.constexpr, OUT_IN_SLOTS: gl.constexpr):
-        """Over key tiles as ``_dkdv_kernel``: dK and dV of each, and every tile's share of dQ (``dS K`` over each
-        consumer's 64 keys) added into fp32 sums (``acc_desc``, zeroed before) by TMA reductions from NUM_SLOTS
-        shared-memory tiles per consumer. Five products per block pair; the sums' order of addition varies from run
-        to run. Reads D, which ``_delta_kernel`` writes. OUT_IN_SLOTS: dK and dV leave through the sum slots at the
-        end of a tile rather than tiles of their own, which leaves shared memory for the sums (head dim 128)."""
+        """Over key tiles as ``_dkdv_kernel``: dK and dV of each, and every tile's share of dQ (``dS K`` over its
+        128 keys, each consumer computing half of dQ's columns, ``acc_desc``'s box) added into fp32 sums (zeroed
+        before) by TMA reductions from NUM_SLOTS shared-memory tiles per consumer. Five products per block pair; the
+        sums' order of addition varies from run to run. Reads D, which ``_delta_kernel`` writes. OUT_IN_SLOTS: dK
+        and dV leave through the sum slots at the end of a tile rather than tiles of their own, which leaves shared
+        memory for the sums (head dim 128)."""
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_T: gl.constexpr = NUM_WG * 64
         gl.static_assert(NUM_WG == 2, "the fused backward runs two consumer warpgroups")
         (k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready,
          do_empty) = _dkdv_buffers(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, NUM_WG, NUM_STAGES,
-                                   not OUT_IN_SLOTS)
+                                   not OUT_IN_SLOTS, NUM_WG)
         lse_smem, delta_smem = _stats_buffers(lse_desc, delta_desc, k_smem, NUM_STAGES, SMEM_STATS)
-        ds_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_M],
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG, 64, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype))
+        ds_ready = _barriers(2, NUM_WG)
         slots = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS * NUM_WG] + acc_desc.block_type.shape,
                                           acc_desc.layout)
         turns = _turn_barriers(NUM_WG, kv_ready, PINGPONG)
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, kv_ready, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, ds_ready, kv_ready,
                               turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
                               BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 0, REG_A, 2, ITEMS, PINGPONG, 0,
                               lse_smem, delta_smem, SMEM_STATS, acc_desc, NUM_SLOTS, OUT_IN_SLOTS)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, dk_smem, dv_smem, q_smem, do_smem, kv_ready,
-                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, kv_ready, kv_ready,
+                              kv_empty, q_ready, q_empty, do_ready, do_empty, ds_smem, slots, ds_ready, kv_ready,
                               turns, lse_desc, delta_desc, H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale, BLOCK_T,
                               BLOCK_M, HEAD_DIM, NUM_STAGES, IS_CAUSAL, 1, REG_A, 2, ITEMS, PINGPONG, 0,
                               lse_smem, delta_smem, SMEM_STATS, acc_desc, NUM_SLOTS, OUT_IN_SLOTS)),
@@ -1657,10 +1669,10 @@ def bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal: bool,
                     programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of ``_bwd_atomic_kernel``: those of the dK/dV
     kernel (``dkdv_args``, the same configuration) with ``acc``, the dense fp32 (Z, H, N_Q, d) tensor of dQ sums
-    (zeroed), moved in 64-column boxes: at head dim 128 the sums leave in two slices, and dK and dV through the sum
+    (zeroed), moved in boxes of d / 2 columns (one consumer's half); at head dim 128 dK and dV leave through the sum
     slots (shared memory holds no tiles of their own beside them)."""
     grid, args, kwargs = dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal, cfg, programs)
-    args = (*args[:6], descriptor(acc, kwargs["BLOCK_M"], 64), *args[6:])
+    args = (*args[:6], descriptor(acc, kwargs["BLOCK_M"], q4.shape[-1] // kwargs["NUM_WG"]), *args[6:])
     return grid, args, dict(kwargs, NUM_SLOTS=2, OUT_IN_SLOTS=q4.shape[-1] > 64)
 
 
