@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import time
 
 import pytest
 import torch
@@ -139,7 +140,33 @@ def test_cpu_smoke_run_skips_long_sequences_and_caps_repetitions(tmp_path, monke
     monkeypatch.setattr(bench, "CPU_MAX_N", 40)
     args = _args(tmp_path, "--backends", "sdpa", "--rep", "50", "--warmup", "9")
     assert bench.run(args) == 0
-    assert (args.warmup, args.rep) == (bench.CPU_WARMUP, bench.CPU_REP)
+    assert (args.warmup, args.rep, args.warmup_ms) == (bench.CPU_WARMUP, bench.CPU_REP, 0.0)
     status = {int(r["seq_len"]): (r["status"], r["reason"]) for r in _rows(tmp_path)}
     assert status[32] == ("ok", "")
     assert status[48][0] == "n/a" and "CPU smoke run" in status[48][1]
+
+
+def test_sustained_runs_cover_the_warmup_time():
+    """``--warmup-ms`` adds the runs that fill it at the measured time per run, none without it, and a bounded
+    number for runs of microseconds."""
+    assert bench.sustained_runs(0, 35.0) == 0
+    assert bench.sustained_runs(1000, 35.0) == 29
+    assert bench.sustained_runs(1000, 1000.0) == 1
+    assert bench.sustained_runs(1000, 0.0) == bench.MAX_SUSTAINED_RUNS
+
+
+@pytest.mark.parametrize("warmup_ms,extra", [(0.0, 0), (50.0, 7)])
+def test_median_ms_runs_the_sustained_warmup_before_the_timed_runs(monkeypatch, warmup_ms, extra):
+    """``_median_ms``: ``warmup`` untimed runs, then (with ``warmup_ms``) ``sustained_runs`` more, then ``rep``
+    timed ones, each after its setup; the median is over the timed runs only."""
+    monkeypatch.setattr(bench, "sustained_runs", lambda ms, run_ms: extra if ms else 0)
+    calls = []
+    durations = iter([0.0] * (2 + extra) + [0.004, 0.001, 0.002])
+
+    def timed(state):
+        calls.append(state)
+        time.sleep(next(durations))
+
+    ms = bench._median_ms(lambda: len(calls), timed, 2, 3, torch.device("cpu"), warmup_ms)
+    assert calls == list(range(2 + extra + 3))  # every run after its own setup
+    assert ms >= 2.0  # the middle of the timed runs (sleeps of 4, 1 and 2 ms), not a warm-up run (no sleep)

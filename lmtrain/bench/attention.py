@@ -20,9 +20,11 @@ same under ``torch.compile``), ``flash_pytorch`` (tiled reference, Python loop: 
 ``torch.nn.attention.sdpa_kernel``).
 
 Per cell: median forward, backward and forward+backward milliseconds over ``--rep`` timed runs after
-``--warmup`` untimed ones (CUDA events; the backward is timed alone: its forward runs before the start
-event), TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when causal; backward 2.5x forward), GiB allocated after the
-forward (before the backward: inputs, output and what autograd saved) and the peak GiB of one
+``--warmup`` untimed ones and then as many more as keep the GPU busy ``--warmup-ms`` (default 1000) right before
+the timed ones, so that these see the clock speed of sustained load (CUDA events; the backward is timed alone: its
+forward runs before the start event), TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when causal; backward 2.5x
+forward), GiB allocated after the forward (before the backward: inputs, output and what autograd saved) and the
+peak GiB of one
 forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever stays allocated across
 cells (for example a cuBLAS workspace once a matmul-based backend has run). Host time: the CPU time to issue one
 forward, and one forward+backward, in microseconds: the median over ``--rep`` bursts of 16 calls issued back
@@ -43,6 +45,7 @@ import argparse
 import csv
 import gc
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -96,6 +99,13 @@ GRIDS: dict[str, dict] = {
 GRID_ALIASES = {"seeds": "study"}
 #: The CPU smoke run (``--allow-cpu``): longest N timed, and the most warm-up and timed runs per measurement.
 CPU_MAX_N, CPU_WARMUP, CPU_REP = 512, 1, 3
+#: ``--warmup-ms``'s default. A GPU at its power limit changes its clock under load, most right after an idle
+#: moment (an H100 at 700 W, docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md: 1980 MHz after idle,
+#: 1215-1410 MHz at the lowest, a median of 1515-1665 MHz over a cell of N 16384); runs timed right after the load
+#: starts measure the transition, not the sustained speed a training run sees.
+DEFAULT_WARMUP_MS = 1000.0
+#: The most untimed runs ``--warmup-ms`` adds before one measurement (a bound for calls of microseconds).
+MAX_SUSTAINED_RUNS = 20_000
 HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
 # backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -154,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backends to time: registered backends (lmtrain.attention) and the variants "
                              f"{', '.join(VARIANTS)} (default: {' '.join(default_backends())})")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing (default 5)")
+    parser.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS,
+                        help="after the --warmup runs, more untimed runs that keep the GPU busy this many "
+                             "milliseconds right before each measurement's timed runs, so that they see the clock "
+                             "speed sustained load settles at; 0: none (default %(default)g)")
     parser.add_argument("--rep", type=int, default=30,
                         help="timed runs per measurement; the median is kept (default 30)")
     parser.add_argument("--flash-pytorch-max-n", type=int, default=1024,
@@ -161,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="CSV path; the JSON goes beside it with suffix .json")
     parser.add_argument("--allow-cpu", action="store_true",
                         help=f"run on the CPU as a smoke run: N up to {CPU_MAX_N}, at most {CPU_WARMUP} warm-up and "
-                             f"{CPU_REP} timed runs per measurement (a minute or two on 2 cores)")
+                             f"{CPU_REP} timed runs per measurement, no --warmup-ms (a minute or two on 2 cores)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,15 +222,32 @@ def _backend(name: str, device: torch.device, seq_len: int, max_pytorch_n: int) 
 # ---------------------------------------------------------------------------------------------
 
 
+def sustained_runs(warmup_ms: float, run_ms: float) -> int:
+    """Untimed runs of ``run_ms`` each (setup included) that keep the device busy for ``warmup_ms`` (at most
+    ``MAX_SUSTAINED_RUNS``; none without ``warmup_ms``)."""
+    if warmup_ms <= 0:
+        return 0
+    return min(MAX_SUSTAINED_RUNS, math.ceil(warmup_ms / max(run_ms, 1e-3)))
+
+
 def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], warmup: int, rep: int,
-               device: torch.device) -> float:
+               device: torch.device, warmup_ms: float = 0.0) -> float:
     """Median milliseconds of ``timed(setup())`` over ``rep`` runs; ``setup`` runs outside the timed region.
 
+    ``warmup`` untimed runs first; with ``warmup_ms``, their time per run (setup included) decides how many more
+    untimed runs then keep the device busy for ``warmup_ms`` right before the timed ones, with no synchronisation
+    between (``sustained_runs``): the timed runs then see the clock speed that sustained load settles at.
     On a GPU the marks are stream-ordered events: the start fires after the setup's kernels.
     """
-    for _ in range(warmup):
-        timed(setup())
     clock = Clock(device.type == "cuda")
+    start = clock.mark()
+    for _ in range(max(warmup, 1 if warmup_ms > 0 else 0)):
+        timed(setup())
+    if warmup_ms > 0:
+        end = clock.mark()
+        clock.sync()
+        for _ in range(sustained_runs(warmup_ms, clock.ms(start, end) / max(warmup, 1))):
+            timed(setup())
     starts, ends = [], []
     for _ in range(rep):
         state = setup()
@@ -266,8 +297,10 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int) -> None:
-    """Fill the cell's timings and memory figures (raises on OOM or unsupported inputs)."""
+def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int,
+                 warmup_ms: float = 0.0) -> None:
+    """Fill the cell's timings and memory figures (raises on OOM or unsupported inputs); ``warmup_ms``: see
+    ``_median_ms``."""
     dtype = DTYPES[cell.dtype]
     shape = (cell.batch, cell.heads, cell.seq_len, cell.head_dim)  # (B, H, N, d)
     gen = torch.Generator(device=device).manual_seed(cell.seq_len * 1000 + cell.head_dim)
@@ -307,9 +340,9 @@ def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int,
         torch.cuda.synchronize(device)
         cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
 
-    cell.fwd_ms = _median_ms(lambda: None, forward, warmup, rep, device)
-    cell.bwd_ms = _median_ms(lambda: (clear_grads(), forward())[1], backward, warmup, rep, device)
-    cell.fwd_bwd_ms = _median_ms(clear_grads, forward_backward, warmup, rep, device)
+    cell.fwd_ms = _median_ms(lambda: None, forward, warmup, rep, device, warmup_ms)
+    cell.bwd_ms = _median_ms(lambda: (clear_grads(), forward())[1], backward, warmup, rep, device, warmup_ms)
+    cell.fwd_bwd_ms = _median_ms(clear_grads, forward_backward, warmup, rep, device, warmup_ms)
     cell.fwd_host_us = _median_host_us(lambda: None, forward, rep, device)
     cell.fwd_bwd_host_us = _median_host_us(lambda: None, forward_backward, rep, device)
     clear_grads()
@@ -345,7 +378,7 @@ def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell
     """Measure one cell, turning OOM / unsupported / other failures into the cell's status."""
     try:
         fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
-        measure_cell(cell, fn, device, args.warmup, args.rep)
+        measure_cell(cell, fn, device, args.warmup, args.rep, args.warmup_ms)
     except Unsupported as exc:
         cell.status, cell.reason = "n/a", str(exc)
     except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
@@ -419,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cells = plan_cells(args)
     if device.type == "cpu":  # a smoke run: small cells, few repetitions
-        args.warmup, args.rep = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP)
+        args.warmup, args.rep, args.warmup_ms = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP), 0.0
         for cell in cells:
             if cell.seq_len > CPU_MAX_N:
                 cell.status, cell.reason = "n/a", f"CPU smoke run: N above {CPU_MAX_N} is not timed"
