@@ -76,7 +76,7 @@ them into dQ. The order in which key tiles add into a block varies, so dQ may di
 run: with ``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. Against a share of
 all d columns per consumer over its own 64 keys, the split halves the reductions and keeps the share's accumulator
 small enough beside dK's and dV's at head dim 128. At head dims 64 and 128, bf16 and causal on an H100 the backward
-took 0.90-0.98x the two kernels' time at 4096 to 16384 keys, and 1.15-1.26x at 1024
+took 0.90-0.99x the two kernels' time at 4096 to 16384 keys, and 1.07-1.19x at 1024
 (docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md). At head dim 128 dK and dV leave through the sum slots.
 
 **Ordered fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV
@@ -360,8 +360,8 @@ def kernels(*tensors: torch.Tensor) -> frozenset[int]:
 
 
 # Head dim -> from this many keys on, the fused backward with TMA reductions (``backward_atomic``) is the default: it
-# measured faster than the dQ and dK/dV kernels there, and slower below (1024 keys: 0.87x at head dim 64, 0.79x at
-# 128; docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md).
+# measured faster than the dQ and dK/dV kernels there, and slower below (1024 keys: 1.07x their time at head dim 64,
+# 1.19x at 128; docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md).
 _FUSED_FROM = {64: 4096, 128: 4096}
 AUTO = -1  # LMTRAIN_FLASH_GLUON_FUSED unset: the fused backward where _FUSED_FROM says
 
