@@ -398,6 +398,22 @@ def _compile_sm90(kernel, args: tuple, kwargs: dict):
                           options=options.__dict__)
 
 
+def _compile_sm90_sass(kernel, args: tuple, kwargs: dict):
+    """(compiled kernel, its SASS): ``_compile_sm90`` then Triton's bundled ``cuobjdump``; skips the test first where
+    this Triton ships none."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    compiled = _compile_sm90(kernel, args, kwargs)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return compiled, sass
+
+
 def _launches(d: int, n: int):
     """(name, kernel, config, grid/args/kwargs) of every kernel's default launch for CPU stand-in tensors."""
     from lmtrain.kernels import flash_gluon_hopper as fg
@@ -494,18 +510,10 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     registers) no register spills in the block loops and at most ``_SPILLS_PER_TILE`` local-memory accesses in all,
     warpgroup MMAs not serialised (ptxas waits for each one when it cannot keep the registers of the products in
     flight), and the registers of stationary first operands never overwritten."""
-    import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
-    compiled = _compile_sm90(kernel, args, kwargs)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    compiled, sass = _compile_sm90_sass(kernel, args, kwargs)
     assert "HGMMA" in sass, f"{label}: no warpgroup MMA in the machine code"
     _, consumer_regs = cfg.registers()
     counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
@@ -689,23 +697,15 @@ def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
     serialised; at head dim 64 with L and D copied (N a multiple of 4, where it is the default) nothing spilled in the
     block loop (with them loaded, Triton 3.6 spills four accesses there)."""
     pytest.importorskip("triton.experimental.gluon")
-    import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
     q, k, v, do, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(6))
     lse, delta, acc = torch.empty(6, n), torch.empty(6, n), torch.empty(2, 3, n, d)
     _, args, kwargs = fg.bwd_atomic_args(q, k, v, do, dk, dv, acc, lse, delta, True)
     assert kwargs["SMEM_STATS"] == (n % 4 == 0) and kwargs["OUT_IN_SLOTS"] == (d == 128)
-    compiled = _compile_sm90(fg._bwd_atomic_kernel, args, kwargs)
+    compiled, sass = _compile_sm90_sass(fg._bwd_atomic_kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
     mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
@@ -754,23 +754,15 @@ def test_fused_backward_compiles_for_sm90a():
     its PTX orders the dQ sums through an acquire load and a release store of the flags and has no atomic
     instruction (``atom``, ``red``): the shares are added in a fixed order, so dQ is deterministic."""
     pytest.importorskip("triton.experimental.gluon")
-    import triton
 
     from lmtrain.kernels import flash_gluon_hopper as fg
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
     q, k, v, do, dq, dk, dv = (torch.randn(2, 3, 1025, 64, dtype=torch.bfloat16) for _ in range(7))
     lse, delta = torch.empty(6, 1025), torch.empty(6, 1025)
     acc, flags = torch.empty(2, 3, 17 * 64, 64), torch.zeros(6 * 17, dtype=torch.int32)
     _, args, kwargs = fg.bwd_args(q, k, v, do, dq, dk, dv, acc, flags, lse, delta, True)
-    compiled = _compile_sm90(fg._bwd_kernel, args, kwargs)
+    compiled, sass = _compile_sm90_sass(fg._bwd_kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {str(fg.FUSED_CONFIG.registers(fg.FUSED_REGS)[1]), str(fg.FUSED_REGS)} <= counts, counts
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
