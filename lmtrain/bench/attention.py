@@ -240,13 +240,14 @@ def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], war
     On a GPU the marks are stream-ordered events: the start fires after the setup's kernels.
     """
     clock = Clock(device.type == "cuda")
+    first = max(warmup, 1) if warmup_ms > 0 else warmup  # at least one run to time when warmup_ms needs it
     start = clock.mark()
-    for _ in range(max(warmup, 1 if warmup_ms > 0 else 0)):
+    for _ in range(first):
         timed(setup())
     if warmup_ms > 0:
         end = clock.mark()
         clock.sync()
-        for _ in range(sustained_runs(warmup_ms, clock.ms(start, end) / max(warmup, 1))):
+        for _ in range(sustained_runs(warmup_ms, clock.ms(start, end) / first)):
             timed(setup())
     starts, ends = [], []
     for _ in range(rep):
