@@ -1126,7 +1126,8 @@ if _HAS_GLUON:
                         # transposed against the matching columns of both K tiles; the product is added into the
                         # fp32 sums by a TMA reduction from the next of this warpgroup's NUM_SLOTS slots, refilled
                         # once the reduction that read it last has (at most NUM_SLOTS - 1 later ones in flight).
-                        # Half the reductions of a per-consumer share of all d columns, and one product fewer.
+                        # Against a per-consumer share of all d columns: half the bytes reduced, and at head dim 128
+                        # one reduction per block instead of two.
                         buf = NUM_WG * (n % 2)
                         ds_smem.index(buf + WG).store(dst)
                         fence_async_shared()
