@@ -73,10 +73,12 @@ per block) by its half of both K tiles' columns. Each consumer adds its (block x
 module does not wrap: ``_tma_reduce_add`` builds Triton's own op) from one of two shared-memory slots, so the
 reduction runs in L2 while the consumer goes on. A small kernel first writes D and zeroes the sums, another scales
 them into dQ. The order in which key tiles add into a block varies, so dQ may differ in its last bits from run to
-run: with ``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. Against a share of
-all d columns per consumer over its own 64 keys, the split halves the reductions and keeps the share's accumulator
-small enough beside dK's and dV's at head dim 128. At head dims 64 and 128, bf16 and causal on an H100 the backward
-took 0.90-0.99x the two kernels' time at 4096 to 16384 keys, and 1.07-1.19x at 1024
+run: with ``torch.use_deterministic_algorithms(True)`` the default is the dQ and dK/dV kernels. (Adding the sums in
+a fixed order instead, each key tile after the next one's reduction has completed, by a flag per block, was
+deterministic but took 1.65-1.87x the two kernels' time: docs/benchmarks/2026-11-27-H100-flash-gluon-ordered.md.)
+Against a share of all d columns per consumer over its own 64 keys, the split halves the reductions and keeps the
+share's accumulator small enough beside dK's and dV's at head dim 128. At head dims 64 and 128, bf16 and causal on
+an H100 the backward took 0.90-0.99x the two kernels' time at 4096 to 16384 keys, and 1.07-1.19x at 1024
 (docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md). At head dim 128 dK and dV leave through the sum slots.
 
 **Ordered fused backward** (``backward``, opt-in: ``LMTRAIN_FLASH_GLUON_FUSED=1``, causal, head dim 64). The dK/dV
@@ -86,7 +88,9 @@ are added in a fixed order: a reducer partition (two warps) of the program of ke
 t that see the block have added theirs (a per-block flag, read with acquire semantics, released after each TMA store
 of the fp32 sum), adds its consumers' two partial tiles to the sum and stores it back; key tile 0, the last, writes
 dQ. So dQ is the same bits on every run. Programs are launched a head's last key tile first, so a program only waits
-for programs launched before it. It measured slower than the two kernels on an H100
+for programs launched before it (which assumes that programs start in launch order: CUDA does not promise it, and the
+ordered TMA-reduction variant with the same launch hung on some calls at 16384 programs,
+docs/benchmarks/2026-11-27-H100-flash-gluon-ordered.md). It measured slower than the two kernels on an H100
 (docs/benchmarks/2026-11-25-H100-flash-gluon-fused-backward.md): the dS store and the dQ product lengthen each block
 by more than the quarter more products they add, and each hand-over of a block's sum from one key tile to the next
 (a TMA store, the flag, a TMA load) takes about as long as the two blocks the next tile works on meanwhile.
