@@ -9,6 +9,7 @@ are compared with the float64 reference of ``test_flash_attention`` on odd shape
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -638,13 +639,23 @@ def test_pingpong_compiles_for_sm90a(d):
         assert waits[1] > waits[0], f"{name} d={d}: {waits[1]} barrier waits with turns, {waits[0]} without"
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside, the previous setting restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @requires_triton
 def test_fused_backward_selection(monkeypatch):
-    """``fused``: unset, the fused backward with TMA reductions (2) at head dims 64 and 128 from 4096 keys on (where its
-    64-query blocks apply), with the default
-    ``LMTRAIN_FLASH_GLUON`` and without deterministic algorithms; ``2`` wherever its 64-query blocks apply (not head
-    dim 128 with N_q not a multiple of 4); ``1`` (ordered) causal head dim 64 only; ``0`` never; both need the Gluon
-    dK/dV kernel; bad values are errors."""
+    """``fused``: unset, the fused backward with TMA reductions (2) at head dims 64 and 128 from 4096 keys on (where
+    its 64-query blocks apply), with the default ``LMTRAIN_FLASH_GLUON`` and without deterministic algorithms; ``2``
+    wherever its 64-query blocks apply (not head dim 128 with N_q not a multiple of 4); ``1`` (ordered) causal head
+    dim 64 only; ``0`` never; both need the Gluon dK/dV kernel; bad values are errors."""
     from lmtrain.kernels import flash_gluon_hopper as fg
 
     def x(n, d):
@@ -662,12 +673,8 @@ def test_fused_backward_selection(monkeypatch):
     assert fg.fused(chosen, x(4097, 128), x(4097, 128), True) == 0  # 32-query blocks there
     assert fg.fused(chosen, x(4096, 80), x(4096, 80), True) == 0
     assert fg.fused(frozenset((fg.FWD, fg.DQ)), x(4096, 64), x(4096, 64), True) == 0
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
+    with _deterministic_algorithms():
         assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
     assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "2")
@@ -1017,11 +1024,7 @@ def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
     for run in range(3):
         assert_matches_reference(grads(), ref, base, torch.bfloat16, f"default, run {run}")
     assert _launch_plans.STATS["replayed"] > replayed, "no call was replayed from a plan"
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
+    with _deterministic_algorithms():
         assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 0
         first, second = grads(), grads()
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     assert all(torch.equal(first[name], second[name]) for name in ("dq", "dk", "dv")), "not deterministic"

@@ -1705,9 +1705,11 @@ def backward_atomic(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: to
     z, h, n_q, d = q4.shape
     launch_compiled(_delta_kernel, *delta_args(o4, do4, delta, acc))
     launch_compiled(_bwd_atomic_kernel, *bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal, cfg))
-    block = 64
-    launch_compiled(_dq_convert_kernel, (triton.cdiv(n_q, block), z * h),
-                    (acc, dq4, *dq4.stride()[:3], h, n_q, d**-0.5), dict(HEAD_DIM=d, BLOCK=block, num_warps=4))
+    launch_compiled(_dq_convert_kernel, (triton.cdiv(n_q, _ROW_BLOCK), z * h),
+                    (acc, dq4, *dq4.stride()[:3], h, n_q, d**-0.5), dict(HEAD_DIM=d, BLOCK=_ROW_BLOCK, num_warps=4))
+
+
+_ROW_BLOCK = 64  # rows per program of the small tl kernels around the backward (D and zeroing, dQ from the sums)
 
 
 @triton.jit
@@ -1734,10 +1736,9 @@ def delta_args(o4, do4, delta, acc=None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of ``_delta_kernel`` over (Z, H, N, d) O and dO, zeroing
     ``acc`` if given."""
     z, h, n_q, d = o4.shape
-    block = 64
-    return ((triton.cdiv(n_q, block), z * h),
+    return ((triton.cdiv(n_q, _ROW_BLOCK), z * h),
             (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], h, n_q, delta if acc is None else acc),
-            dict(HEAD_DIM=d, BLOCK=block, ZERO_ACC=acc is not None, num_warps=4))
+            dict(HEAD_DIM=d, BLOCK=_ROW_BLOCK, ZERO_ACC=acc is not None, num_warps=4))
 
 
 def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, do4: torch.Tensor,
