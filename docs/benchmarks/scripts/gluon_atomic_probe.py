@@ -22,7 +22,7 @@ from triton.testing import do_bench
 from lmtrain.kernels import flash_triton as ft
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gluon_probe import fwd_bwd_ms, inputs, make, reference, rel  # noqa: E402
+from gluon_probe import fwd_bwd_ms, inputs, make, print_backward_table, reference, rel  # noqa: E402
 
 SHAPES = [(1, 2, 97, 97, False), (2, 3, 1025, 1025, False), (1, 2, 257, 333, False), (1, 2, 333, 257, False),
           (1, 1, 30, 30, False), (2, 2, 1025, 1025, True), (1, 1, 200, 1000, False), (1, 1, 1000, 200, False),
@@ -106,15 +106,7 @@ def main():
         if not ok:
             sys.exit(1)
     rows = [((d, n), cell(d, n, a.configs, a.rounds)) for d in a.head_dims for n in a.seq_lens]
-    print(f"\ncausal bf16, 16 heads, B*H*N = 2^21: fastest median ms of {a.rounds} interleaved rounds, "
-          "and forward+backward ratios to cuDNN")
-    names = list(rows[0][1])
-    print("\n| d, N | " + " | ".join(names) + " | f+b two / cuDNN | f+b fused / cuDNN |")
-    print("| --- |" + " ---: |" * (len(names) + 2))
-    for (d, n), best in rows:
-        ratio = [best["f+b cuDNN"] / best[f"f+b {x}"] for x in ("two kernels", names[1][4:])]
-        print(f"| {d}, {n} | " + " | ".join(f"{best[x]:.3f}" for x in names)
-              + f" | {ratio[0]:.3f} | {ratio[1]:.3f} |")
+    print_backward_table(rows, a.rounds, list(rows[0][1])[1][4:])
 
 
 if __name__ == "__main__":

@@ -225,6 +225,20 @@ def sweep(head_dims, seq_lens, fwd_cfgs, dq_cfgs, dkdv_cfgs, sms):
             print(f"sweep d={d} N={n}: " + " ".join(res), flush=True)
 
 
+def print_backward_table(rows, rounds: int, fused: str) -> None:
+    """The table of the backward probes: ``rows`` of ((d, N), {column: fastest ms}) with "f+b two kernels",
+    "f+b cuDNN" and "f+b " + ``fused`` among the columns, and both forward+backward ratios to cuDNN."""
+    print(f"\ncausal bf16, 16 heads, B*H*N = 2^21: fastest median ms of {rounds} interleaved rounds, "
+          "and forward+backward ratios to cuDNN")
+    names = list(rows[0][1])
+    print("\n| d, N | " + " | ".join(names) + " | f+b two / cuDNN | f+b fused / cuDNN |")
+    print("| --- |" + " ---: |" * (len(names) + 2))
+    for (d, n), best in rows:
+        ratio = [best["f+b cuDNN"] / best[f"f+b {x}"] for x in ("two kernels", fused)]
+        print(f"| {d}, {n} | " + " | ".join(f"{best[x]:.3f}" for x in names)
+              + f" | {ratio[0]:.3f} | {ratio[1]:.3f} |", flush=True)
+
+
 def causal_attention(leaves, cudnn: bool):
     """A causal forward over ``leaves`` (q, k, v) through SDPA's cuDNN backend or ``FlashAttentionTriton``."""
     if cudnn:
