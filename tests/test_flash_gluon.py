@@ -723,6 +723,18 @@ def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
 
 
 @requires_triton
+def test_small_kernels_launch_for_many_heads():
+    """The grid of the small tl kernels around the fused backward puts batch x heads on its first axis: CUDA allows
+    at most 65535 programs on the second, and with the heads there a call of 70000 heads failed to launch."""
+    from lmtrain.kernels import flash_gluon_hopper as fg
+
+    o = torch.empty(1, 1, 97, 64).expand(70000, 1, 97, 64)
+    grid, _, _ = fg.delta_args(o, o, torch.empty(70000, 97))
+    assert grid == (70000, 2)
+    assert fg._row_grid(3, 4_000_000)[1] <= 65535
+
+
+@requires_triton
 def test_delta_zeroes_sums_and_sums_convert_to_dq(tmp_path):
     """The fused backward's two small kernels, under Triton's interpreter (in a child process: it must be set before
     Triton is imported): ``_delta_kernel`` with ``ZERO_ACC`` writes D and zeros over NaN-poisoned sums, and
@@ -743,7 +755,8 @@ def test_delta_zeroes_sums_and_sums_convert_to_dq(tmp_path):
         "acc = torch.randn(z, h, n, d, generator=g)\n"
         "dq = torch.full((z, n + 5, h, d), float('nan'), dtype=torch.float16)\n"
         "dq4 = dq[:, :n].transpose(1, 2)\n"
-        "fg._dq_convert_kernel[(2, z * h)](acc, dq4, *dq4.stride()[:3], h, n, 0.125, HEAD_DIM=d, BLOCK=64)\n"
+        "fg._dq_convert_kernel[fg._row_grid(z * h, n)](acc, dq4, *dq4.stride()[:3], h, n, 0.125, HEAD_DIM=d, "
+        "BLOCK=64)\n"
         "assert torch.allclose(dq4.float(), (acc * 0.125).half().float()), 'dQ'\n"
         "assert dq[:, n:].isnan().all(), 'rows past N written'\n"
         "print('checked')\n")

@@ -1684,10 +1684,11 @@ def bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal: bool,
 @triton.jit
 def _dq_convert_kernel(ACC, DQ, stride_z, stride_h, stride_n, H, N_Q, scale, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """dQ = scale * the fp32 sums of the fused backward, in dQ's dtype, for BLOCK rows of one head."""
-    bh = tl.program_id(1)
+    """dQ = scale * the fp32 sums of the fused backward, in dQ's dtype, for BLOCK rows of one head (grid:
+    ``_row_grid``)."""
+    bh = tl.program_id(0)
     z, h = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     ok = (rows < N_Q)[:, None]
     acc = tl.load(ACC + (bh.to(tl.int64) * N_Q + rows)[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
@@ -1705,21 +1706,28 @@ def backward_atomic(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: to
     z, h, n_q, d = q4.shape
     launch_compiled(_delta_kernel, *delta_args(o4, do4, delta, acc))
     launch_compiled(_bwd_atomic_kernel, *bwd_atomic_args(q4, k4, v4, do4, dk4, dv4, acc, lse, delta, is_causal, cfg))
-    launch_compiled(_dq_convert_kernel, (triton.cdiv(n_q, _ROW_BLOCK), z * h),
+    launch_compiled(_dq_convert_kernel, _row_grid(z * h, n_q),
                     (acc, dq4, *dq4.stride()[:3], h, n_q, d**-0.5), dict(HEAD_DIM=d, BLOCK=_ROW_BLOCK, num_warps=4))
 
 
 _ROW_BLOCK = 64  # rows per program of the small tl kernels around the backward (D and zeroing, dQ from the sums)
 
 
+def _row_grid(heads: int, n: int) -> tuple[int, int]:
+    """The grid of the small tl kernels over ``heads`` x ``n`` rows: heads on the first axis, which takes up to
+    2^31 - 1 programs, row blocks on the second (at most 65535, so up to some 4 million rows). With the heads on the
+    second axis, a call of more than 65535 batch x heads failed to launch."""
+    return heads, triton.cdiv(n, _ROW_BLOCK)
+
+
 @triton.jit
 def _delta_kernel(OUT, DO, DELTA, stride_oz, stride_oh, stride_on, stride_dz, stride_dh, stride_dn, H, N_Q, ACC,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_ACC: tl.constexpr = False):
     """D = rowsum(O * dO) in fp32 for BLOCK rows of one head; ZERO_ACC: also zeros for those rows of the dense fp32
-    (Z, H, N_Q, d) sums ``ACC``."""
-    bh = tl.program_id(1)
+    (Z, H, N_Q, d) sums ``ACC`` (grid: ``_row_grid``)."""
+    bh = tl.program_id(0)
     z, h = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     ok = (rows < N_Q)[:, None]
     o = tl.load(OUT + z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + rows.to(tl.int64)[:, None] * stride_on
@@ -1736,7 +1744,7 @@ def delta_args(o4, do4, delta, acc=None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of ``_delta_kernel`` over (Z, H, N, d) O and dO, zeroing
     ``acc`` if given."""
     z, h, n_q, d = o4.shape
-    return ((triton.cdiv(n_q, _ROW_BLOCK), z * h),
+    return (_row_grid(z * h, n_q),
             (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], h, n_q, delta if acc is None else acc),
             dict(HEAD_DIM=d, BLOCK=_ROW_BLOCK, ZERO_ACC=acc is not None, num_warps=4))
 
