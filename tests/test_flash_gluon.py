@@ -511,7 +511,6 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     registers) no register spills in the block loops and at most ``_SPILLS_PER_TILE`` local-memory accesses in all,
     warpgroup MMAs not serialised (ptxas waits for each one when it cannot keep the registers of the products in
     flight), and the registers of stationary first operands never overwritten."""
-
     from lmtrain.kernels import flash_gluon_hopper as fg
 
     compiled, sass = _compile_sm90_sass(kernel, args, kwargs)
