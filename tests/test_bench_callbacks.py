@@ -88,3 +88,43 @@ def test_bench_callbacks_warns_when_measuring_inside_a_window(tmp_path, capsys):
                "none", "--out", str(tmp_path / "b.json"), "--logdir", str(tmp_path / "logs")])
     assert rc == 0
     assert "--measure-from 3 is inside a window (the last window step is 8)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_callbacks_on_two_ranks(tmp_path, capsys):
+    """--devices 2: each setting trains on 2 gloo processes (Lightning starts rank 1 by re-running the setting's
+    process); the row's step time is the slowest rank's median, with every rank's median and the straggler
+    ratio beside it, and KernelShare's communication time of the profiled steps."""
+    out = tmp_path / "bench.json"
+    args = [a if a != "4" else "6" for a in TINY]  # 6 steps: the statistics use steps 3..5
+    rc = main(["bench", "callbacks", *args, "--devices", "2", "--settings", "none", "KernelShare",
+               "--out", str(out), "--logdir", str(tmp_path / "logs")])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows) == ["none", "KernelShare", "none (again)"]
+    assert result["meta"]["devices"] == 2 and result["meta"]["strategy"] == "ddp"
+    for row in rows.values():
+        medians = row["rank_median_step_ms"]
+        assert row["steps"] == 6 and len(medians) == 2 and all(m > 0 for m in medians)
+        assert row["median_step_ms"] == max(medians) and row["slowest_rank"] == medians.index(max(medians))
+        assert 1.0 <= row["straggler_ratio_median"] <= row["straggler_ratio_max"]
+    assert rows["KernelShare"]["communication_ms"] > 0  # gloo's all-reduces of the gradients
+    assert 0 < rows["KernelShare"]["communication_share"] < 1
+    table = capsys.readouterr().out
+    assert "2 ranks, ddp" in table and "straggler ratio" in table
+
+
+def test_rank_statistics_takes_the_slowest_rank_and_per_step_ratios():
+    per_rank = [[50.0, 10.0, 12.0, 11.0], [9.0, 20.0, 10.0, 11.0]]
+    row = callbacks.rank_statistics(per_rank, measure_from=1)
+    assert row["rank_median_step_ms"] == [11.0, 11.0]
+    assert row["median_step_ms"] == 11.0 and row["slowest_rank"] == 0
+    assert row["straggler_ratio_max"] == pytest.approx(2.0)  # step 1: 20 / 10
+    assert row["straggler_ratio_median"] == pytest.approx(1.2)  # ratios 2.0, 1.2, 1.0
+    assert callbacks.rank_statistics([[1.0], [2.0]], measure_from=3) == {}
+
+
+def test_bench_callbacks_refuses_several_devices_in_one_process(capsys):
+    assert main(["bench", "callbacks", *TINY, "--devices", "2", "--no-isolate"]) == 2
+    assert "--isolate" in capsys.readouterr().err

@@ -55,6 +55,7 @@ from lmtrain.bench.runner import add_isolation_arguments, args_payload, run_sett
 from lmtrain.configuration import resolve_config
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
+STRATEGIES = ("ddp", "fsdp")
 CALLBACKS = ("CudaSyncTimer", "NVTXRanges", "MemorySnapshot", "KernelShare", "PrecisionInspector")
 
 
@@ -78,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--logdir", default="logs/bench_callbacks",
                         help="TensorBoard logs of the all-five run (default logs/bench_callbacks)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="devices (GPUs, or CPU processes with --allow-cpu) each setting trains on (default 1). "
+                             "Above 1 every setting runs under --strategy with one process per device, started "
+                             "by Lightning; the step time of a setting is its slowest rank's median")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp",
+                        help="with --devices above 1: ddp, or fsdp (FSDP2 through ModelParallelStrategy, "
+                             "data-parallel over all devices) (default ddp)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (host clock; a smoke test)")
     add_isolation_arguments(parser)
 
@@ -151,18 +159,44 @@ def make_callback(name: str, window_start: int) -> tuple[Any | None, str]:
 
 
 class _StepProbe:
-    """Independent per-step timing: one instance first and one last in the callback list."""
+    """Independent per-step timing: one instance first and one last in the callback list.
+
+    On several ranks every rank times its own steps; at the end of training the ranks' step times are gathered
+    (one collective, after the last step), so that ``per_rank`` holds every rank's list in rank order."""
 
     def __init__(self, cuda: bool) -> None:
         self.clock = Clock(cuda)
         self.starts: list[Any] = []
         self.ends: list[Any] = []
+        self.per_rank: list[list[float]] | None = None
 
     def mark(self, into: list[Any]) -> None:
         into.append(self.clock.mark())
 
     def step_ms(self) -> list[float]:
         return self.clock.intervals_ms(self.starts, self.ends)
+
+    def gather(self, trainer: Any) -> None:
+        from lmtrain.callbacks._common import gather_values
+
+        self.per_rank = gather_values(trainer, self.step_ms())
+
+
+def rank_statistics(per_rank: list[list[float]], measure_from: int) -> dict[str, Any]:
+    """Row fields from every rank's step times (ms, rank order): each rank's median over the steps from
+    ``measure_from`` on, the slowest rank's median (what a data-parallel run waits on: ``median_step_ms``),
+    and the straggler ratio of each step (slowest / fastest rank), as its median and maximum."""
+    measured = [steps[measure_from:] for steps in per_rank]
+    if not measured or not all(measured):
+        return {}
+    medians = [statistics.median(m) for m in measured]
+    ratios = [max(step) / min(step) for step in zip(*measured, strict=False) if min(step) > 0]
+    row: dict[str, Any] = {"rank_median_step_ms": medians, "median_step_ms": max(medians),
+                           "slowest_rank": medians.index(max(medians))}
+    if ratios:
+        row["straggler_ratio_median"] = statistics.median(ratios)
+        row["straggler_ratio_max"] = max(ratios)
+    return row
 
 
 def _probe_callbacks(probe: _StepProbe) -> tuple[Any, Any]:
@@ -184,7 +218,28 @@ def _probe_callbacks(probe: _StepProbe) -> tuple[Any, Any]:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             probe.mark(probe.ends)
 
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            probe.gather(trainer)  # every rank, after its last step: one collective
+
     return _ProbeStart(), _ProbeEnd()
+
+
+def _strategy(args: argparse.Namespace, cuda: bool) -> Any:
+    """The Trainer's strategy: one device kept in place on a GPU, else ``--strategy`` over ``--devices``."""
+    devices = getattr(args, "devices", 1)
+    if devices <= 1:
+        return keep_on_device_strategy() if cuda else "auto"
+    if args.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return "ddp"
+
+
+#: KernelShare metrics copied into a setting's row (several ranks: the maxima over the profiling ranks are logged
+#: too, as ``..._step_max``).
+KERNEL_METRICS = {"kernels/communication_ms_step": "communication_ms", "kernels/communication_share_step":
+                  "communication_share", "kernels/communication_exposed_ms_step": "communication_exposed_ms"}
 
 
 def _hooks_left(module: torch.nn.Module) -> int:
@@ -202,8 +257,8 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
     probe = _StepProbe(cuda)
     first, last = _probe_callbacks(probe)
     trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,
-        strategy=keep_on_device_strategy() if cuda else "auto",
+        max_steps=args.steps, accelerator="cuda" if cuda else "cpu", devices=getattr(args, "devices", 1),
+        precision=precision, strategy=_strategy(args, cuda),
         callbacks=[first, *callbacks, last], logger=TensorBoardLogger(logdir, name=name),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=max(1, args.steps),
@@ -219,7 +274,13 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
         "first_step_ms": steps[0] if steps else None,
         "hooks_left": _hooks_left(module),
     }
+    if trainer.world_size > 1 and probe.per_rank is not None:
+        row.update(rank_statistics(probe.per_rank, args.measure_from))
     for cb in callbacks:
+        metrics = getattr(cb, "metrics", None) if type(cb).__name__ == "KernelShare" else None
+        for key, field in KERNEL_METRICS.items():
+            if metrics and key in metrics:
+                row[field] = metrics[key]
         summary = getattr(cb, "summary", None) if type(cb).__name__ == "KernelShare" else None
         if summary is not None:
             row["kernel_ms"] = summary.total_us / 1e3
@@ -317,6 +378,17 @@ def run(args: argparse.Namespace) -> int:
         print("bench callbacks: no CUDA GPU found; overheads are GPU step times. Run it on a GPU machine, or "
               "pass --allow-cpu for a smoke run.", file=sys.stderr)
         return 2
+    if args.devices < 1:
+        print(f"bench callbacks: --devices must be at least 1, got {args.devices}.", file=sys.stderr)
+        return 2
+    if args.devices > 1 and not args.isolate:
+        print("bench callbacks: --devices above 1 needs --isolate (the default): Lightning starts the further "
+              "ranks by running the setting's own process again.", file=sys.stderr)
+        return 2
+    if cuda and args.devices > torch.cuda.device_count():
+        print(f"bench callbacks: --devices {args.devices} but {torch.cuda.device_count()} GPU(s) are visible.",
+              file=sys.stderr)
+        return 2
     if args.measure_from >= args.steps:
         print(f"bench callbacks: --measure-from {args.measure_from} must be below --steps {args.steps}.",
               file=sys.stderr)
@@ -334,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.isolate:
             payload = {"args": args_payload(args), "model": model_kwargs, "data": data_kwargs, "precision": precision}
-            for child in run_settings("callbacks", SETTING_TARGET, [name for name, _ in plan], payload, args.timeout):
+            for child in run_settings("callbacks", SETTING_TARGET, [name for name, _ in plan], payload, args.timeout,
+                                      ranks=args.devices):
                 if child.status == "ok" and child.result is not None:
                     row = dict(child.result["row"])
                     device = child.result.get("device", device)
@@ -361,11 +434,14 @@ def run(args: argparse.Namespace) -> int:
     meta = {"device": device, "config": source, "model": model_kwargs, "data": data_kwargs, "precision": precision,
             "steps": args.steps, "window_start": args.window_start, "measure_from": args.measure_from,
             "windows_all_five": window_plan(list(CALLBACKS), args.window_start, args.stagger),
-            "isolated": bool(args.isolate), "baseline_step_ms": base, "baseline_drift_pct": drift,
+            "isolated": bool(args.isolate), "devices": args.devices,
+            "strategy": args.strategy if args.devices > 1 else None, "baseline_step_ms": base,
+            "baseline_drift_pct": drift,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     how = "each setting in a fresh process" if args.isolate else "all settings in one process"
+    ranks = f"; {args.devices} ranks, {args.strategy}, step time of the slowest rank" if args.devices > 1 else ""
     print(f"\n{device}; {source}; precision {precision}; {args.steps} steps per setting; windows from step "
-          f"{args.window_start}; medians over steps {args.measure_from}..{args.steps - 1}; {how}\n")
+          f"{args.window_start}; medians over steps {args.measure_from}..{args.steps - 1}; {how}{ranks}\n")
     print(format_table(rows))
     print(baseline_line(base, drift))
     if args.out:
@@ -397,11 +473,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
-    table = [[r["setting"], num(r.get("median_step_ms"), ".2f"), num(r.get("overhead_pct"), "+.2f"),
-              num(r.get("timer_step_ms"), ".2f"), num(r.get("timer_vs_probe_pct"), "+.2f"),
-              num(r.get("kernel_ms"), ".2f"), num(r.get("kernel_vs_step_pct"), "+.2f"),
-              num(r.get("gpu_idle_ms"), ".2f"),
-              num(r.get("first_step_ms"), ".0f"), r.get("hooks_left", "-"), r.get("note", "")] for r in rows]
-    return markdown_table(["setting", "median step ms", "overhead %", "timer step ms", "timer vs probe %",
-                           "kernel ms/step", "kernel vs step %", "GPU idle ms/step (profiled)", "first step ms",
-                           "hooks left", "note"], table)
+    ranked = any("rank_median_step_ms" in r for r in rows)
+    table = []
+    for r in rows:
+        line = [r["setting"], num(r.get("median_step_ms"), ".2f"), num(r.get("overhead_pct"), "+.2f"),
+                num(r.get("timer_step_ms"), ".2f"), num(r.get("timer_vs_probe_pct"), "+.2f"),
+                num(r.get("kernel_ms"), ".2f"), num(r.get("kernel_vs_step_pct"), "+.2f"),
+                num(r.get("gpu_idle_ms"), ".2f")]
+        if ranked:
+            medians = r.get("rank_median_step_ms")
+            line += [" / ".join(format(m, ".2f") for m in medians) if medians else "-",
+                     num(r.get("straggler_ratio_median"), ".3f"), num(r.get("communication_ms"), ".2f"),
+                     num(r.get("communication_exposed_ms"), ".2f")]
+        line += [num(r.get("first_step_ms"), ".0f"), r.get("hooks_left", "-"), r.get("note", "")]
+        table.append(line)
+    head = ["setting", "median step ms", "overhead %", "timer step ms", "timer vs probe %", "kernel ms/step",
+            "kernel vs step %", "GPU idle ms/step (profiled)"]
+    if ranked:
+        head += ["rank medians ms", "straggler ratio", "comm ms/step", "exposed comm ms/step"]
+    return markdown_table([*head, "first step ms", "hooks left", "note"], table)

@@ -97,9 +97,22 @@ def _resolve(target: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return getattr(importlib.import_module(module), name)
 
 
+def rank_result_path(result_path: str | Path, local_rank: int) -> str:
+    """Where the process of local rank ``local_rank`` > 0 of a multi-GPU child writes its result."""
+    return f"{result_path}.rank{local_rank}"
+
+
 def child_main(target: str, payload: dict[str, Any], result_path: str) -> None:
-    """Run ``target(payload)`` and write its result, or its failure, to ``result_path`` as JSON."""
+    """Run ``target(payload)`` and write its result, or its failure, to ``result_path`` as JSON.
+
+    A target that trains on several devices of this node starts their processes through Lightning, which
+    re-runs this command once per further device with ``LOCAL_RANK`` set: those processes write to
+    ``rank_result_path`` instead, so the result file is rank 0's and the parent can wait for the others.
+    """
     global _RESULT_PATH
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if local_rank > 0:
+        result_path = rank_result_path(result_path, local_rank)
     _RESULT_PATH = result_path
     try:
         result = _resolve(target)(payload)
@@ -146,8 +159,30 @@ def _why(returncode: int, log_text: str) -> tuple[str, str]:
     return status, f"process exited with status {returncode}: {last}"
 
 
+def _wait_for_ranks(result_path: Path, ranks: int, proc: subprocess.Popen, wait_s: float) -> None:
+    """After rank 0's process has ended: wait up to ``wait_s`` for the other local ranks' result files (they
+    write them as they finish), then stop whatever is left of the child's process group, so that the next
+    child starts on free devices."""
+    deadline = time.perf_counter() + wait_s
+    pending = [Path(rank_result_path(result_path, r)) for r in range(1, ranks)]
+    while pending and time.perf_counter() < deadline:
+        pending = [p for p in pending if not p.is_file()]
+        if pending:
+            time.sleep(0.2)
+    time.sleep(0.5 if not pending else 0.0)  # a rank that wrote its file is leaving: let it go on its own
+    _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child's process group (the child and the processes it started for further devices)."""
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_child(name: str, target: str, payload: dict[str, Any], work_dir: Path, *, timeout: float | None = None,
-              launcher: str = "fork") -> ChildResult:
+              launcher: str = "fork", ranks: int = 1, rank_wait_s: float = 120.0) -> ChildResult:
     """Run ``target(payload)`` in a child process and return what became of it.
 
     Args:
@@ -157,13 +192,19 @@ def run_child(name: str, target: str, payload: dict[str, Any], work_dir: Path, *
         work_dir: folder for the child's result and log files (``<name>.json``, ``<name>.log``).
         timeout: seconds before the child is killed and recorded as ``timeout`` (None or <= 0: no limit).
         launcher: ``fork`` (falls back to ``spawn`` once CUDA is initialised here) or ``spawn``.
+        ranks: processes the target trains on (Lightning starts ranks 1.. by re-running the child's command, so
+            more than one needs ``spawn``). The child gets its own process group; once rank 0 has ended, the
+            others have ``rank_wait_s`` seconds to write their results before the group is killed, and a timeout
+            kills the whole group.
     """
-    if launcher == "fork" and cuda_initialised():
+    if launcher == "fork" and (cuda_initialised() or ranks > 1):
         launcher = "spawn"
     work_dir.mkdir(parents=True, exist_ok=True)
     slug = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
     result_path, log_path = work_dir / f"{slug}.json", work_dir / f"{slug}.log"
     result_path.unlink(missing_ok=True)
+    for r in range(1, ranks):
+        Path(rank_result_path(result_path, r)).unlink(missing_ok=True)
     limit = timeout if timeout and timeout > 0 else None
     start = time.perf_counter()
     returncode: int | None
@@ -191,17 +232,23 @@ def run_child(name: str, target: str, payload: dict[str, Any], work_dir: Path, *
         cmd = [sys.executable, "-m", "lmtrain.bench.runner", target, str(payload_path), str(result_path)]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=_child_env())
+                                    env=_child_env(), start_new_session=ranks > 1)
             try:
                 returncode = proc.wait(limit)
             except subprocess.TimeoutExpired:
+                if ranks > 1:
+                    _kill_group(proc)
                 proc.kill()
                 proc.wait()
                 returncode = None
             except KeyboardInterrupt:
+                if ranks > 1:
+                    _kill_group(proc)
                 proc.kill()
                 proc.wait()
                 raise
+            if ranks > 1 and returncode is not None:
+                _wait_for_ranks(result_path, ranks, proc, rank_wait_s if returncode == 0 else 0.0)
     else:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     seconds = time.perf_counter() - start
@@ -244,8 +291,9 @@ def args_payload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_settings(command: str, target: str, settings: Sequence[str], payload: dict[str, Any],
-                 timeout: float | None) -> Iterator[ChildResult]:
-    """Run ``target({**payload, "setting": S})`` for each setting S in a fresh interpreter, one after another.
+                 timeout: float | None, ranks: int = 1) -> Iterator[ChildResult]:
+    """Run ``target({**payload, "setting": S})`` for each setting S in a fresh interpreter, one after another
+    (``ranks``: see :func:`run_child`).
 
     Yields each setting's result as soon as it is known (a caller keeps them as they come, so Ctrl-C loses
     nothing already measured). A failed child's last lines of output are echoed to stderr.
@@ -255,7 +303,7 @@ def run_settings(command: str, target: str, settings: Sequence[str], payload: di
         for i, setting in enumerate(settings):
             print(f"{tag} {setting}: fresh process ({i + 1}/{len(settings)})", file=sys.stderr, flush=True)
             result = run_child(f"{i}_{setting}", target, {**payload, "setting": setting}, Path(work),
-                               timeout=timeout, launcher="spawn")
+                               timeout=timeout, launcher="spawn", ranks=ranks)
             result.name = setting
             if result.status != "ok":
                 print(f"{tag} {setting}: {result.status} ({result.error}); last lines of its output:\n"

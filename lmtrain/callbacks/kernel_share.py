@@ -163,6 +163,7 @@ class KernelShare(Callback):
         self.summary: analysis.KernelSummary | None = None  # the last window's summary (for scripts and tests)
         self.timeline: analysis.GpuTimeline | None = None  # the last window's GPU busy/idle time (CUDA only)
         self.report: str | None = None
+        self.metrics: dict[str, float] | None = None  # the last window's metrics of this rank
 
     def in_window(self, step: int) -> bool:
         """Step ``step`` runs under the profiler (warm-up and active steps; on every rank): slower than others."""
@@ -322,6 +323,7 @@ class KernelShare(Callback):
             self._warn("KernelShare: the profiler recorded no CUDA kernels (CUPTI unavailable?); nothing reported.")
             return None
         self.summary, self.timeline, self.report = found.summary, found.records.timeline, found.report
+        self.metrics = found.metrics  # this rank's (rank 0 logs the merged metrics of the profiling ranks)
         out_dir = log_dir(trainer)
         if out_dir and self.export_trace:
             os.makedirs(out_dir, exist_ok=True)
