@@ -77,7 +77,9 @@ class LMModule(pl.LightningModule):
             gradient is complete, and free the gradient at once (:class:`InBackwardAdamW`): no full set of
             gradients ever exists. Same updates, schedule and weight-decay groups as the ordinary step. Refused
             (``LmtrainError``) with ``trainer.accumulate_grad_batches > 1``, ``trainer.gradient_clip_val``,
-            ``trainer.precision: 16-mixed`` and step modes other than ``train``.
+            ``trainer.precision: 16-mixed``, step modes other than ``train`` and DDP on several ranks (the update
+            would come before the gradient's all-reduce). Under FSDP2 each update follows its gradient's
+            reduce-scatter (FSDP2 runs the hook on the reduced shard).
         optimizer_overlap: with ``optimizer_in_backward``, run those updates on a second CUDA stream (overlapping
             the backward pass); no effect on a CPU.
         loss_chunk_tokens: output head and cross-entropy over this many tokens at a time (0: all at once), so the
@@ -450,6 +452,13 @@ class LMModule(pl.LightningModule):
                                "scaler could unscale or skip them (trainer.precision=16-mixed).",
                                "use trainer.precision: bf16-mixed (no loss scaling) or "
                                "model.optimizer_in_backward: false.")
+        if getattr(trainer, "world_size", 1) > 1 and strategy_kind_of(trainer) != "fsdp":
+            raise LmtrainError(field, f"{why} under DDP (any strategy but FSDP2) each rank would update from its "
+                               f"own gradient, before the all-reduce has averaged it over the {trainer.world_size} "
+                               "ranks: the replicas would drift apart.",
+                               "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy, "
+                               "which runs the update after each gradient's reduce-scatter) or "
+                               "model.optimizer_in_backward: false.")
 
     def _check_master_weights_trainer(self, trainer: pl.Trainer) -> None:
         field, off = "model.master_weights", "or set model.master_weights: false."
@@ -598,6 +607,17 @@ class LMModule(pl.LightningModule):
             return max(1, self.hparams.warmup_steps)
         total = self.trainer.estimated_stepping_batches
         return int(total) if math.isfinite(total) else max(1, self.hparams.warmup_steps)
+
+
+def strategy_kind_of(trainer: pl.Trainer) -> str:
+    """``ddp``, ``fsdp`` or ``single`` for the trainer's strategy (``lmtrain.memory_plan.strategy_kind``);
+    ``other`` for a strategy the memory plan does not know."""
+    from lmtrain.memory_plan import strategy_kind
+
+    try:
+        return strategy_kind(trainer.strategy)
+    except ValueError:
+        return "other"
 
 
 class InBackwardAdamW(torch.optim.Optimizer):

@@ -82,9 +82,11 @@ def run_fit(strategy: str, out: Path) -> None:
         "ddp": "ddp",
         "fsdp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         "fsdp_ac": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "fsdp_in_backward": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
     }
     module = SeededLM(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, lr=1e-2, warmup_steps=0,
-                      fused_adamw=False, activation_checkpointing=strategy == "fsdp_ac")
+                      fused_adamw=False, activation_checkpointing=strategy == "fsdp_ac",
+                      optimizer_in_backward=strategy == "fsdp_in_backward")
     record = RecordLoss()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategies[strategy], precision="32-true",
@@ -169,6 +171,38 @@ def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_p
     assert fsdp["fsdp_units"] == ["", *(f"blocks.{i}" for i in range(4))]
     assert fsdp["block_types"] == ["FSDPCheckpointWrapper"] * 4
     assert fsdp["qkv_local_shape"] == [192, 128]
+
+
+@pytest.mark.slow
+def test_fsdp2_with_the_optimizer_in_backward_matches_one(single_run: dict, tmp_path: Path) -> None:
+    """FSDP2 runs each sharded parameter's post-accumulate-grad hook after its reduce-scatter, so the update
+    inside the backward pass reads the averaged gradient: the losses are the one-process run's."""
+    fsdp = _fit("fsdp_in_backward", tmp_path)
+    assert fsdp["losses"] == pytest.approx(single_run["losses"], abs=TOLERANCE, rel=0)
+    assert fsdp["losses"][-1] < fsdp["losses"][0]
+
+
+def test_optimizer_in_backward_is_refused_under_ddp() -> None:
+    """Under DDP the hook fires on the rank's own gradient, before the all-reduce (two gloo processes drifted
+    apart that way): refused, with FSDP2 named as the way to have it on several ranks."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lmtrain.errors import LmtrainError
+    from lmtrain.module import LMModule
+
+    module = LMModule(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, optimizer_in_backward=True)
+
+    def trainer(strategy: object, world_size: int) -> SimpleNamespace:
+        return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
+                               gradient_clip_val=None, precision="bf16-mixed")
+
+    with pytest.raises(LmtrainError, match="all-reduce") as info:
+        module.check_trainer(trainer(DDPStrategy(), 2))
+    assert "model.optimizer_in_backward" in str(info.value) and "ModelParallelStrategy" in str(info.value)
+    module.check_trainer(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
+    module.check_trainer(trainer(DDPStrategy(), 1))  # one process: nothing to average
 
 
 def test_fsdp_rejects_fp16() -> None:
