@@ -101,8 +101,9 @@ class LMModule(pl.LightningModule):
             a fused kernel (eight weights per launch) updates master and moments and writes the bf16 weight. The
             same arithmetic as ``bf16-mixed`` with fp32 weights, with 12 fewer bytes of memory traffic per parameter
             and step. Needs ``trainer.precision: bf16-mixed``; refused with gradient accumulation (it would sum in
-            bf16), gradient clipping, ``optimizer_in_backward`` and FSDP2. The model's own weights in a checkpoint
-            are then bf16; the fp32 masters are in the optimizer state (a resumed fit continues exactly).
+            bf16), gradient clipping, ``optimizer_in_backward``, FSDP2 and several ranks. The model's own weights
+            in a checkpoint are then bf16; the fp32 masters are in the optimizer state (a resumed fit continues
+            exactly).
         optimizer_state_dtype: the optimizer state of those bf16 weights under ``master_weights``: ``float32``
             (default: fp32 masters and moments; the update is AdamW's) or ``bfloat16``, the compact state: each
             fp32 master stored split into the bf16 weight and its low 16 bits (exact), the moments in bf16, rounded
@@ -466,9 +467,16 @@ class LMModule(pl.LightningModule):
             raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
                                f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
                                "use trainer.precision: bf16-mixed " + off)
-        if self.device_mesh is not None:
+        if self.device_mesh is not None or strategy_kind_of(trainer) == "fsdp":
+            # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
             raise LmtrainError(field, "is not available under FSDP2 (ModelParallelStrategy), which keeps its own "
                                "master weights (MixedPrecisionPolicy).", "leave it false with this strategy.")
+        if getattr(trainer, "world_size", 1) > 1:
+            raise LmtrainError(field, "is for one device: its optimizer turns the linear weights bf16 in place "
+                               "after DDP has wrapped the model and bucketed them as fp32, and DDP then stops at the "
+                               f"first step, finding them unused (this run: {trainer.world_size} ranks).",
+                               "train on one device, or use FSDP2 with bf16-mixed (bf16 compute, fp32 master "
+                               "shards) " + off)
         if trainer.accumulate_grad_batches > 1:
             raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
                                f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",

@@ -205,6 +205,30 @@ def test_optimizer_in_backward_is_refused_under_ddp() -> None:
     module.check_trainer(trainer(DDPStrategy(), 1))  # one process: nothing to average
 
 
+def test_master_weights_are_refused_under_fsdp2_and_on_several_ranks() -> None:
+    """Checked from the strategy, before it has set up (FSDP2's device mesh does not exist yet when a fit starts:
+    without this, FSDP2 stopped on mixed bf16/fp32 parameters and DDP on parameters it found unused)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lmtrain.errors import LmtrainError
+    from lmtrain.module import LMModule
+
+    module = LMModule(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, master_weights=True)
+
+    def trainer(strategy: object, world_size: int) -> SimpleNamespace:
+        return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
+                               gradient_clip_val=None, precision="bf16-mixed")
+
+    assert module.device_mesh is None
+    with pytest.raises(LmtrainError, match="FSDP2"):
+        module.check_trainer(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
+    with pytest.raises(LmtrainError, match="one device"):
+        module.check_trainer(trainer(DDPStrategy(), 2))
+    module.check_trainer(trainer(DDPStrategy(), 1))
+
+
 def test_fsdp_rejects_fp16() -> None:
     from lmtrain.distributed import check_fsdp_precision, mixed_precision_policy
     from lmtrain.errors import LmtrainError
