@@ -128,3 +128,24 @@ def test_rank_statistics_takes_the_slowest_rank_and_per_step_ratios():
 def test_bench_callbacks_refuses_several_devices_in_one_process(capsys):
     assert main(["bench", "callbacks", *TINY, "--devices", "2", "--no-isolate"]) == 2
     assert "--isolate" in capsys.readouterr().err
+
+
+def test_hooks_left_leaves_out_the_strategys_own_hooks():
+    """FSDP2 keeps a forward pre- and post-hook on every sharded module: those are not a callback's leftovers."""
+    import functools
+
+    import torch
+
+    def strategy_hook(module, args):  # stands for FSDP2's (its function's module is torch.distributed...)
+        return None
+
+    def leftover(module, args, output):
+        return None
+
+    strategy_hook.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    for layer in model:
+        layer.register_forward_pre_hook(functools.partial(strategy_hook))
+    assert callbacks._hooks_left(model) == 0
+    model[1].register_forward_hook(leftover)
+    assert callbacks._hooks_left(model) == 1

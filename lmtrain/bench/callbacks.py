@@ -242,8 +242,19 @@ KERNEL_METRICS = {"kernels/communication_ms_step": "communication_ms", "kernels/
                   "communication_share", "kernels/communication_exposed_ms_step": "communication_exposed_ms"}
 
 
+def _hook_origin(hook: Any) -> str:
+    """The module a hook's function was defined in (``functools.partial`` and bound methods unwrapped)."""
+    func = getattr(hook, "func", hook)
+    func = getattr(func, "__func__", func)
+    return getattr(func, "__module__", "") or ""
+
+
 def _hooks_left(module: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in module.modules())
+    """Forward and backward hooks on the module's submodules after a fit, apart from the strategy's own
+    (``torch.distributed``: FSDP2 keeps a forward pre- and post-hook on every sharded module)."""
+    return sum(1 for m in module.modules()
+               for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
+               for hook in hooks.values() if not _hook_origin(hook).startswith("torch.distributed"))
 
 
 # -- one setting ----------------------------------------------------------------------------------------------
