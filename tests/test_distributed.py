@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,6 +174,12 @@ def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_p
     assert fsdp["qkv_local_shape"] == [192, 128]
 
 
+def _trainer_like(strategy: object, world_size: int) -> SimpleNamespace:
+    """What ``LMModule.check_trainer`` reads of a trainer, for a bf16-mixed fit without accumulation or clipping."""
+    return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
+                           gradient_clip_val=None, precision="bf16-mixed")
+
+
 @pytest.mark.slow
 def test_fsdp2_with_the_optimizer_in_backward_matches_one(single_run: dict, tmp_path: Path) -> None:
     """FSDP2 runs each sharded parameter's post-accumulate-grad hook after its reduce-scatter, so the update
@@ -185,8 +192,6 @@ def test_fsdp2_with_the_optimizer_in_backward_matches_one(single_run: dict, tmp_
 def test_optimizer_in_backward_is_refused_under_ddp() -> None:
     """Under DDP the hook fires on the rank's own gradient, before the all-reduce (two gloo processes drifted
     apart that way): refused, with FSDP2 named as the way to have it on several ranks."""
-    from types import SimpleNamespace
-
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lmtrain.errors import LmtrainError
@@ -194,22 +199,16 @@ def test_optimizer_in_backward_is_refused_under_ddp() -> None:
 
     module = LMModule(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, optimizer_in_backward=True)
 
-    def trainer(strategy: object, world_size: int) -> SimpleNamespace:
-        return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
-                               gradient_clip_val=None, precision="bf16-mixed")
-
     with pytest.raises(LmtrainError, match="all-reduce") as info:
-        module.check_trainer(trainer(DDPStrategy(), 2))
+        module.check_trainer(_trainer_like(DDPStrategy(), 2))
     assert "model.optimizer_in_backward" in str(info.value) and "ModelParallelStrategy" in str(info.value)
-    module.check_trainer(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
-    module.check_trainer(trainer(DDPStrategy(), 1))  # one process: nothing to average
+    module.check_trainer(_trainer_like(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
+    module.check_trainer(_trainer_like(DDPStrategy(), 1))  # one process: nothing to average
 
 
 def test_master_weights_are_refused_under_fsdp2_and_on_several_ranks() -> None:
     """Checked from the strategy, before it has set up (FSDP2's device mesh does not exist yet when a fit starts:
     without this, FSDP2 stopped on mixed bf16/fp32 parameters and DDP on parameters it found unused)."""
-    from types import SimpleNamespace
-
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lmtrain.errors import LmtrainError
@@ -217,16 +216,12 @@ def test_master_weights_are_refused_under_fsdp2_and_on_several_ranks() -> None:
 
     module = LMModule(size="tiny", vocab_size=VOCAB, context_length=CONTEXT, master_weights=True)
 
-    def trainer(strategy: object, world_size: int) -> SimpleNamespace:
-        return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
-                               gradient_clip_val=None, precision="bf16-mixed")
-
     assert module.device_mesh is None
     with pytest.raises(LmtrainError, match="FSDP2"):
-        module.check_trainer(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
+        module.check_trainer(_trainer_like(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2))
     with pytest.raises(LmtrainError, match="one device"):
-        module.check_trainer(trainer(DDPStrategy(), 2))
-    module.check_trainer(trainer(DDPStrategy(), 1))
+        module.check_trainer(_trainer_like(DDPStrategy(), 2))
+    module.check_trainer(_trainer_like(DDPStrategy(), 1))
 
 
 def test_fsdp_rejects_fp16() -> None:

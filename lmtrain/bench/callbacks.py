@@ -288,12 +288,10 @@ def run_setting(name: str, callbacks: list[Any], module: Any, data: Any, precisi
     if trainer.world_size > 1 and probe.per_rank is not None:
         row.update(rank_statistics(probe.per_rank, args.measure_from))
     for cb in callbacks:
-        metrics = getattr(cb, "metrics", None) if type(cb).__name__ == "KernelShare" else None
-        for key, field in KERNEL_METRICS.items():
-            if metrics and key in metrics:
-                row[field] = metrics[key]
         summary = getattr(cb, "summary", None) if type(cb).__name__ == "KernelShare" else None
-        if summary is not None:
+        if summary is not None:  # set with its metrics and timeline when the window's trace is analysed
+            metrics = cb.metrics or {}
+            row.update({field: metrics[key] for key, field in KERNEL_METRICS.items() if key in metrics})
             row["kernel_ms"] = summary.total_us / 1e3
             if row["median_step_ms"]:
                 row["kernel_vs_step_pct"] = 100.0 * (row["kernel_ms"] / row["median_step_ms"] - 1.0)

@@ -233,19 +233,20 @@ def run_child(name: str, target: str, payload: dict[str, Any], work_dir: Path, *
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=_child_env(), start_new_session=ranks > 1)
+
+            def stop() -> None:
+                if ranks > 1:
+                    _kill_group(proc)  # with the further ranks the child started
+                proc.kill()
+                proc.wait()
+
             try:
                 returncode = proc.wait(limit)
             except subprocess.TimeoutExpired:
-                if ranks > 1:
-                    _kill_group(proc)
-                proc.kill()
-                proc.wait()
+                stop()
                 returncode = None
             except KeyboardInterrupt:
-                if ranks > 1:
-                    _kill_group(proc)
-                proc.kill()
-                proc.wait()
+                stop()
                 raise
             if ranks > 1 and returncode is not None:
                 _wait_for_ranks(result_path, ranks, proc, rank_wait_s if returncode == 0 else 0.0)

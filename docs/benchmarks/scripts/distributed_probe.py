@@ -20,12 +20,13 @@ Cells (2.7B, bf16-mixed, sdpa, synthetic data), each in its own process group st
     fsdp_ac_T   2 GPUs, FSDP2 + activation checkpointing, batch 1 per GPU, context T: 32768, then 16384 and
                 8192 until one fits, 4 steps
 
-Step time: the median of the synchronised steps after the first 3 (fewer when a cell has fewer steps). tokens/s per GPU = batch x context /
-step time; scaling efficiency = a 2-GPU cell's tokens/s per GPU over the 1-GPU cell's. Peak: the largest
-``torch.cuda.max_memory_allocated`` over the ranks, counted from the start of training (after the model is
-built and sharded), next to ``lmtrain.memory_plan.estimate_memory_distributed``. Losses: the rank-averaged
-loss of each of the 20 steps of ``ddp`` and ``fsdp`` (same data order: both read through Lightning's
-distributed sampler at world size 2). Each cell writes ``DIR/<cell>.json``; the table is printed last.
+Step time: the median of the synchronised steps after the first 3 (fewer when a cell has fewer steps).
+tokens/s per GPU = batch x context / step time; scaling efficiency = a 2-GPU cell's tokens/s per GPU over
+the 1-GPU cell's. Peak: the largest ``torch.cuda.max_memory_allocated`` over the ranks, counted from the
+start of training (after the model is built and sharded), next to
+``lmtrain.memory_plan.estimate_memory_distributed``. Losses: the rank-averaged loss of each of the 20 steps
+of ``ddp`` and ``fsdp`` (same data order: both read through Lightning's distributed sampler at world size 2).
+Each cell writes ``DIR/<cell>.json``; the table is printed last.
 
 NVLink multicast stays off in every process (the variables below are exported before any process starts,
 and Lightning's ranks inherit them).
@@ -51,19 +52,20 @@ def worker(args: argparse.Namespace) -> None:
     """One cell: fit, time every step, record losses and the peak; rank 0 writes ``args.json``."""
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    cuda = not args.cpu
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lmtrain.bench.clock import Clock
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
+    cuda = not args.cpu
+
     class Probe(pl.Callback):
         def __init__(self) -> None:
+            self.clock = Clock(cuda)  # CUDA events on a GPU, the host clock otherwise
             self.times: list[float] = []
             self.losses: list[float] = []
-            self.start: torch.cuda.Event | None = None
+            self.start = None
 
         def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             if cuda:
@@ -71,16 +73,13 @@ def worker(args: argparse.Namespace) -> None:
                 torch.cuda.reset_peak_memory_stats()
 
         def on_train_batch_start(self, trainer, module, batch, idx) -> None:  # noqa: ANN001
-            self.start = Clock(cuda).mark()
+            self.start = self.clock.mark()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, idx) -> None:  # noqa: ANN001
-            clock = Clock(cuda)
-            end = clock.mark()
-            clock.sync()
-            self.times.append(clock.ms(self.start, end) / 1000)
+            end = self.clock.mark()
+            self.clock.sync()
+            self.times.append(self.clock.ms(self.start, end) / 1000)
             self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
-
-    from lightning.pytorch.strategies import DDPStrategy
 
     strategy = {"auto": "auto", "ddp": DDPStrategy(**ddp_kwargs(args.ddp)),
                 "fsdp": ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)}[args.strategy]
