@@ -170,3 +170,93 @@ def test_median_ms_runs_the_sustained_warmup_before_the_timed_runs(monkeypatch, 
     ms = bench._median_ms(lambda: len(calls), timed, 2, 3, torch.device("cpu"), warmup_ms)
     assert calls == list(range(2 + extra + 3))  # every run after its own setup
     assert ms >= 2.0  # the middle of the timed runs (sleeps of 4, 1 and 2 ms), not a warm-up run (no sleep)
+
+
+def _shape_args(rounds: int, warmup_ms: float = 7.0) -> argparse.Namespace:
+    return argparse.Namespace(rounds=rounds, warmup=1, rep=2, warmup_ms=warmup_ms, flash_pytorch_max_n=1024)
+
+
+def test_backends_of_a_shape_take_turns_over_rounds(monkeypatch):
+    """``measure_shape``: one set of inputs for every backend; each round times every backend, the order rotated by
+    one per round, only the round's first measurement after the sustained warm-up; each figure is the median over
+    the rounds; a backend failing in a later round is recorded as an error while the others go on."""
+    backends = ["naive", "sdpa_math", "flash_pytorch"]
+    cells = [bench.Cell(b, "fp32", True, 1, 2, 32, 16) for b in backends]
+    other = bench.Cell("naive", "fp32", True, 1, 2, 48, 16)
+    assert bench.shape_groups([*cells, other]) == [cells, [other]]
+    calls_seen, inputs_seen = [], []
+    values = {"naive": [3.0, 1.0, 2.0], "sdpa_math": [5.0, 6.0, 4.0], "flash_pytorch": [9.0, 8.0, 7.0]}
+
+    def fake_round(calls, device, warmup, rep, warmup_ms=0.0):
+        name = next(c.backend for c, k in owners if k is calls)
+        calls_seen.append((name, warmup_ms))
+        inputs_seen.append(calls.inputs)
+        if name == "flash_pytorch" and len([n for n, _ in calls_seen if n == name]) == 2:
+            raise RuntimeError("boom in round 2")
+        ms = values[name][len([n for n, _ in calls_seen if n == name]) - 1]
+        return ms, 2 * ms, 3 * ms
+
+    owners = []
+    real_calls = bench.Calls
+
+    def recording_calls(fn, inputs, causal):
+        made = real_calls(fn, inputs, causal)
+        owners.append((pending[0], made))
+        return made
+
+    pending = [None]
+    real_prepare = bench.prepare_cell
+
+    def prepare(cell, calls, device):
+        real_prepare(cell, calls, device)
+
+    real_backend = bench._backend
+
+    def backend(name, device, seq_len, max_n):
+        pending[0] = next(c for c in cells if c.backend == name)
+        return real_backend(name, device, seq_len, max_n)
+
+    monkeypatch.setattr(bench, "Calls", recording_calls)
+    monkeypatch.setattr(bench, "_backend", backend)
+    monkeypatch.setattr(bench, "prepare_cell", prepare)
+    monkeypatch.setattr(bench, "time_round", fake_round)
+    lines = []
+    bench.measure_shape(cells, torch.device("cpu"), _shape_args(3), log=lines.append)
+    assert [n for n, _ in calls_seen] == ["naive", "sdpa_math", "flash_pytorch", "sdpa_math", "flash_pytorch",
+                                          "naive", "naive", "sdpa_math"]  # flash_pytorch failed in round 2
+    assert [w for _, w in calls_seen] == [7.0, 0.0, 0.0, 7.0, 0.0, 0.0, 7.0, 0.0]
+    assert all(i is inputs_seen[0] for i in inputs_seen)  # one set of inputs for the shape
+    naive, math_, flash = cells
+    assert (naive.fwd_ms, naive.bwd_ms, naive.fwd_bwd_ms) == (2.0, 4.0, 6.0)  # medians of 3, 1, 2
+    assert (math_.fwd_ms, math_.bwd_ms, math_.fwd_bwd_ms) == (5.0, 10.0, 15.0)
+    assert naive.extra["rounds"] == [(3.0, 6.0, 9.0), (1.0, 2.0, 3.0), (2.0, 4.0, 6.0)]
+    assert naive.status == math_.status == "ok" and naive.peak_gib is None  # no CUDA memory figures on the CPU
+    assert flash.status == "error" and "boom in round 2" in flash.reason and flash.fwd_ms is None
+    assert naive.fwd_host_us > 0 and math_.fwd_bwd_host_us > 0
+    assert len(lines) == 8 and lines[0].startswith("  round 1/3 naive: fwd 3.000")
+    assert lines[4] == "  round 2/3 flash_pytorch: error RuntimeError: boom in round 2"
+
+
+def test_rounds_reach_the_json_and_a_cpu_run_takes_one(tmp_path, monkeypatch):
+    """Every round's times are in the JSON rows; on the CPU ``--rounds`` is capped at ``CPU_ROUNDS``."""
+    args = _args(tmp_path, "--backends", "naive", "sdpa_math", "--seq-lens", "32", "--rounds", "4")
+    assert bench.run(args) == 0
+    assert args.rounds == bench.CPU_ROUNDS == 1
+    monkeypatch.setattr(bench, "CPU_ROUNDS", 2)
+    args = _args(tmp_path, "--backends", "naive", "sdpa_math", "--seq-lens", "32", "--rounds", "4")
+    assert bench.run(args) == 0
+    rows = json.loads((tmp_path / "attn.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["naive", "sdpa_math"]
+    for r in rows:
+        assert len(r["rounds"]) == 2 and all(len(t) == 3 and min(t) > 0 for t in r["rounds"])
+        assert r["fwd_ms"] == pytest.approx(sorted(t[0] for t in r["rounds"])[0] / 2
+                                            + sorted(t[0] for t in r["rounds"])[1] / 2)
+
+
+def test_host_bursts_are_capped_for_long_calls():
+    """All ``rep`` bursts for short calls; for long ones as many as fit ``HOST_BUDGET_MS`` of GPU time, at least 3."""
+    calls = bench.HOST_LEAD + bench.HOST_BURST
+    assert bench.host_bursts(30, 0.05) == 30
+    assert bench.host_bursts(30, bench.HOST_BUDGET_MS / calls / 10) == 10
+    assert bench.host_bursts(30, 57.0) == 3
+    assert bench.host_bursts(2, 57.0) == 2

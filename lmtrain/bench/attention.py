@@ -19,20 +19,22 @@ same under ``torch.compile``), ``flash_pytorch`` (tiled reference, Python loop: 
 ``sdpa_efficient`` / ``sdpa_math`` (``scaled_dot_product_attention`` restricted to one kernel with
 ``torch.nn.attention.sdpa_kernel``).
 
-Per cell: median forward, backward and forward+backward milliseconds over ``--rep`` timed runs after
-``--warmup`` untimed ones and then as many more as keep the GPU busy ``--warmup-ms`` (default 1000) right before
-the timed ones, so that these see the clock speed of sustained load (CUDA events; the backward is timed alone: its
-forward runs before the start event), TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when causal; backward 2.5x
-forward), GiB allocated after the forward (before the backward: inputs, output and what autograd saved) and the
-peak GiB of one
-forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever stays allocated across
-cells (for example a cuBLAS workspace once a matmul-based backend has run). Host time: the CPU time to issue one
-forward, and one forward+backward, in microseconds: the median over ``--rep`` bursts of 16 calls issued back
-to back after 4 untimed ones, each burst started on an idle GPU and timed without waiting for it (a burst is too
-short to fill the launch queue); where it exceeds the GPU time the backend is launch-bound at that size. One
-untimed forward+backward comes first, so compilation and autotuning stay out of both. Inputs are random
-(never zeros) and fresh per cell. A cell that runs out of memory is recorded as ``OOM`` and the sweep goes on;
-a backend that cannot run a cell is recorded as ``n/a`` with the reason.
+Per cell: median forward, backward and forward+backward milliseconds over ``--rep`` timed runs after ``--warmup``
+untimed ones (CUDA events; the backward is timed alone: its forward runs before the start event). The backends of one
+shape share its inputs and take turns: ``--rounds`` rounds (default 3), each timing every backend in turn, the order
+rotated from round to round, the round's first measurement after as many more untimed runs as keep the GPU busy
+``--warmup-ms`` (default 1000), so that all see the clock speed of sustained load and the same mix of its swings; each
+figure is the median over the rounds, and the JSON keeps every round's. TFLOP/s (forward 4·B·H·N_q·N_k·d, halved when
+causal; backward 2.5x forward), GiB allocated after the forward (before the backward: inputs, output and what autograd
+saved) and the peak GiB of one forward+backward, both as ``torch.cuda.memory_allocated``: they include whatever stays
+allocated across cells (for example a cuBLAS workspace once a matmul-based backend has run). Host time: the CPU time
+to issue one forward, and one forward+backward, in microseconds: the median over ``--rep`` bursts (fewer for long
+calls: ``host_bursts``) of 16 calls issued back to back after 4 untimed ones, each burst started on an idle GPU and
+timed without waiting for it (a burst is too short to fill the launch queue); where it exceeds the GPU time the
+backend is launch-bound at that size. One untimed forward+backward comes first, so compilation and autotuning stay out
+of both. Inputs are random (never zeros), fresh per shape and the same for its backends. A cell that runs out of
+memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run a cell is recorded as ``n/a`` with the
+reason.
 
 Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
 a CSV at PATH and the same rows as JSON beside it (PATH with suffix .json). Needs a CUDA GPU;
@@ -98,14 +100,20 @@ GRIDS: dict[str, dict] = {
 #: Former grid names.
 GRID_ALIASES = {"seeds": "study"}
 #: The CPU smoke run (``--allow-cpu``): longest N timed, and the most warm-up and timed runs per measurement.
-CPU_MAX_N, CPU_WARMUP, CPU_REP = 512, 1, 3
+CPU_MAX_N, CPU_WARMUP, CPU_REP, CPU_ROUNDS = 512, 1, 3, 1
 #: ``--warmup-ms``'s default. A GPU at its power limit changes its clock under load, most right after an idle
 #: moment (an H100 at 700 W, docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md: 1980 MHz after idle,
 #: 1215-1410 MHz at the lowest, a median of 1515-1665 MHz over a cell of N 16384); runs timed right after the load
 #: starts measure the transition, not the sustained speed a training run sees.
 DEFAULT_WARMUP_MS = 1000.0
+#: ``--rounds``'s default: each shape's backends timed in turn this many times, the median kept. One backend timed
+#: after another sees another stretch of the power-limited clock: at head dim 64 and 1024 keys on an H100, five
+#: calls with one round each put flash_triton's forward at 0.932-1.078 of cuDNN's, while windows of both taking
+#: turns gave 1.018-1.084 (docs/benchmarks/2026-11-27-H100-flash-interleaved.md).
+DEFAULT_ROUNDS = 3
 #: The most untimed runs ``--warmup-ms`` adds before one measurement (a bound for calls of microseconds).
 MAX_SUSTAINED_RUNS = 20_000
+HOST_BUDGET_MS = 2000.0  # GPU time the host-time bursts of one measurement may take (``host_bursts``)
 HOST_LEAD, HOST_BURST = 4, 16  # untimed and timed calls per host-time burst: 20 forward+backward calls of any
 # backend here stay below the GPU's launch queue (about 1,000 kernels), so a burst never waits for the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -165,11 +173,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(VARIANTS)} (default: {' '.join(default_backends())})")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before timing (default 5)")
     parser.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS,
-                        help="after the --warmup runs, more untimed runs that keep the GPU busy this many "
-                             "milliseconds right before each measurement's timed runs, so that they see the clock "
-                             "speed sustained load settles at; 0: none (default %(default)g)")
+                        help="after the --warmup runs of each round's first measurement, more untimed runs that keep "
+                             "the GPU busy this many milliseconds right before its timed runs, so that the round sees "
+                             "the clock speed sustained load settles at; 0: none (default %(default)g)")
     parser.add_argument("--rep", type=int, default=30,
                         help="timed runs per measurement; the median is kept (default 30)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help="rounds per shape: in each, every backend is timed in turn (the order rotated from "
+                             "round to round, the round's first measurement after --warmup-ms of sustained calls); "
+                             "each figure is the median over the rounds (default %(default)d)")
     parser.add_argument("--flash-pytorch-max-n", type=int, default=1024,
                         help="skip flash_pytorch above this N: its Python tile loop takes seconds per call")
     parser.add_argument("--out", type=Path, help="CSV path; the JSON goes beside it with suffix .json")
@@ -259,6 +271,14 @@ def _median_ms(setup: Callable[[], object], timed: Callable[[object], None], war
     return statistics.median(clock.intervals_ms(starts, ends))
 
 
+def host_bursts(rep: int, gpu_ms: float) -> int:
+    """Host-time bursts for a call of ``gpu_ms`` on the GPU: ``rep``, but no more than keep the GPU busy about
+    ``HOST_BUDGET_MS`` (each burst waits for the last one's calls), and at least 3 (or ``rep`` if fewer). Host time
+    decides only calls shorter than it, and those get all ``rep`` bursts; a forward+backward of 57 ms (head dim 128,
+    16384 keys) would otherwise spend 34 s of a sweep on 30 bursts."""
+    return max(min(rep, 3), min(rep, math.ceil(HOST_BUDGET_MS / ((HOST_LEAD + HOST_BURST) * max(gpu_ms, 1e-6)))))
+
+
 def _median_host_us(setup: Callable[[], object], timed: Callable[[object], None], rep: int,
                     device: torch.device) -> float:
     """Median host microseconds per ``timed`` call over ``rep`` bursts: each burst starts on an idle device,
@@ -298,59 +318,99 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int,
-                 warmup_ms: float = 0.0) -> None:
-    """Fill the cell's timings and memory figures (raises on OOM or unsupported inputs); ``warmup_ms``: see
-    ``_median_ms``."""
+def make_inputs(cell: Cell, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random (never zero) q, k, v (needing gradients) and the output gradient of a cell's shape, the same values
+    for every backend of that shape (seeded by N and d)."""
     dtype = DTYPES[cell.dtype]
     shape = (cell.batch, cell.heads, cell.seq_len, cell.head_dim)  # (B, H, N, d)
     gen = torch.Generator(device=device).manual_seed(cell.seq_len * 1000 + cell.head_dim)
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
-    q.requires_grad_()
-    k.requires_grad_()
-    v.requires_grad_()
-    causal = cell.causal
+    for t in (q, k, v):
+        t.requires_grad_()
+    return q, k, v, do
 
-    def clear_grads():
+
+class Calls:
+    """A backend's forward, backward and forward+backward on one set of inputs (gradients cleared by
+    ``clear_grads``; the inputs may be shared with other backends of the same shape)."""
+
+    def __init__(self, fn: AttentionFn, inputs: tuple[torch.Tensor, ...], causal: bool) -> None:
+        self.fn, self.inputs, self.causal = fn, inputs, causal
+
+    def clear_grads(self) -> None:
+        q, k, v, _ = self.inputs
         q.grad = k.grad = v.grad = None
 
-    def forward(_=None):
-        return fn(q, k, v, causal)
+    def forward(self, _=None) -> torch.Tensor:
+        q, k, v, _ = self.inputs
+        return self.fn(q, k, v, self.causal)
 
-    def backward(out):
-        out.backward(do)
+    def backward(self, out: torch.Tensor) -> None:
+        out.backward(self.inputs[3])
 
-    def forward_backward(_=None):
-        fn(q, k, v, causal).backward(do)
+    def forward_backward(self, _=None) -> None:
+        self.forward().backward(self.inputs[3])
 
-    # One untimed forward+backward first: compilation and autotuning (whose benchmark buffers would count
-    # towards the peak) happen here. Then memory: one forward with the graph alive, its backward, the peak of both.
-    forward_backward()
-    clear_grads()
+    def setup_backward(self) -> torch.Tensor:
+        self.clear_grads()
+        return self.forward()
+
+
+def prepare_cell(cell: Cell, calls: Calls, device: torch.device) -> None:
+    """One untimed forward+backward (compilation and autotuning, whose benchmark buffers would count towards the
+    peak, happen here), then the cell's memory figures: one forward with the graph alive, its backward, the peak of
+    both."""
+    calls.forward_backward()
+    calls.clear_grads()
     _free(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    out = forward()
+    out = calls.forward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         cell.mem_before_bwd_gib = torch.cuda.memory_allocated(device) / 2**30
-    backward(out)
+    calls.backward(out)
     del out
+    calls.clear_grads()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
 
-    cell.fwd_ms = _median_ms(lambda: None, forward, warmup, rep, device, warmup_ms)
-    cell.bwd_ms = _median_ms(lambda: (clear_grads(), forward())[1], backward, warmup, rep, device, warmup_ms)
-    cell.fwd_bwd_ms = _median_ms(clear_grads, forward_backward, warmup, rep, device, warmup_ms)
-    cell.fwd_host_us = _median_host_us(lambda: None, forward, rep, device)
-    cell.fwd_bwd_host_us = _median_host_us(lambda: None, forward_backward, rep, device)
-    clear_grads()
-    flops = attention_flops(cell.batch, cell.heads, cell.seq_len, cell.seq_len, cell.head_dim, causal)
+
+def time_round(calls: Calls, device: torch.device, warmup: int, rep: int,
+               warmup_ms: float = 0.0) -> tuple[float, float, float]:
+    """(forward, backward, forward+backward) median milliseconds of one round (``_median_ms`` each; ``warmup_ms``
+    before the forward's timed runs only: the two measurements after it follow on a busy GPU)."""
+    fwd = _median_ms(lambda: None, calls.forward, warmup, rep, device, warmup_ms)
+    bwd = _median_ms(calls.setup_backward, calls.backward, warmup, rep, device)
+    fwd_bwd = _median_ms(calls.clear_grads, calls.forward_backward, warmup, rep, device)
+    calls.clear_grads()
+    return fwd, bwd, fwd_bwd
+
+
+def finish_cell(cell: Cell, calls: Calls, device: torch.device, rep: int) -> None:
+    """The cell's times (median over its rounds, ``cell.extra["rounds"]``), TFLOP/s and host times."""
+    rounds = cell.extra["rounds"]
+    cell.fwd_ms, cell.bwd_ms, cell.fwd_bwd_ms = (statistics.median(r[i] for r in rounds) for i in range(3))
+    cell.fwd_host_us = _median_host_us(lambda: None, calls.forward, host_bursts(rep, cell.fwd_ms), device)
+    cell.fwd_bwd_host_us = _median_host_us(lambda: None, calls.forward_backward, host_bursts(rep, cell.fwd_bwd_ms),
+                                           device)
+    calls.clear_grads()
+    flops = attention_flops(cell.batch, cell.heads, cell.seq_len, cell.seq_len, cell.head_dim, cell.causal)
     cell.fwd_tflops = flops / (cell.fwd_ms * 1e-3) / 1e12
     cell.bwd_tflops = 2.5 * flops / (cell.bwd_ms * 1e-3) / 1e12
     cell.fwd_bwd_tflops = 3.5 * flops / (cell.fwd_bwd_ms * 1e-3) / 1e12
+
+
+def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int,
+                 warmup_ms: float = 0.0, rounds: int = 1) -> None:
+    """Fill one cell's timings and memory figures on inputs of its own, ``rounds`` rounds of ``time_round`` (raises
+    on OOM or unsupported inputs). ``measure_shape`` interleaves the backends of a shape instead."""
+    calls = Calls(fn, make_inputs(cell, device), cell.causal)
+    prepare_cell(cell, calls, device)
+    cell.extra["rounds"] = [time_round(calls, device, warmup, rep, warmup_ms) for _ in range(max(rounds, 1))]
+    finish_cell(cell, calls, device, rep)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,14 +435,15 @@ def plan_cells(args: argparse.Namespace) -> list[Cell]:
     return cells
 
 
-def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell:
-    """Measure one cell, turning OOM / unsupported / other failures into the cell's status."""
-    try:
-        fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
-        measure_cell(cell, fn, device, args.warmup, args.rep, args.warmup_ms)
-    except Unsupported as exc:
+_TIMES = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "mem_before_bwd_gib",
+          "peak_gib", "fwd_host_us", "fwd_bwd_host_us")
+
+
+def _record_failure(cell: Cell, exc: Exception) -> None:
+    """A failed cell: ``n/a`` (the backend cannot run it), ``OOM``, or ``error``, with the reason; no figures."""
+    if isinstance(exc, Unsupported):
         cell.status, cell.reason = "n/a", str(exc)
-    except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
+    else:
         message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         if _is_oom(exc):
             cell.status, cell.reason = "OOM", message
@@ -390,12 +451,86 @@ def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell
             cell.status, cell.reason = "n/a", message
         else:
             cell.status, cell.reason = "error", f"{type(exc).__name__}: {message}"
-        for attr in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
-                     "mem_before_bwd_gib", "peak_gib", "fwd_host_us", "fwd_bwd_host_us"):
-            setattr(cell, attr, None)
+    for attr in _TIMES:
+        setattr(cell, attr, None)
+    cell.extra.pop("rounds", None)
+
+
+def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell:
+    """Measure one cell alone (``args.rounds`` rounds), turning OOM / unsupported / other failures into the cell's
+    status."""
+    try:
+        fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
+        measure_cell(cell, fn, device, args.warmup, args.rep, args.warmup_ms, getattr(args, "rounds", 1))
+    except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
+        _record_failure(cell, exc)
     finally:
         _free(device)
     return cell
+
+
+def shape_groups(cells: list[Cell]) -> list[list[Cell]]:
+    """The cells in runs of one shape (dtype, causal, B, H, N, d: the backends of one grid point), in order."""
+    groups: list[list[Cell]] = []
+    for cell in cells:
+        shape = (cell.dtype, cell.causal, cell.batch, cell.heads, cell.seq_len, cell.head_dim)
+        if groups and shape == groups[-1][0].extra["shape"]:
+            groups[-1].append(cell)
+        else:
+            groups.append([cell])
+        cell.extra["shape"] = shape
+    return groups
+
+
+def measure_shape(cells: list[Cell], device: torch.device, args: argparse.Namespace,
+                  log: Callable[[str], None] = lambda line: None) -> None:
+    """Measure the backends of one shape interleaved: one set of inputs for all; each backend compiled and its
+    memory measured in turn; then ``args.rounds`` rounds in each of which every backend runs ``time_round``, the
+    order rotated by one backend per round and the round's first forward after ``--warmup-ms`` of sustained calls,
+    so that every backend is timed in the same mix of the GPU's clock states (under a power limit the clock moves
+    over seconds, and one backend measured after another would see a different part of that); each figure is the
+    median over the rounds. Failures become the cells' status; the other backends go on."""
+    live: list[tuple[Cell, Calls]] = []
+    inputs = None
+    for cell in cells:
+        if cell.status == "n/a":
+            continue
+        try:
+            fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
+            inputs = inputs or make_inputs(cell, device)
+            calls = Calls(fn, inputs, cell.causal)
+            prepare_cell(cell, calls, device)
+            cell.extra["rounds"] = []
+            live.append((cell, calls))
+        except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
+            _record_failure(cell, exc)
+            if inputs is not None:
+                Calls(None, inputs, cell.causal).clear_grads()
+            _free(device)
+    rounds = max(getattr(args, "rounds", 1), 1)
+    for r in range(rounds):
+        turn = r % max(len(live), 1)
+        order = [(cell, calls) for cell, calls in live[turn:] + live[:turn] if cell.status == "ok"]
+        for i, (cell, calls) in enumerate(order):
+            try:
+                times = time_round(calls, device, args.warmup, args.rep, args.warmup_ms if i == 0 else 0.0)
+                cell.extra["rounds"].append(times)
+                log(f"  round {r + 1}/{rounds} {cell.backend}: fwd {times[0]:.3f}, bwd {times[1]:.3f}, "
+                    f"fwd+bwd {times[2]:.3f} ms")
+            except Exception as exc:  # noqa: BLE001
+                calls.clear_grads()
+                _record_failure(cell, exc)
+                log(f"  round {r + 1}/{rounds} {cell.backend}: {cell.status} {cell.reason}")
+                _free(device)
+    for cell, calls in live:
+        if cell.status == "ok":
+            try:
+                finish_cell(cell, calls, device, args.rep)
+            except Exception as exc:  # noqa: BLE001
+                calls.clear_grads()
+                _record_failure(cell, exc)
+    del live, inputs
+    _free(device)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -430,6 +565,15 @@ def _row(cell: Cell) -> dict:
     return row
 
 
+def _json_row(cell: Cell) -> dict:
+    """A JSON row: the CSV's fields and, for a measured cell, each round's forward, backward and forward+backward
+    milliseconds (``rounds``)."""
+    row = _row(cell)
+    if cell.status == "ok" and cell.extra.get("rounds"):
+        row["rounds"] = [list(r) for r in cell.extra["rounds"]]
+    return row
+
+
 def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
     """CSV at ``out`` and JSON (metadata + rows) beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -438,7 +582,7 @@ def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
         writer.writeheader()
         for c in cells:
             writer.writerow({k: ("" if v is None else v) for k, v in _row(c).items()})
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [_row(c) for c in cells]}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [_json_row(c) for c in cells]}, indent=1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -454,29 +598,33 @@ def run(args: argparse.Namespace) -> int:
     cells = plan_cells(args)
     if device.type == "cpu":  # a smoke run: small cells, few repetitions
         args.warmup, args.rep, args.warmup_ms = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP), 0.0
+        args.rounds = min(args.rounds, CPU_ROUNDS)
         for cell in cells:
             if cell.seq_len > CPU_MAX_N:
                 cell.status, cell.reason = "n/a", f"CPU smoke run: N above {CPU_MAX_N} is not timed"
     meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args)}
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
-    for i, cell in enumerate(cells, 1):
+    done = 0
+    for group in shape_groups(cells):
         try:
-            if cell.status != "n/a":
-                run_cell(cell, device, args)
+            measure_shape(group, device, args, log=lambda line: print(line, file=sys.stderr, flush=True))
         except KeyboardInterrupt:
             raise KeyboardInterrupt("stopped by Ctrl-C; " + (f"the cells finished so far are in {args.out}."
                                                               if args.out else "no --out was given.")) from None
-        if cell.status == "ok":
-            summary = (f"fwd {cell.fwd_ms:.3f} ms ({cell.fwd_tflops:.1f} TFLOP/s), fwd+bwd {cell.fwd_bwd_ms:.3f} ms "
-                       f"({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB, "
-                       f"host {cell.fwd_host_us:.0f} / {cell.fwd_bwd_host_us:.0f} us")
-        else:
-            summary = f"{cell.status} {cell.reason}"
-        print(f"[{i}/{len(cells)}] {cell.backend} B={cell.batch} H={cell.heads} N={cell.seq_len} d={cell.head_dim} "
-              f"{cell.dtype}{' causal' if cell.causal else ''}: {summary}", file=sys.stderr, flush=True)
+        for cell in group:
+            done += 1
+            if cell.status == "ok":
+                summary = (f"fwd {cell.fwd_ms:.3f} ms ({cell.fwd_tflops:.1f} TFLOP/s), fwd+bwd {cell.fwd_bwd_ms:.3f} "
+                           f"ms ({cell.fwd_bwd_tflops:.1f} TFLOP/s), peak {_fmt(cell.peak_gib, 3) or '-'} GiB, "
+                           f"host {cell.fwd_host_us:.0f} / {cell.fwd_bwd_host_us:.0f} us")
+            else:
+                summary = f"{cell.status} {cell.reason}"
+            print(f"[{done}/{len(cells)}] {cell.backend} B={cell.batch} H={cell.heads} N={cell.seq_len} "
+                  f"d={cell.head_dim} {cell.dtype}{' causal' if cell.causal else ''}: {summary}", file=sys.stderr,
+                  flush=True)
         if args.out:  # keep what is done if the sweep is cut short
-            write_results(cells[:i], args.out, meta)
+            write_results(cells[:done], args.out, meta)
     print(markdown_table(cells))
     return 0
 
