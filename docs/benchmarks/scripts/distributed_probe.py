@@ -35,6 +35,7 @@ and Lightning's ranks inherit them).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -107,11 +108,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def ddp_kwargs(text: str) -> dict:
-    """``"gradient_as_bucket_view=1,bucket_cap_mb=100"`` -> DDPStrategy keyword arguments (ints, else strings)."""
+    """``"gradient_as_bucket_view=1,bucket_cap_mb=100"`` -> DDPStrategy keyword arguments (ints; ``ddp_comm_hook``
+    a dotted path to a function, such as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+    bf16_compress_hook``; else strings)."""
     kwargs = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    if "ddp_comm_hook" in kwargs:
+        module, _, name = kwargs["ddp_comm_hook"].rpartition(".")
+        kwargs["ddp_comm_hook"] = getattr(importlib.import_module(module), name)
     for key in ("gradient_as_bucket_view", "static_graph"):
         if key in kwargs:
             kwargs[key] = bool(kwargs[key])
