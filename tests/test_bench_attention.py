@@ -260,3 +260,13 @@ def test_host_bursts_are_capped_for_long_calls():
     assert bench.host_bursts(30, bench.HOST_BUDGET_MS / calls / 10) == 10
     assert bench.host_bursts(30, 57.0) == 3
     assert bench.host_bursts(2, 57.0) == 2
+
+
+def test_rounds_must_be_at_least_one(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--rounds", "2"]).rounds == 2
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--rounds", bad])
+        assert "--rounds" in capsys.readouterr().err

@@ -156,6 +156,17 @@ class Cell:
     extra: dict = field(default_factory=dict, repr=False)
 
 
+def _at_least_one(text: str) -> int:
+    """An integer flag that must be 1 or more (argparse reports anything else as a usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain bench attention``."""
     parser.add_argument("--grid", choices=sorted([*GRIDS, *GRID_ALIASES]), default="study",
@@ -178,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the clock speed sustained load settles at; 0: none (default %(default)g)")
     parser.add_argument("--rep", type=int, default=30,
                         help="timed runs per measurement; the median is kept (default 30)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+    parser.add_argument("--rounds", type=_at_least_one, default=DEFAULT_ROUNDS,
                         help="rounds per shape: in each, every backend is timed in turn (the order rotated from "
                              "round to round, the round's first measurement after --warmup-ms of sustained calls); "
                              "each figure is the median over the rounds (default %(default)d)")
