@@ -205,11 +205,6 @@ def test_backends_of_a_shape_take_turns_over_rounds(monkeypatch):
         return made
 
     pending = [None]
-    real_prepare = bench.prepare_cell
-
-    def prepare(cell, calls, device):
-        real_prepare(cell, calls, device)
-
     real_backend = bench._backend
 
     def backend(name, device, seq_len, max_n):
@@ -218,7 +213,6 @@ def test_backends_of_a_shape_take_turns_over_rounds(monkeypatch):
 
     monkeypatch.setattr(bench, "Calls", recording_calls)
     monkeypatch.setattr(bench, "_backend", backend)
-    monkeypatch.setattr(bench, "prepare_cell", prepare)
     monkeypatch.setattr(bench, "time_round", fake_round)
     lines = []
     bench.measure_shape(cells, torch.device("cpu"), _shape_args(3), log=lines.append)

@@ -341,6 +341,12 @@ def make_inputs(cell: Cell, device: torch.device) -> tuple[torch.Tensor, ...]:
     return q, k, v, do
 
 
+def _clear_grads(inputs: tuple[torch.Tensor, ...]) -> None:
+    """Drop the gradients a backward left on q, k and v (``make_inputs``' first three)."""
+    for t in inputs[:3]:
+        t.grad = None
+
+
 class Calls:
     """A backend's forward, backward and forward+backward on one set of inputs (gradients cleared by
     ``clear_grads``; the inputs may be shared with other backends of the same shape)."""
@@ -349,8 +355,7 @@ class Calls:
         self.fn, self.inputs, self.causal = fn, inputs, causal
 
     def clear_grads(self) -> None:
-        q, k, v, _ = self.inputs
-        q.grad = k.grad = v.grad = None
+        _clear_grads(self.inputs)
 
     def forward(self, _=None) -> torch.Tensor:
         q, k, v, _ = self.inputs
@@ -414,16 +419,6 @@ def finish_cell(cell: Cell, calls: Calls, device: torch.device, rep: int) -> Non
     cell.fwd_bwd_tflops = 3.5 * flops / (cell.fwd_bwd_ms * 1e-3) / 1e12
 
 
-def measure_cell(cell: Cell, fn: AttentionFn, device: torch.device, warmup: int, rep: int,
-                 warmup_ms: float = 0.0, rounds: int = 1) -> None:
-    """Fill one cell's timings and memory figures on inputs of its own, ``rounds`` rounds of ``time_round`` (raises
-    on OOM or unsupported inputs). ``measure_shape`` interleaves the backends of a shape instead."""
-    calls = Calls(fn, make_inputs(cell, device), cell.causal)
-    prepare_cell(cell, calls, device)
-    cell.extra["rounds"] = [time_round(calls, device, warmup, rep, warmup_ms) for _ in range(max(rounds, 1))]
-    finish_cell(cell, calls, device, rep)
-
-
 # ---------------------------------------------------------------------------------------------
 # Sweep
 # ---------------------------------------------------------------------------------------------
@@ -467,19 +462,6 @@ def _record_failure(cell: Cell, exc: Exception) -> None:
     cell.extra.pop("rounds", None)
 
 
-def run_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> Cell:
-    """Measure one cell alone (``args.rounds`` rounds), turning OOM / unsupported / other failures into the cell's
-    status."""
-    try:
-        fn = _backend(cell.backend, device, cell.seq_len, args.flash_pytorch_max_n)
-        measure_cell(cell, fn, device, args.warmup, args.rep, args.warmup_ms, getattr(args, "rounds", 1))
-    except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
-        _record_failure(cell, exc)
-    finally:
-        _free(device)
-    return cell
-
-
 def shape_groups(cells: list[Cell]) -> list[list[Cell]]:
     """The cells in runs of one shape (dtype, causal, B, H, N, d: the backends of one grid point), in order."""
     groups: list[list[Cell]] = []
@@ -516,9 +498,9 @@ def measure_shape(cells: list[Cell], device: torch.device, args: argparse.Namesp
         except Exception as exc:  # noqa: BLE001 - a sweep records failures and goes on
             _record_failure(cell, exc)
             if inputs is not None:
-                Calls(None, inputs, cell.causal).clear_grads()
+                _clear_grads(inputs)
             _free(device)
-    rounds = max(getattr(args, "rounds", 1), 1)
+    rounds = args.rounds
     for r in range(rounds):
         turn = r % max(len(live), 1)
         order = [(cell, calls) for cell, calls in live[turn:] + live[:turn] if cell.status == "ok"]
@@ -640,7 +622,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Cell", "add_arguments", "attention_flops", "markdown_table", "plan_cells", "run", "run_cell"]
+__all__ = ["Cell", "add_arguments", "attention_flops", "markdown_table", "measure_shape", "plan_cells", "run"]
 
 if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="python -m lmtrain.bench.attention", description=__doc__.splitlines()[0])

@@ -2,10 +2,10 @@
 (``measure_cell``) with and without it, every timed run's interval kept, and the GPU's SM clock sampled every
 100 ms by ``nvidia-smi`` during each measurement (bf16, causal, 16 heads, B*H*N = 2^21).
 
-Written for ``measure_cell`` as of commit 02b9036, where each of a cell's three measurements (forward, backward,
-forward+backward) had its own warm-up. Since commit 0c04929 only the forward's measurement has it (the other two
-follow on a busy GPU), so with today's code the forward+backward column this script compares is not warmed up
-either way; check out 02b9036 to repeat the record.
+Written for ``bench attention``'s ``measure_cell`` as of commit 02b9036, where each of a cell's three measurements
+(forward, backward, forward+backward) had its own warm-up. The bench now measures a shape's backends in rounds
+(``measure_shape``, only a round's first measurement warmed up) and ``measure_cell`` is gone, so this script runs
+at commit 02b9036: check it out to repeat the record.
 
     PYTHONPATH=. python docs/benchmarks/scripts/bench_warmup_probe.py [--cells 64:16384 128:16384] [--rep 10]
 """
