@@ -4,7 +4,7 @@ patterns among them, for flash_triton by default, with ``LMTRAIN_FLASH_GLUON_FUS
 kernels), and under ``torch.use_deterministic_algorithms(True)``, and for SDPA's cuDNN and FlashAttention-2
 backends (run on the GPU machine).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/determinism_probe.py
+    PYTHONPATH=. python benchmarks/scripts/determinism_probe.py
 """
 import os
 

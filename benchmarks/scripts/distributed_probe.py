@@ -3,13 +3,13 @@
 Run from the repository root on a machine with 2 CUDA GPUs (one call does everything; on 2 x H200 about
 4 minutes, most of it starting processes and building the model):
 
-    python docs/benchmarks/scripts/distributed_probe.py [--out DIR] [--cells 1gpu ddp fsdp long]
+    python benchmarks/scripts/distributed_probe.py [--out DIR] [--cells 1gpu ddp fsdp long]
         [--ddp "" "gradient_as_bucket_view=1,bucket_cap_mb=100,static_graph=1"]
 
 ``--ddp`` runs one ddp cell per value, each with those DDPStrategy arguments ("" for Lightning's defaults).
 A smoke run of the same code on the CPU (2 gloo processes, the tiny model, fp32, short contexts):
 
-    python docs/benchmarks/scripts/distributed_probe.py --cpu --size tiny --context 64 --long-contexts 128 \
+    python benchmarks/scripts/distributed_probe.py --cpu --size tiny --context 64 --long-contexts 128 \
         --steps 5 --long-steps 4 --batch 2
 
 Cells (2.7B, bf16-mixed, sdpa, synthetic data), each in its own process group started by Lightning:

@@ -6,7 +6,7 @@ medians; forward FLOPs 4*B*H*N^2*d/2, forward+backward 3.5x that) and flash_trit
 leaderboard problem: batch 1 x 16 heads x N 16384 x d 64, causal, bf16, forward then backward of a scalar loss
 (``.sum()``) through a ``torch.compile``d function calling the autograd Function, ``do_bench`` mean in ms.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/flash_hopper_bench.py [--pointer-baseline]
+    PYTHONPATH=. python benchmarks/scripts/flash_hopper_bench.py [--pointer-baseline]
 
 ``--pointer-baseline`` also times the leaderboard problem with the pointer kernels (``LMTRAIN_FLASH_TMA=0``), and
 with the TMA forward followed by the pointer backward. Inputs are random, fresh per cell; the first call of each

@@ -3,7 +3,7 @@ stage below is wrapped in a perf_counter pair (inclusive times, about 0.3 us of 
 functions called directly, many times, at the 2.7B model's attention shape (4 x 32 heads x 512 x d 80, causal bf16,
 q/k/v strided views of one qkv tensor as in the model).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/flash_host_breakdown.py [--shape B H N D] [--calls 400]
+    PYTHONPATH=. python benchmarks/scripts/flash_host_breakdown.py [--shape B H N D] [--calls 400]
 
 It first times the unwrapped calls with launch plans off (``LMTRAIN_FLASH_LAUNCH_PLANS=0``), replayed through Triton's
 Python launcher (``python``) and replayed through its C launch function (``1``, the default), twice each, then the

@@ -3,7 +3,7 @@ x head dim 80, causal bf16) and where it goes: the loop's wall time per call (th
 than its host work at this size, so the wall time is the host time), the same autograd Function with its kernels
 left out (what autograd costs), then the top functions under cProfile.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/flash_host_profile.py [--shape B H N D] [--calls 300]
+    PYTHONPATH=. python benchmarks/scripts/flash_host_profile.py [--shape B H N D] [--calls 300]
 """
 import argparse
 import cProfile

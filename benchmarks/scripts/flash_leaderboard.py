@@ -6,7 +6,7 @@ and returns ``.sum()`` of its output, then ``.backward()`` of that scalar; ``tri
 variables the environment sets); ``sdpa_cudnn`` and ``sdpa_flash`` run PyTorch's SDPA pinned to that backend.
 Inputs are random (seed 100); the first step (compilation, autotuning) is untimed.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/flash_leaderboard.py [--backends flash_triton sdpa_cudnn ...]
+    PYTHONPATH=. python benchmarks/scripts/flash_leaderboard.py [--backends flash_triton sdpa_cudnn ...]
 """
 
 from __future__ import annotations

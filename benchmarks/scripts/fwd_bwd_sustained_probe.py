@@ -4,7 +4,7 @@ the host time of the ``backward()`` call), then ten iterations back to back with
 (the GPU busy throughout, as in ``bench attention``'s forward+backward column). Where the second is slower than the
 first, sustained load costs the GPU clock speed.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/fwd_bwd_sustained_probe.py [--cells 64:16384 64:4096 128:16384]
+    PYTHONPATH=. python benchmarks/scripts/fwd_bwd_sustained_probe.py [--cells 64:16384 64:4096 128:16384]
 """
 import argparse
 import statistics

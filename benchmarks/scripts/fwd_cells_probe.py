@@ -3,7 +3,7 @@
 sets in one process (bf16, causal, 16 heads, d 64, B*H*N = 2^21, N 4096 and 1024; inputs with ``requires_grad``):
 ours, cuDNN's, ours again, each also under ``torch.no_grad`` (300 ms sustained).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/fwd_cells_probe.py
+    PYTHONPATH=. python benchmarks/scripts/fwd_cells_probe.py
 """
 import functools
 

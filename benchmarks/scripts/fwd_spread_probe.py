@@ -3,7 +3,7 @@ causal, 128 x 16 heads x 1024 x 64 unless given): for each input set, 700 ms of 
 ``triton.testing.do_bench`` (L2 flushed before each run, median) of ours, cuDNN's, and ours again; every input set
 is kept alive, so each lies at new addresses.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/fwd_spread_probe.py [--shape 128 16 1024 64] [--trials 6]
+    PYTHONPATH=. python benchmarks/scripts/fwd_spread_probe.py [--shape 128 16 1024 64] [--trials 6]
 """
 import argparse
 import time

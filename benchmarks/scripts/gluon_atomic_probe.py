@@ -7,7 +7,7 @@ B*H*N = 2^21, for each head dim and sequence length, interleaved ``--rounds`` ti
   each ``--configs`` configuration of the fused kernel (``LMTRAIN_FLASH_GLUON_DKDV``; ``default`` the table's);
 * forward+backward through ``FlashAttentionTriton`` both ways against SDPA's cuDNN backend.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_atomic_probe.py [--head-dims 64] [--seq-lens 1024 4096 16384] \
+    PYTHONPATH=. python benchmarks/scripts/gluon_atomic_probe.py [--head-dims 64] [--seq-lens 1024 4096 16384] \
         [--configs default 2,64,2,1,1] [--rounds 2] [--no-check]
 """
 import argparse

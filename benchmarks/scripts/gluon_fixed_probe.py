@@ -7,10 +7,10 @@ module's fused kernel called directly, for example the one with fp32 sums), forw
 ``FlashAttentionTriton`` both ways against SDPA's cuDNN backend.
 
 It needs ``2026-11-27-fixed-point-sums.patch`` applied (``patch -p1``), which is not in the library (see
-docs/benchmarks/2026-11-27-H100-flash-gluon-fixed-point.md).
+benchmarks/2026-11-27-H100-flash-gluon-fixed-point.md).
 
     git show COMMIT:lmtrain/kernels/flash_gluon_hopper.py > old.py
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_fixed_probe.py [--baseline old.py] [--head-dims 64 128] \
+    PYTHONPATH=. python benchmarks/scripts/gluon_fixed_probe.py [--baseline old.py] [--head-dims 64 128] \
         [--seq-lens 4096 16384] [--rounds 2] [--no-check]
 """
 import argparse

@@ -8,7 +8,7 @@ NaN-poisoned buffers, three repeats bit for bit), then head dim 64, causal bf16,
 * forward+backward TFLOP/s through ``FlashAttentionTriton`` against SDPA's cuDNN backend, and the leaderboard problem
   (``flash_leaderboard.py``) both ways.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_fused_probe.py [--seq-lens 1024 4096 16384] [--no-check]
+    PYTHONPATH=. python benchmarks/scripts/gluon_fused_probe.py [--seq-lens 1024 4096 16384] [--no-check]
 """
 import argparse
 import os

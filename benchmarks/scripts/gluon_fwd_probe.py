@@ -3,7 +3,7 @@ causal, 16 heads, B*H*N = 2^21. Three interleaved runs of each configuration and
 fastest run in milliseconds and as a ratio to cuDNN's fastest; then the float64 check (``gluon_probe.check``) of the
 fastest configuration of each head dim that is not the default.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_fwd_probe.py --head-dim 64 --seq-lens 1024 4096 \
+    PYTHONPATH=. python benchmarks/scripts/gluon_fwd_probe.py --head-dim 64 --seq-lens 1024 4096 \
         --configs 2,128,3,1,0,2 2,64,4,1,0,2 [--baseline OLD.py] [--check 2,128,3,1,0,2 ...]
 
 ``--baseline``: another version of ``lmtrain/kernels/flash_gluon_hopper.py`` (a file, for example the previous

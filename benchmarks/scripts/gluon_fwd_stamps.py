@@ -3,7 +3,7 @@ with clock stamps (``%clock64``, the multiprocessor's cycle counter) at eight po
 eight programs' consumers, run once on a bf16 causal problem (16 heads, B*H*N = 2^21); then the mean cycles of each
 phase per class of tile, and the stamped kernel's time beside the unstamped one's.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_fwd_stamps.py --head-dim 64 --seq-lens 1024 4096
+    PYTHONPATH=. python benchmarks/scripts/gluon_fwd_stamps.py --head-dim 64 --seq-lens 1024 4096
 
 Phases, per consumer and tile: ``qwait`` its queries' barrier; ``k0wait`` key block 0's barrier; ``s0`` block 0's
 ``Q K^T`` (issue to completion); ``sm0`` block 0's softmax; ``loop`` the overlapped blocks (each block's ``Q K^T``

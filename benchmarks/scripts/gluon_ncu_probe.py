@@ -3,7 +3,7 @@ once each, inside ``cudaProfilerStart``/``Stop``, after untimed warm-up launches
 ``ncu --profile-from-start off`` profiles exactly these launches. bf16, causal, 16 heads, B*H*N = 2^21.
 
     ncu --profile-from-start off --csv --page raw --metrics <metrics> \\
-        python docs/benchmarks/scripts/gluon_ncu_probe.py [--cells 64:1024 64:16384 128:16384]
+        python benchmarks/scripts/gluon_ncu_probe.py [--cells 64:1024 64:16384 128:16384]
 
 Each cell is ``head_dim:seq_len``; per cell the launches are, in order: the Gluon forward, cuDNN's forward, the Gluon
 dQ and dK/dV kernels, cuDNN's backward (its kernels), each with the library's default configuration and grid. An NVTX

@@ -7,7 +7,7 @@ in milliseconds, on shapes whose launches take one program per tile: the leaderb
 and dQ fall back from persistent pairs there) at head dims 64 and 128, and the dK/dV kernel of the acceptance grid's
 N 4096 and 16384 cells (one program per tile by configuration).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_order_probe.py [--no-check]
+    PYTHONPATH=. python benchmarks/scripts/gluon_order_probe.py [--no-check]
 
 With head-by-head order and few heads, the last head's longest tiles start late and the end of the launch waits for
 them; position by position, the longest tiles of all heads go first.

@@ -1,11 +1,11 @@
 """The fused backward with its dQ sums added in a fixed order, against the same kernel adding in whatever order the
 key tiles arrive and against the dQ and dK/dV kernels (run on the GPU machine). The ordered variant is not in the
-library (it measured slower than the two kernels, see docs/benchmarks/2026-11-27-H100-flash-gluon-ordered.md); apply
+library (it measured slower than the two kernels, see benchmarks/2026-11-27-H100-flash-gluon-ordered.md); apply
 ``2026-11-27-ordered-reductions.patch`` (beside this script) first, which adds it as ``LMTRAIN_FLASH_GLUON_FUSED=3``:
 
-    git apply docs/benchmarks/scripts/2026-11-27-ordered-reductions.patch
+    git apply benchmarks/scripts/2026-11-27-ordered-reductions.patch
     for shape in "64 32 4096" "64 8 16384" "128 32 4096" "128 8 16384"; do
-        PYTHONPATH=. timeout 70 python docs/benchmarks/scripts/gluon_ordered_probe.py $shape 0 2 3
+        PYTHONPATH=. timeout 70 python benchmarks/scripts/gluon_ordered_probe.py $shape 0 2 3
     done
 
 Arguments: head dim, batch, sequence length (16 heads, causal, bf16), then the ``LMTRAIN_FLASH_GLUON_FUSED`` values to

@@ -4,7 +4,7 @@ outputs, determinism), then each kernel alone at schedules 0 (one program per ti
 2 (persistent pairs), executed TFLOP/s (forward 2 products per tile pair, dQ 3, dK/dV 4), beside the ``tl`` TMA
 kernels (bf16, causal, 16 heads, B*H*N = 2^21).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_pairs_probe.py --head-dim 64 [--seq-lens 1024 4096 16384]
+    PYTHONPATH=. python benchmarks/scripts/gluon_pairs_probe.py --head-dim 64 [--seq-lens 1024 4096 16384]
 
 Configurations are ``num_wg,block,num_stages,per_sm,reg_a,schedule`` (``flash_gluon_hopper.Config``). A persistent
 launch here always takes one program per multiprocessor (the probe passes the grid), where the library's launcher

@@ -4,7 +4,7 @@ outputs, determinism), then each kernel alone with and without turns, executed T
 pair, dQ 3, dK/dV 4), beside SDPA's cuDNN forward and backward on the same inputs (bf16, causal, 16 heads;
 B*H*N = 2^21, and the leaderboard's 1 x 16 x 16384 at head dim 64 with ``--leaderboard``).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_pingpong_probe.py [--head-dims 64 128]
+    PYTHONPATH=. python benchmarks/scripts/gluon_pingpong_probe.py [--head-dims 64 128]
         [--seq-lens 1024 4096 16384] [--leaderboard] [--no-check]
 
 Launches take the library's grid (persistent pairs where ``_persistent_programs`` allows, else one program per

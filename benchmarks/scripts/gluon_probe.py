@@ -2,7 +2,7 @@
 (forward O and L, backward dQ/dK/dV into NaN-poisoned buffers, determinism), then per-kernel configuration sweeps and
 forward / forward+backward TFLOP/s against SDPA's cuDNN backend (bf16, causal, 16 heads, B*H*N = 2^21).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_probe.py [--check-only] [--no-sweep] [--leaderboard]
+    PYTHONPATH=. python benchmarks/scripts/gluon_probe.py [--check-only] [--no-sweep] [--leaderboard]
 """
 import argparse
 import contextlib

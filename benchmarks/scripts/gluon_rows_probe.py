@@ -6,7 +6,7 @@ candidates below; then the dK/dV kernel alone, default configuration with loads 
 ("copies"), and candidate configurations with copies (larger query blocks, which the registers the loads held now
 leave room for), three interleaved runs each, median milliseconds; last the leaderboard problem.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_rows_probe.py [--no-check] [--no-leaderboard]
+    PYTHONPATH=. python benchmarks/scripts/gluon_rows_probe.py [--no-check] [--no-leaderboard]
 """
 import argparse
 import os

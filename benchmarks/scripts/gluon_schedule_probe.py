@@ -5,7 +5,7 @@ previous commit's ``flash_gluon_hopper.py``) and for the ``tl`` TMA kernels, in 
 B*H*N = 2^21).
 
     git show HEAD~1:lmtrain/kernels/flash_gluon_hopper.py > /tmp/fg_old.py
-    PYTHONPATH=. python docs/benchmarks/scripts/gluon_schedule_probe.py --old /tmp/fg_old.py
+    PYTHONPATH=. python benchmarks/scripts/gluon_schedule_probe.py --old /tmp/fg_old.py
 
 Configurations are ``num_wg,block,num_stages[,per_sm[,reg_a]]`` (``flash_gluon_hopper.Config``).
 """

@@ -12,7 +12,7 @@ Variants: ``ours`` (flash_triton, defaults), ``ours_det`` (``LMTRAIN_FLASH_GLUON
 what ``torch.use_deterministic_algorithms(True)`` selects), ``cudnn`` (SDPA's cuDNN backend), ``flash2`` (SDPA's
 FlashAttention-2 backend), and ``fwd=A,B,C...`` (ours with ``LMTRAIN_FLASH_GLUON_FWD`` set to that configuration).
 
-    PYTHONPATH=. python docs/benchmarks/scripts/interleaved_probe.py --cells 64:1024:fwd 64:16384:fb \
+    PYTHONPATH=. python benchmarks/scripts/interleaved_probe.py --cells 64:1024:fwd 64:16384:fb \
         --variants ours ours_det cudnn --rounds 6
 """
 import argparse

@@ -3,8 +3,8 @@
 Run from the repository root on one CUDA GPU (under 8 minutes on an H100; cases are ordered by importance and the
 rest are skipped once ``--max-seconds`` is spent):
 
-    python docs/benchmarks/scripts/long_context_probe.py [--out probe.json] [--max-seconds 450]
-    python docs/benchmarks/scripts/long_context_probe.py --smoke        # tiny model on the CPU: checks the script
+    python benchmarks/scripts/long_context_probe.py [--out probe.json] [--max-seconds 450]
+    python benchmarks/scripts/long_context_probe.py --smoke        # tiny model on the CPU: checks the script
 
 Each case runs in its own process (an out-of-memory case cannot leave fragments to the next, and the parent never
 creates a CUDA context of its own): it builds ``LMModule`` directly on the GPU, runs warm-up steps and then

@@ -14,7 +14,7 @@ For every step it records, without waiting for the GPU inside the step:
 and one synchronisation at the end of each step. With ``--smi`` it also samples the SM clock and power with
 nvidia-smi every 20 ms and prints, for the slowest steps, the clock while they ran.
 
-    PYTHONPATH=. python docs/benchmarks/scripts/step_jitter_probe.py [--size 2.7B] [--context 512] [--batch 4]
+    PYTHONPATH=. python benchmarks/scripts/step_jitter_probe.py [--size 2.7B] [--context 512] [--batch 4]
         [--steps 40] [--warmup 6] [--order sdpa,flash_triton] [--smi] [--trace]
 
 An entry of ``--order`` may carry settings for its steps after a colon, joined by ``+``:

@@ -1,7 +1,9 @@
-"""Run the studies that fit a time budget and write one Markdown report: tables, device, versions, commands, plots.
+"""Run the studies that fit a time budget and write one Markdown report: tables, device, versions, commands, plots;
+or, with ``--records``, write the current-numbers page from the newest records.
 
-    python -m lmtrain bench report --out docs/benchmarks/2026-11-23-H100-model.md --budget-min 20 \\
+    python -m lmtrain bench report --out benchmarks/2026-11-23-H100-model.md --budget-min 20 \\
         [--studies timing precision memory compile] [--steps 5] [--warmup 2]
+    python -m lmtrain bench report --records benchmarks --out docs/performance.md
 
 The studies are those of ``python -m lmtrain bench model --study NAME`` (``lmtrain.bench.studies``). Before
 running, one probe cell (small, context 128, forward) measures the per-cell start-up cost and the FLOP/s this
@@ -12,6 +14,9 @@ Studies that do not fit are named in the report with their estimate. All cells g
 (``--results``, default: the report's path with ``.csv``), so an interrupted report resumes, and
 ``--no-run`` writes the report from the results already there. Plots (PNG, beside the report): step time vs
 context per size, and measured peak memory vs context with the memory plan.
+
+``--records DIR`` runs nothing: it writes ``--out`` from the newest record of each kind in DIR
+(``lmtrain.bench.performance``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.bench.environment import environment
+from lmtrain.bench.performance import write_performance
 from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.sweep import (
     Cell,
@@ -37,6 +43,7 @@ from lmtrain.bench.sweep import (
     with_current_plan,
 )
 from lmtrain.bench.tables import markdown_rows
+from lmtrain.errors import LmtrainError
 from lmtrain.flops import flops_per_step
 from lmtrain.memory_plan import GIB
 
@@ -59,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launcher", choices=("fork", "spawn"), default="fork")
     parser.add_argument("--logdir", default="none", help="TensorBoard folder ('none': no logs)")
     parser.add_argument("--no-run", action="store_true", help="write the report from the results file only")
+    parser.add_argument("--records", type=Path,
+                        help="run nothing: write OUT as the current-numbers page from the newest records in this "
+                             "folder (e.g. --records benchmarks --out docs/performance.md)")
 
 
 def _study_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
@@ -264,6 +274,12 @@ def write_report(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.records is not None:
+        if not args.records.is_dir():
+            raise LmtrainError("--records", f"{args.records} is not a folder.",
+                               "give the folder that holds the JSON records (e.g. --records benchmarks).")
+        print(write_performance(args.records, args.out))
+        return 0
     results = args.results or args.out.with_suffix(".csv")
     per_cells = study_cells(args)
     logdir = None if str(args.logdir).lower() == "none" else args.logdir
