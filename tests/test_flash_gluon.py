@@ -822,7 +822,7 @@ def _gluon_shape_id(shapes) -> str:
 def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
     """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, _backward
+    from lmtrain.kernels.flash.api import _as_4d, _backward
 
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
     sq, sk, fused_v = shapes
@@ -844,7 +844,7 @@ def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
     """By default: the Gluon forward and dK/dV kernels at head dims 64 and 128, the Gluon dQ kernel at 128 and at 64
     from 4096 keys on. A list takes the kernels it names wherever they apply."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
+    from lmtrain.kernels.flash.api import _as_4d
 
     monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
 
@@ -890,7 +890,7 @@ def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monk
     than keys (333/257) the causal forward's consumers see different numbers of key blocks (``n_mine``), and the
     last query rows every key."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _backward
+    from lmtrain.kernels.flash.api import _backward
 
     d, env = PAIRED[case]
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
@@ -919,7 +919,7 @@ def test_gpu_gluon_mixed_with_tl_kernels(setting, env, causal, monkeypatch):
     """A backward whose dQ kernel (which writes D) and dK/dV kernel (which reads it) come from different paths, and
     the two-programs-per-multiprocessor configurations, against float64 (head dim 64, N 1025, bf16)."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
+    from lmtrain.kernels.flash.api import _as_4d
 
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", setting)
     for name, value in env.items():
@@ -937,7 +937,7 @@ def test_gpu_gluon_mixed_with_tl_kernels(setting, env, causal, monkeypatch):
 @requires_hopper
 def test_gpu_gluon_backward_in_autograd_threads(monkeypatch):
     """Autograd runs the backward in its own threads, where the descriptors need a current CUDA context."""
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
     q, k, v, do = _inputs((2, 4, 1000, 128), (2, 4, 1000, 128), torch.bfloat16, device="cuda", seed=22)
@@ -963,7 +963,7 @@ def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
     """Inputs of ``shapes``, checked to take fused backward ``mode`` (``LMTRAIN_FLASH_GLUON_FUSED``), run into
     NaN-poisoned buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
+    from lmtrain.kernels.flash.api import _as_4d
 
     monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", str(mode))
     sq, sk, fused_v = shapes
@@ -984,7 +984,7 @@ def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
 def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
     """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
     written by key tile 0, after every other tile's share), and the same bits on three more runs."""
-    from lmtrain.kernels.flash_triton import _backward
+    from lmtrain.kernels.flash.api import _backward
 
     q, k, v, do, out, _, _ = _fused_run(shapes, dtype, True, 1, monkeypatch)
     grads = (out["dq"], out["dk"], out["dv"])
@@ -1001,7 +1001,7 @@ def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
 def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, monkeypatch):
     """The fused backward with TMA reductions (LMTRAIN_FLASH_GLUON_FUSED=2) against float64 into NaN-poisoned
     buffers, and a second run (its sums added in another order) as close."""
-    from lmtrain.kernels.flash_triton import _backward
+    from lmtrain.kernels.flash.api import _backward
 
     q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, 2, monkeypatch)
     dq, dk, dv = _backward(do, q, k, v, out["o"], out["lse"], causal)
@@ -1014,9 +1014,9 @@ def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
     """Head dim 64 at 4096 keys: by default the fused backward with reductions, through autograd and then from a
     launch plan (its sums a role of the plan), both against float64; with deterministic algorithms requested, the
     dQ and dK/dV kernels, the same bits twice."""
-    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
     from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, flash_attention
+    from lmtrain.kernels.flash.api import _as_4d, flash_attention
 
     for name in ("LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_GLUON_DKDV",
                  "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_LAUNCH_PLANS"):

@@ -1,4 +1,4 @@
-"""Launch plans of the flash kernels (``lmtrain.kernels._launch_plans``).
+"""Launch plans of the flash kernels (``lmtrain.kernels.flash.launch_plans``).
 
 On CPU, with a stand-in JIT function: what a recorded call keeps, how a replay fills in the new call's tensors and
 descriptors, which calls are never kept, and what the plan key tells apart. On a GPU (``-m gpu``): flash_triton's
@@ -53,7 +53,7 @@ class FakeJit:
 
 @pytest.fixture
 def plans(monkeypatch):
-    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
 
     monkeypatch.setattr(_launch_plans, "_INTERPRET", False)
     monkeypatch.setattr(_launch_plans, "_PLANS", {})
@@ -195,7 +195,7 @@ def test_store_starts_afresh_when_full(plans, monkeypatch):
 def test_unchecked_descriptor_has_the_fields_given_and_the_defaults():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from lmtrain.kernels._launch_plans import unchecked
+    from lmtrain.kernels.flash.launch_plans import unchecked
 
     t = torch.randn(4, 16)
     d = unchecked(TensorDescriptor, base=t, shape=[4, 16], strides=[16, 1], block_shape=[2, 16])
@@ -265,7 +265,7 @@ def nvidia_driver(monkeypatch):
         encoded.append(ptr)
         return ("map", ptr, rest)
 
-    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
 
     utils = types.SimpleNamespace(fill_tma_descriptor=fill)
     monkeypatch.setattr(_launch_plans.triton.runtime, "driver", types.SimpleNamespace(
@@ -365,8 +365,8 @@ def test_gpu_replayed_calls_are_bit_identical_to_full_calls(d, monkeypatch):
     """A run of flash_triton calls whose layouts change from call to call (contiguous, a fused-qkv view, a
     misaligned view that takes the pointer kernels, another N, fp16 after bf16, a gradient that needs a copy), twice:
     outputs and gradients with plans equal those without bit for bit, and plans were replayed."""
-    from lmtrain.kernels import _launch_plans
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
+    from lmtrain.kernels.flash.api import flash_attention
 
     def inputs(kind: str, seed: int):
         gen = torch.Generator(device="cuda").manual_seed(seed)
