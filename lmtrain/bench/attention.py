@@ -36,6 +36,10 @@ of both. Inputs are random (never zeros), fresh per shape and the same for its b
 memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run a cell is recorded as ``n/a`` with the
 reason.
 
+flash_triton's kernels follow ``lmtrain.kernels.flash.FlashSettings``, one ``--flash-<field>`` flag per field (e.g.
+``--flash-gluon off``, ``--flash-no-autotune``, ``--flash-gluon-dkdv-config 2,64,3,1,1,2``); the settings and the
+kernels that served each flash_triton shape go into the JSON's ``meta.flash_kernels``.
+
 Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
 a CSV at PATH and the same rows as JSON beside it (PATH with suffix .json). Needs a CUDA GPU;
 ``--allow-cpu`` runs a tiny smoke sweep on the CPU (wall-clock timing, no memory figures).
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import json
 import math
@@ -57,7 +62,7 @@ from pathlib import Path
 import torch
 
 from lmtrain.bench.clock import Clock
-from lmtrain.bench.environment import device_name, environment
+from lmtrain.bench.environment import device_name, environment, flash_kernels
 from lmtrain.bench.sweep import command_line
 
 #: Bench-only variants of the registered backends: (what it is, whether it needs CUDA). The registered backends
@@ -199,6 +204,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-cpu", action="store_true",
                         help=f"run on the CPU as a smoke run: N up to {CPU_MAX_N}, at most {CPU_WARMUP} warm-up and "
                              f"{CPU_REP} timed runs per measurement, no --warmup-ms (a minute or two on 2 cores)")
+    add_flash_arguments(parser)
+
+
+def add_flash_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flash-<field>`` flag per field of ``lmtrain.kernels.flash.FlashSettings`` (default: the field's)."""
+    from lmtrain.kernels.flash import FlashSettings
+
+    group = parser.add_argument_group("flash_triton settings (lmtrain.kernels.flash.FlashSettings)")
+    for f in dataclasses.fields(FlashSettings):
+        flag = "--flash-" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f"flash_{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f"FlashSettings.{f.name} (default {f.default})")
+        else:
+            group.add_argument(flag, dest=f"flash_{f.name}", default=f.default,
+                               help=f"FlashSettings.{f.name} (default {f.default})")
+
+
+def flash_settings(args: argparse.Namespace):
+    """The ``FlashSettings`` of the ``--flash-*`` flags (``LmtrainError`` for a bad value)."""
+    from lmtrain.kernels.flash import FlashSettings
+
+    return FlashSettings(**{f.name: getattr(args, f"flash_{f.name}", f.default)
+                            for f in dataclasses.fields(FlashSettings)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,6 +617,9 @@ def run(args: argparse.Namespace) -> int:
         print("bench attention: no CUDA GPU found; the timings and memory figures need one. "
               "Run it on a GPU machine, or pass --allow-cpu for a tiny smoke run.", file=sys.stderr)
         return 2
+    from lmtrain.kernels.flash import set_settings
+
+    set_settings(flash_settings(args))
     cells = plan_cells(args)
     if device.type == "cpu":  # a smoke run: small cells, few repetitions
         args.warmup, args.rep, args.warmup_ms = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP), 0.0
@@ -595,7 +627,10 @@ def run(args: argparse.Namespace) -> int:
         for cell in cells:
             if cell.seq_len > CPU_MAX_N:
                 cell.status, cell.reason = "n/a", f"CPU smoke run: N above {CPU_MAX_N} is not timed"
-    meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args)}
+    meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args),
+            "flash_kernels": flash_kernels(sorted({(c.seq_len, c.head_dim) for c in cells
+                                                   if c.backend == "flash_triton"}), args.dtype,
+                                           device.type == "cuda")}
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     done = 0
