@@ -28,6 +28,7 @@ from lmtrain.kernels.flash.launch_plans import launch_compiled
 from lmtrain.kernels.flash.tuning import Config
 
 if _HAS_GLUON:
+    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from lmtrain.kernels.flash.gluon_bwd import _dkdv_buffers, _dkdv_consumer, _stats_buffers
@@ -39,6 +40,7 @@ KERNEL_NAMES = ("_flash_fused_bwd_atomic", "_flash_bwd_delta", "_flash_bwd_dq_co
 
 if _HAS_GLUON:
 
+    @gluon.jit
     def _flash_fused_bwd_atomic(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, acc_desc, lse_desc, delta_desc,
                            H, N_Q, N_K, NUM_TILES, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr,
