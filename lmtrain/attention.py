@@ -175,8 +175,10 @@ def _flash_kernel_names() -> tuple[str, ...]:
 
 @register_attention(
     "flash_triton", needs_gpu=True,
-    # Every kernel of lmtrain.kernels.flash is named _flash_<implementation>_<job> (its KERNEL_NAMES).
-    kernel_pattern=r"^_flash_[a-z0-9_]+$", kernel_names=_flash_kernel_names,
+    # Every kernel of lmtrain.kernels.flash is named _flash_<implementation>_<job> (its KERNEL_NAMES); the second
+    # alternative matches the pointer kernels' names in traces written before they were renamed.
+    kernel_pattern=r"^_flash_[a-z0-9_]+$|^_(fwd|bwd_dq|bwd_dkdv|bwd_preprocess)_kernel$",
+    kernel_names=_flash_kernel_names,
 )
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """FlashAttention-2 forward and backward Triton kernels."""

@@ -149,7 +149,7 @@ if _HAS_GLUON:
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, REG_A: gl.constexpr,
                    ITEMS: gl.constexpr, PINGPONG: gl.constexpr):
-        """Over query tiles (as ``_fwd_kernel``): dQ and D of each; queries and dO stationary, keys and
+        """Over query tiles (as ``_flash_gluon_fwd``): dQ and D of each; queries and dO stationary, keys and
         values streamed."""
         BLOCK_T: gl.constexpr = NUM_WG * 64
         dtype: gl.constexpr = q_desc.dtype
