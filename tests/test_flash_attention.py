@@ -30,8 +30,8 @@ requires_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CPU runs use its interpreter)")
 
 
-@pytest.fixture
-def flash_settings():
+@pytest.fixture(name="flash_settings")
+def flash_settings_fixture():
     """``apply(**changes)``: FlashAttention settings changed for this test (cumulatively), restored after it."""
     from lmtrain.kernels.flash import settings
 

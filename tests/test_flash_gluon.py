@@ -25,8 +25,23 @@ from test_flash_attention import (
     _inputs,
     _reference_results,
     assert_matches_reference,
+    flash_settings_fixture,  # noqa: F401 - the fixture flash_settings
     launch_into_poisoned,
 )
+
+
+def gluon_plan(*tensors):
+    """The dispatcher's plan for (..., N, d) tensors q, k and the call's others, on their device."""
+    from lmtrain.kernels.flash import dispatch
+    from lmtrain.kernels.flash.api import _as_4d
+
+    return dispatch.select(dispatch.call_of(*(_as_4d(t) for t in tensors)))
+
+
+def gluon_picks(*tensors) -> list[bool]:
+    """Whether the Gluon forward, dQ and dK/dV kernels serve these tensors (see ``gluon_plan``)."""
+    plan = gluon_plan(*tensors)
+    return [plan.fwd == "gluon", plan.dq == "gluon", plan.dkdv == "gluon"]
 
 
 def gluon_modules():
@@ -730,16 +745,14 @@ def _gluon_shape_id(shapes) -> str:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", GLUON_SHAPES, ids=_gluon_shape_id)
-def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
-    """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
-    fg = gluon_modules()
-    from lmtrain.kernels.flash.api import _as_4d, _backward
+def test_gpu_gluon_matches_reference(shapes, dtype, causal, flash_settings):
+    """Forward and backward through the launchers with ``gluon="all"`` (the fused backward off), against float64."""
+    from lmtrain.kernels.flash.api import _backward
 
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    flash_settings(gluon="all", fused_backward="off")
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=21, fused_v=fused_v)
-    assert all(fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)), \
-        "these inputs should take the Gluon kernels"
+    assert gluon_picks(q, k, v) == [True] * 3, "these inputs should take the Gluon kernels"
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
@@ -751,41 +764,40 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
-    """By default: the Gluon forward and dK/dV kernels at head dims 64 and 128, the Gluon dQ kernel at 128 and at 64
-    from 4096 keys on. A list takes the kernels it names wherever they apply."""
-    fg = gluon_modules()
-    from lmtrain.kernels.flash.api import _as_4d
+def test_gpu_gluon_chosen_by_default_where_faster(flash_settings):
+    """By default each Gluon kernel serves where its table says (the dispatcher's CPU tests check the table's
+    reading); on this GPU the tensors' facts reach it: the Gluon kernels at head dims 64 and 128, not at 80. A list
+    takes the kernels it names wherever they apply."""
+    from lmtrain.kernels.flash import tuning
 
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
+    def picks(n, d):
+        x = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16)
+        return gluon_picks(x, x)
 
-    def usable(n, d, kernel=fg.FWD):
-        x = _as_4d(torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16))
-        return fg.usable(x, x, kernel=kernel)
-
-    assert usable(1024, 128) and usable(4096, 64) and usable(1024, 64)
-    assert not usable(4096, 80) and usable(4096, 128, fg.DQ) and usable(1024, 128, fg.DKDV)
-    assert usable(1024, 64, fg.DKDV) and usable(4096, 64, fg.DQ) and not usable(1024, 64, fg.DQ)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dq")
-    assert usable(1024, 64, fg.DQ) and not usable(1024, 64, fg.DKDV) and not usable(4096, 128)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")
-    assert not usable(4096, 128)
+    for n, d in ((1024, 64), (4096, 64), (1024, 128)):
+        x = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16)
+        assert gluon_plan(x, x).fwd == ("gluon" if tuning.step(tuning.FWD, d, n)[2] else "tma")
+    assert picks(4096, 80) == [False] * 3
+    flash_settings(gluon="dq")
+    assert picks(1024, 64) == [False, True, False]
+    flash_settings(gluon="off")
+    assert picks(4096, 128) == [False] * 3
 
 
 PAIRED = {  # per head dim, configurations with the paired schedules (1: one program per pair, 2: persistent)
-    "d64": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,2",
-                 "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,2"}),
-    "d64_three_wg": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,3,1,0,1",
-                          "LMTRAIN_FLASH_GLUON_DKDV": "3,32,3,1,1,2"}),
-    "d128": (128, {"LMTRAIN_FLASH_GLUON_FWD": "3,64,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,2",
-                   "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2"}),
+    "d64": (64, {"gluon_fwd_config": "2,128,3,1,0,2", "gluon_dq_config": "3,64,3,1,0,2",
+                 "gluon_dkdv_config": "2,64,3,1,1,2"}),
+    "d64_three_wg": (64, {"gluon_fwd_config": "3,128,2,1,0,1", "gluon_dq_config": "2,128,3,1,0,1",
+                          "gluon_dkdv_config": "3,32,3,1,1,2"}),
+    "d128": (128, {"gluon_fwd_config": "3,64,3,1,0,2", "gluon_dq_config": "2,128,2,1,0,2",
+                   "gluon_dkdv_config": "2,32,2,1,0,2"}),
     # Consumers taking turns (the seventh field), two and three of them, all three schedules.
-    "d64_pingpong": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,1,1",
-                          "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,0,1"}),
-    "d128_pingpong": (128, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,0,1",
-                            "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2,1"}),
+    "d64_pingpong": (64, {"gluon_fwd_config": "3,128,2,1,0,2,1", "gluon_dq_config": "3,64,3,1,0,1,1",
+                          "gluon_dkdv_config": "2,64,3,1,1,0,1"}),
+    "d128_pingpong": (128, {"gluon_fwd_config": "2,128,2,1,0,2,1", "gluon_dq_config": "2,128,2,1,0,0,1",
+                            "gluon_dkdv_config": "2,32,2,1,0,2,1"}),
     # 64-key blocks in the forward: the first consumer's rows pass the tile's last key block on unread.
-    "d64_fwd_64_keys": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,1,0,2"}),
+    "d64_fwd_64_keys": (64, {"gluon_fwd_config": "2,64,3,1,0,2"}),
 }
 
 
@@ -794,21 +806,18 @@ PAIRED = {  # per head dim, configurations with the paired schedules (1: one pro
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (333, 257), (97, 97)])
 @pytest.mark.parametrize("case", list(PAIRED))
-def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monkeypatch):
+def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, flash_settings, monkeypatch):
     """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 7, so that at N
     1025 and 257/333 each takes several pairs and some one more than others; odd tile counts (9 tiles of 128 rows
     in 1025) included: against float64 (bf16), NaN-poisoned outputs, the backward deterministic. With more queries
     than keys (333/257) the causal forward's consumers see different numbers of key blocks (``n_mine``), and the
     last query rows every key."""
-    fg = gluon_modules()
+    from lmtrain.kernels.flash import gluon_common
     from lmtrain.kernels.flash.api import _backward
 
-    d, env = PAIRED[case]
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
-    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "0")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(fg, "_persistent_programs", lambda cfg, pairs, device: 7)
+    d, configs = PAIRED[case]
+    flash_settings(gluon="all", fused_backward="off", launch_plans="off", **configs)
+    monkeypatch.setattr(gluon_common, "_persistent_programs", lambda cfg, pairs, device: 7)
     q, k, v, do = _inputs((2, 3, n_q, d), (2, 3, n_k, d), dtype=torch.bfloat16, device="cuda", seed=24)
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)
@@ -821,36 +830,31 @@ def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monk
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("setting,env", [("dq", {}), ("fwd,dkdv", {}),
-                                         ("all", {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,2",
-                                                  "LMTRAIN_FLASH_GLUON_DQ": "2,32,3,2"})],
+@pytest.mark.parametrize("setting,configs", [("dq", {}), ("fwd,dkdv", {}),
+                                         ("all", {"gluon_fwd_config": "2,64,3,2",
+                                                  "gluon_dq_config": "2,32,3,2"})],
                          ids=["gluon_dq_tl_dkdv", "tl_dq_gluon_dkdv", "two_per_sm"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gpu_gluon_mixed_with_tl_kernels(setting, env, causal, monkeypatch):
+def test_gpu_gluon_mixed_with_tl_kernels(setting, configs, causal, flash_settings):
     """A backward whose dQ kernel (which writes D) and dK/dV kernel (which reads it) come from different paths, and
     the two-programs-per-multiprocessor configurations, against float64 (head dim 64, N 1025, bf16)."""
-    fg = gluon_modules()
-    from lmtrain.kernels.flash.api import _as_4d
-
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", setting)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    flash_settings(gluon=setting, fused_backward="off", **configs)
     q, k, v, do = _inputs((2, 3, 1025, 64), (2, 3, 1025, 64), dtype=torch.bfloat16, device="cuda", seed=23)
-    picked = [fg.usable(_as_4d(q), _as_4d(k), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)]
+    picked = gluon_picks(q, k)
     assert picked == {"dq": [False, True, False], "fwd,dkdv": [True, False, True], "all": [True] * 3}[setting]
     out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
-    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {setting} {env} causal={causal}")
+    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {setting} {configs} causal={causal}")
 
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_gluon_backward_in_autograd_threads(monkeypatch):
+def test_gpu_gluon_backward_in_autograd_threads(flash_settings):
     """Autograd runs the backward in its own threads, where the descriptors need a current CUDA context."""
     from lmtrain.kernels.flash.api import flash_attention
 
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    flash_settings(gluon="all", fused_backward="off")
     q, k, v, do = _inputs((2, 4, 1000, 128), (2, 4, 1000, 128), torch.bfloat16, device="cuda", seed=22)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, causal=True).backward(do)
@@ -870,38 +874,18 @@ REDUCTION_SHAPES = FUSED_SHAPES + [((1, 2, 1028, 128), (1, 2, 1028, 128), False)
                                    ((1, 1, 4100, 128), (1, 1, 200, 128), False)]
 
 
-def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
-    """Inputs of ``shapes``, checked to take fused backward ``mode`` (``LMTRAIN_FLASH_GLUON_FUSED``), run into
-    NaN-poisoned buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
-    fg = gluon_modules()
-    from lmtrain.kernels.flash.api import _as_4d
-
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", str(mode))
+def _fused_run(shapes, dtype, causal: bool, flash_settings):
+    """Inputs of ``shapes``, checked to take the fused backward (``fused_backward="on"``), run into NaN-poisoned
+    buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
+    flash_settings(fused_backward="on")
     sq, sk, fused_v = shapes
-    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=30 + mode, fused_v=fused_v)
-    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    assert fg.fused(fg.kernels(q4, k4, v4), q4, k4, causal) == mode, "these inputs should take the fused backward"
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=32, fused_v=fused_v)
+    assert gluon_plan(q, k, v).fused, "these inputs should take the fused backward"
     out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
-    assert_matches_reference(out, ref, base, dtype, f"fused backward {mode} {shapes} {dtype} causal={causal}")
+    assert_matches_reference(out, ref, base, dtype, f"fused backward {shapes} {dtype} causal={causal}")
     return q, k, v, do, out, ref, base
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shapes", FUSED_SHAPES, ids=_gluon_shape_id)
-def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
-    """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
-    written by key tile 0, after every other tile's share), and the same bits on three more runs."""
-    from lmtrain.kernels.flash.api import _backward
-
-    q, k, v, do, out, _, _ = _fused_run(shapes, dtype, True, 1, monkeypatch)
-    grads = (out["dq"], out["dk"], out["dv"])
-    for _ in range(3):
-        again = _backward(do, q, k, v, out["o"], out["lse"], True)
-        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "not deterministic"
 
 
 @pytest.mark.gpu
@@ -909,31 +893,29 @@ def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", REDUCTION_SHAPES, ids=_gluon_shape_id)
-def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, monkeypatch):
-    """The fused backward with TMA reductions (LMTRAIN_FLASH_GLUON_FUSED=2) against float64 into NaN-poisoned
-    buffers, and a second run (its sums added in another order) as close."""
+def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, flash_settings):
+    """The fused backward with TMA reductions (``fused_backward="on"``) against float64 into NaN-poisoned buffers,
+    and a second run (its sums added in another order) as close."""
     from lmtrain.kernels.flash.api import _backward
 
-    q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, 2, monkeypatch)
+    q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, flash_settings)
     dq, dk, dv = _backward(do, q, k, v, out["o"], out["lse"], causal)
     assert_matches_reference({**out, "dq": dq, "dk": dk, "dv": dv}, ref, base, dtype, "second run")
 
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
+def test_gpu_reductions_by_default_unless_deterministic(flash_settings):
     """Head dim 64 at 4096 keys: by default the fused backward with reductions, through autograd and then from a
     launch plan (its sums a role of the plan), both against float64; with deterministic algorithms requested, the
     dQ and dK/dV kernels, the same bits twice."""
+    from lmtrain.kernels.flash import FlashSettings
     from lmtrain.kernels.flash import launch_plans as _launch_plans
-    fg = gluon_modules()
-    from lmtrain.kernels.flash.api import _as_4d, flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
-    for name in ("LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_GLUON_DKDV",
-                 "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_LAUNCH_PLANS"):
-        monkeypatch.delenv(name, raising=False)
+    flash_settings(**FlashSettings().as_dict())  # the defaults
     q, k, v, do = _inputs((1, 2, 4096, 64), (1, 2, 4096, 64), torch.bfloat16, device="cuda", seed=33)
-    assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 2
+    assert gluon_plan(q, k).fused
     ref = _reference_results(q, k, v, do, True, upcast=True)
     base = _reference_results(q, k, v, do, True, upcast=False)
 
@@ -948,6 +930,6 @@ def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
         assert_matches_reference(grads(), ref, base, torch.bfloat16, f"default, run {run}")
     assert _launch_plans.STATS["replayed"] > replayed, "no call was replayed from a plan"
     with _deterministic_algorithms():
-        assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 0
+        assert not gluon_plan(q, k).fused
         first, second = grads(), grads()
     assert all(torch.equal(first[name], second[name]) for name in ("dq", "dk", "dv")), "not deterministic"
