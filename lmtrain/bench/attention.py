@@ -107,14 +107,14 @@ GRID_ALIASES = {"seeds": "study"}
 #: The CPU smoke run (``--allow-cpu``): longest N timed, and the most warm-up and timed runs per measurement.
 CPU_MAX_N, CPU_WARMUP, CPU_REP, CPU_ROUNDS = 512, 1, 3, 1
 #: ``--warmup-ms``'s default. A GPU at its power limit changes its clock under load, most right after an idle
-#: moment (an H100 at 700 W, docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md: 1980 MHz after idle,
+#: moment (an H100 at 700 W: 1980 MHz after idle,
 #: 1215-1410 MHz at the lowest, a median of 1515-1665 MHz over a cell of N 16384); runs timed right after the load
 #: starts measure the transition, not the sustained speed a training run sees.
 DEFAULT_WARMUP_MS = 1000.0
 #: ``--rounds``'s default: each shape's backends timed in turn this many times, the median kept. One backend timed
 #: after another sees another stretch of the power-limited clock: at head dim 64 and 1024 keys on an H100, five
 #: calls with one round each put flash_triton's forward at 0.932-1.078 of cuDNN's, while windows of both taking
-#: turns gave 1.018-1.084 (docs/benchmarks/2026-11-27-H100-flash-interleaved.md).
+#: turns gave 1.018-1.084.
 DEFAULT_ROUNDS = 3
 #: The most untimed runs ``--warmup-ms`` adds before one measurement (a bound for calls of microseconds).
 MAX_SUSTAINED_RUNS = 20_000
