@@ -170,3 +170,10 @@ def test_every_kernel_has_one_unique_name_in_one_backend() -> None:
     kernels = [attr for (_, attr) in functions if attr in listed]
     assert sorted(kernels) == sorted(listed), "a listed name is no jit function"
     assert all(re.search(r"^_flash_", n) for n in owners["flash_triton"])
+
+
+def test_estimate_says_which_kernels_would_serve_the_model_on_sm90() -> None:
+    from lmtrain.estimate import flash_kernel_lines
+
+    text = flash_kernel_lines(512, 80, "bf16-mixed")
+    assert "N    512, d  80" in text and "sm_90" in text

@@ -37,7 +37,7 @@ memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run a
 reason.
 
 flash_triton's kernels follow ``lmtrain.kernels.flash.FlashSettings``, one ``--flash-<field>`` flag per field (e.g.
-``--flash-gluon off``, ``--flash-no-autotune``, ``--flash-gluon-dkdv-config 2,64,3,1,1,2``); the settings and the
+``--flash-gluon off``, ``--no-flash-autotune``, ``--flash-gluon-dkdv-config 2,64,3,1,1,2``); the settings and the
 kernels that served each flash_triton shape go into the JSON's ``meta.flash_kernels``.
 
 Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
@@ -608,7 +608,15 @@ def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sweep; 0 on success, 2 when no GPU is there and ``--allow-cpu`` is not given."""
+    """Run the sweep under the ``--flash-*`` settings (checked before anything runs, restored after); 0 on success, 2
+    when no GPU is there and ``--allow-cpu`` is not given."""
+    from lmtrain.kernels.flash import use_settings
+
+    with use_settings(flash_settings(args)):
+        return _sweep(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda")
     elif args.allow_cpu:
@@ -617,9 +625,6 @@ def run(args: argparse.Namespace) -> int:
         print("bench attention: no CUDA GPU found; the timings and memory figures need one. "
               "Run it on a GPU machine, or pass --allow-cpu for a tiny smoke run.", file=sys.stderr)
         return 2
-    from lmtrain.kernels.flash import set_settings
-
-    set_settings(flash_settings(args))
     cells = plan_cells(args)
     if device.type == "cpu":  # a smoke run: small cells, few repetitions
         args.warmup, args.rep, args.warmup_ms = min(args.warmup, CPU_WARMUP), min(args.rep, CPU_REP), 0.0
