@@ -142,7 +142,8 @@ def test_plan_kernels_are_the_implementations_exported_names() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_every_kernel_has_one_unique_name_in_one_backend() -> None:
     """Every jit function under lmtrain/kernels is a kernel listed in exactly one backend's names (the attention
-    registry's, or the optimizer's), or a device function another jit function uses (calls, or runs as a warp partition)."""
+    registry's, or the optimizer's), or a device function another jit function uses (calls, or runs as a warp
+    partition)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
