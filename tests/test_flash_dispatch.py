@@ -112,7 +112,7 @@ def test_use_settings_changes_selection_and_restores() -> None:
 
 def test_a_given_configuration_replaces_the_tuned_one() -> None:
     cfg = FlashSettings(gluon_dkdv_config="2,32,2")
-    assert tuning.config(tuning.DKDV, 64, 8192, settings=cfg) == tuning.Config(2, 32, 2)
+    assert tuning.config(tuning.DKDV, 64, 8192, override=cfg.gluon_config("dkdv")) == tuning.Config(2, 32, 2)
     # the fused backward needs 64-query blocks: a 32-query configuration rules it out
     assert not select(call(d=64, n=8192), cfg, TESTED).fused
 

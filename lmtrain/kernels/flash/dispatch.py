@@ -160,7 +160,7 @@ def _fused(call: Call, settings: FlashSettings, gluon: frozenset[int]) -> str | 
     else:
         why = "fused backward on (settings)"
     # Its dQ product's M is the streamed block: 64 queries.
-    if tuning.config(DKDV, d, call.n_k, loads=call.n_q % 4 != 0, settings=settings).block != 64:
+    if tuning.config(DKDV, d, call.n_k, loads=call.n_q % 4 != 0, override=settings.gluon_config("dkdv")).block != 64:
         return None
     return why
 

@@ -27,6 +27,7 @@ from lmtrain.kernels.flash.gluon_common import (
     descriptor,
 )
 from lmtrain.kernels.flash.launch_plans import launch_compiled
+from lmtrain.kernels.flash.settings import current
 from lmtrain.kernels.flash.tuning import DKDV, DQ, WG_ROWS, Config, config
 
 if _HAS_GLUON:
@@ -442,7 +443,7 @@ def dq_args(q4, k4, v4, o4, do4, dq4, lse, delta, is_causal: bool, cfg: Config |
             programs: int | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, keyword arguments) of one launch of the dQ kernel (which also writes D)."""
     z, h, n_q, d = q4.shape
-    cfg = cfg or config(DQ, d, k4.shape[2])
+    cfg = cfg or config(DQ, d, k4.shape[2], override=current().gluon_config("dq"))
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(do4, WG_ROWS),
             descriptor(dq4, WG_ROWS), o4, o4.stride(0), o4.stride(1), o4.stride(2), lse, delta,
@@ -458,7 +459,7 @@ def dkdv_args(q4, k4, v4, do4, dk4, dv4, lse, delta, is_causal: bool, cfg: Confi
     z, h, n_k, d = k4.shape
     n_q = q4.shape[2]
     rows = _rows_aligned(n_q, lse, delta)
-    cfg = cfg or config(DKDV, d, n_k, loads=not rows)
+    cfg = cfg or config(DKDV, d, n_k, loads=not rows, override=current().gluon_config("dkdv"))
     grid, tiles, options = _launch_shape(n_k, z, h, cfg, programs, k4.device)
     if rows:
         lse, delta = _rows_descriptor(lse, z * h, n_q, cfg.block), _rows_descriptor(delta, z * h, n_q, cfg.block)

@@ -17,6 +17,7 @@ import triton
 from lmtrain.kernels.flash.common import _LOG2E
 from lmtrain.kernels.flash.gluon_common import _HAS_GLUON, _launch_shape, bind_context, descriptor, fast_divisor
 from lmtrain.kernels.flash.launch_plans import launch_compiled
+from lmtrain.kernels.flash.settings import current
 from lmtrain.kernels.flash.tuning import FWD, WG_ROWS, Config, config
 
 if _HAS_GLUON:
@@ -302,7 +303,7 @@ def forward_args(q4, k4, v4, o4, lse, is_causal: bool, cfg: Config | None = None
     as ``cfg.schedule`` says) caps the grid, each program then taking the work items p, p + grid, ... (tiles, or
     with schedules 1 and 2 pairs of tiles)."""
     z, h, n_q, d = q4.shape
-    cfg = cfg or config(FWD, d, k4.shape[2])
+    cfg = cfg or config(FWD, d, k4.shape[2], override=current().gluon_config("fwd"))
     grid, tiles, options = _launch_shape(n_q, z, h, cfg, programs, q4.device)
     pairs_per_head = (triton.cdiv(n_q, cfg.tile_rows) + 1) // 2
     args = (descriptor(q4, WG_ROWS), descriptor(k4, cfg.block), descriptor(v4, cfg.block), descriptor(o4, WG_ROWS),

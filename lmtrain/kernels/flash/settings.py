@@ -83,11 +83,11 @@ class FlashSettings:
         for name in ("tma", "tma_split_head_dim", "autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise LmtrainError(f"flash.{name}", f"{getattr(self, name)!r} is not a boolean.", "use true or false.")
-        for kernel in GLUON_KERNELS:
-            cfg = self.gluon_config(kernel)
-            if kernel == "dq" and cfg is not None and cfg.reg_a:
-                raise LmtrainError("flash.gluon_dq_config", f"reg_a 1 in {self.gluon_dq_config!r} gives wrong dQ.",
-                                   "leave reg_a at 0 for the dQ kernel.")
+        configs = {kernel: self._parse_config(kernel) for kernel in GLUON_KERNELS}
+        if configs["dq"] is not None and configs["dq"].reg_a:
+            raise LmtrainError("flash.gluon_dq_config", f"reg_a 1 in {self.gluon_dq_config!r} gives wrong dQ.",
+                               "leave reg_a at 0 for the dQ kernel.")
+        object.__setattr__(self, "_configs", configs)  # parsed once: launchers ask on every call
         # Plan keys hash the settings on every call: once here, not per lookup.
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
@@ -95,11 +95,10 @@ class FlashSettings:
         return self._hash
 
     def gluon_config(self, kernel: str) -> Config | None:
-        """The launch configuration given for Gluon kernel ``kernel`` (``fwd``, ``dq``, ``dkdv``), or None.
+        """The launch configuration given for Gluon kernel ``kernel`` (``fwd``, ``dq``, ``dkdv``), or None."""
+        return self._configs[kernel]
 
-        Raises:
-            LmtrainError: the text is not a configuration.
-        """
+    def _parse_config(self, kernel: str) -> Config | None:
         text = getattr(self, f"gluon_{kernel}_config")
         if text is None:
             return None

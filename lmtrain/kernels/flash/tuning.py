@@ -11,10 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lmtrain.kernels.flash.settings import FlashSettings
 
 
 @functools.cache
@@ -155,23 +151,17 @@ def step(kernel: int, head_dim: int, n_keys: int) -> tuple[int, Config, bool]:
 
 
 def config(kernel: int, head_dim: int, n_keys: int = 0, loads: bool = False,
-           settings: FlashSettings | None = None) -> Config:
+           override: Config | None = None) -> Config:
     """The configuration of ``kernel`` (FWD, DQ or DKDV) for ``head_dim`` and ``n_keys`` keys; ``loads`` (dK/dV):
     the consumers load L and D themselves (``_rows_aligned`` false), which takes ``_DKDV_LOADS``'s configuration
-    where it has one for the head dim. A configuration given in ``settings`` (default: those in force,
-    ``gluon_{fwd,dq,dkdv}_config``) replaces it."""
-    from lmtrain.kernels.flash.settings import current
-
-    override = (settings or current()).gluon_config(_KERNEL_NAMES[kernel])
+    where it has one for the head dim. ``override`` (a configuration the settings name,
+    ``FlashSettings.gluon_config``) replaces it."""
     if override is not None:
         return override
     cfg = _DKDV_LOADS.get(head_dim) if loads and kernel == DKDV else None
     cfg = cfg or step(kernel, head_dim, n_keys)[1]
     return cfg if _REG_A_DEFAULTS or not cfg.reg_a else dataclasses.replace(cfg, reg_a=0)
 
-
-#: The settings' names of the kernels.
-_KERNEL_NAMES = {FWD: "fwd", DQ: "dq", DKDV: "dkdv"}
 
 # Head dim -> from this many keys on, the fused backward with TMA reductions is the default: it measured faster than
 # the dQ and dK/dV kernels there, and slower below (1024 keys: 1.07x their time at head dim 64, 1.19x at 128).
