@@ -10,7 +10,7 @@ Backends:
         (``attention/qk_matmul``, ``attention/softmax``, ``attention/pv_matmul``).
     sdpa: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch picks its kernel).
     flash_pytorch: tiled FlashAttention-2 in plain PyTorch (``lmtrain.kernels.flash_pytorch``).
-    flash_triton: FlashAttention-2 Triton kernels (``lmtrain.kernels.flash_triton``).
+    flash_triton: FlashAttention-2 Triton and Gluon kernels (``lmtrain.kernels.flash``).
 
 New backends register with :func:`register_attention`.
 """
@@ -43,6 +43,8 @@ class AttentionBackend:
         kernel_pattern: a regular expression (searched, case-insensitive) matching the names of the GPU kernels
             this backend launches itself, so kernel-time breakdowns count them as attention; None when its
             kernels are library kernels that the generic rules already recognise.
+        kernel_names: returns the names of the GPU kernels this backend launches itself, as a profiler trace
+            shows them (imported on first use: they may need Triton); None when it launches only library kernels.
         description: one line for help texts and tables.
     """
 
@@ -51,6 +53,7 @@ class AttentionBackend:
     needs_gpu: bool = False
     materializes_scores: bool = False
     kernel_pattern: str | None = None
+    kernel_names: Callable[[], tuple[str, ...]] | None = None
     description: str = ""
 
 
@@ -63,6 +66,7 @@ def register_attention(
     needs_gpu: bool = False,
     materializes_scores: bool = False,
     kernel_pattern: str | None = None,
+    kernel_names: Callable[[], tuple[str, ...]] | None = None,
     description: str | None = None,
 ) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator adding ``fn`` to the registry under ``name``, with the facts of :class:`AttentionBackend`.
@@ -77,7 +81,8 @@ def register_attention(
         doc = description if description is not None else (fn.__doc__ or "").strip().splitlines()[0:1]
         _REGISTRY[name] = AttentionBackend(
             name=name, fn=fn, needs_gpu=needs_gpu, materializes_scores=materializes_scores,
-            kernel_pattern=kernel_pattern, description=doc if isinstance(doc, str) else "".join(doc),
+            kernel_pattern=kernel_pattern, kernel_names=kernel_names,
+            description=doc if isinstance(doc, str) else "".join(doc),
         )
         return fn
 
@@ -116,6 +121,18 @@ def own_kernel_patterns() -> list[str]:
     return [b.kernel_pattern for b in _REGISTRY.values() if b.kernel_pattern]
 
 
+def kernel_names() -> dict[str, frozenset[str]]:
+    """Backend name -> the names of the GPU kernels it launches itself, as they appear in a profiler trace (empty for
+    backends that launch only library kernels, and for a backend whose kernels cannot be imported here)."""
+    out = {}
+    for backend in _REGISTRY.values():
+        try:
+            out[backend.name] = frozenset(backend.kernel_names() if backend.kernel_names else ())
+        except ImportError:  # its kernels need a package this install lacks (Triton)
+            out[backend.name] = frozenset()
+    return out
+
+
 def causal_mask(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
     """Boolean (n_q, n_k) mask, True where query i may attend to key j (j <= i)."""
     return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
@@ -150,14 +167,22 @@ def flash_pytorch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return flash_attention_pytorch(q, k, v, causal=causal)
 
 
+def _flash_kernel_names() -> tuple[str, ...]:
+    from lmtrain.kernels.flash import KERNEL_NAMES
+
+    return KERNEL_NAMES
+
+
 @register_attention(
     "flash_triton", needs_gpu=True,
-    # lmtrain.kernels.flash_triton's kernels: _fwd_kernel, _bwd_dq_kernel, _bwd_dkdv_kernel (and older names).
-    kernel_pattern=r"^_(fwd|bwd_dq|bwd_dkdv|bwd_preprocess)_kernel$",
+    # Every kernel of lmtrain.kernels.flash is named _flash_<implementation>_<job> (its KERNEL_NAMES); the second
+    # alternative matches the pointer kernels' names in traces written before they were renamed.
+    kernel_pattern=r"^_flash_[a-z0-9_]+$|^_(fwd|bwd_dq|bwd_dkdv|bwd_preprocess)_kernel$",
+    kernel_names=_flash_kernel_names,
 )
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """FlashAttention-2 forward and backward Triton kernels."""
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     return flash_attention(q, k, v, causal=causal)
 

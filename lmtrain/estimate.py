@@ -142,4 +142,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{plan.needed / GIB:.2f} GiB{needed} {verdict} in {capacity / GIB:.2f} GiB usable (device total less 1 GiB "
           f"for the CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch "
           f"at context {cfg.context_length}: {max_b}.")
+    if cfg.attention == "flash_triton":
+        print()
+        print(flash_kernel_lines(cfg.context_length, cfg.d_model // cfg.num_heads, precision))
     return 0
+
+
+def flash_kernel_lines(seq_len: int, head_dim: int, precision: str) -> str:
+    """Which flash_triton kernels serve the model's attention on this device (on a machine without a GPU: on an
+    sm_90 GPU, as an H100 would run it), and why (``lmtrain.kernels.flash.explain``)."""
+    import torch
+
+    from lmtrain.kernels.flash import explain
+
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+    here = explain([(seq_len, head_dim)], dtype=dtype)
+    return here if torch.cuda.is_available() else here + "\n" + explain([(seq_len, head_dim)], "sm_90", dtype)

@@ -54,6 +54,8 @@ def test_cpu_sweep_writes_csv_json_table_and_progress(tmp_path, capsys):
     assert data["meta"]["torch"] == torch.__version__
     assert data["meta"]["command"] == "python -m lmtrain bench attention --allow-cpu"
     assert [r["backend"] for r in data["rows"]] == [r["backend"] for r in rows]
+    kernels = data["meta"]["flash_kernels"]  # the settings and the kernels of each flash_triton shape
+    assert kernels["settings"]["gluon"] == "auto" and kernels["device"] == "cpu"
     out, err = capsys.readouterr()
     assert out.splitlines()[0].startswith("| backend |") and len(out.splitlines()) == 2 + len(rows)
     assert sum(line.startswith("[") for line in err.splitlines()) == len(rows)
@@ -264,3 +266,20 @@ def test_rounds_must_be_at_least_one(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--rounds", bad])
         assert "--rounds" in capsys.readouterr().err
+
+
+def test_flash_flags_set_the_settings_for_the_sweep_only(tmp_path, monkeypatch):
+    from lmtrain.errors import LmtrainError
+    from lmtrain.kernels.flash import FlashSettings, current
+
+    args = _args(tmp_path, "--flash-gluon", "off", "--no-flash-autotune", "--flash-gluon-dkdv-config", "2,64,3")
+    assert bench.flash_settings(args) == FlashSettings(gluon="off", autotune=False, gluon_dkdv_config="2,64,3")
+    seen = []
+    monkeypatch.setattr(bench, "_sweep", lambda a: seen.append(current()) or 0)
+    before = current()
+    assert bench.run(args) == 0
+    assert seen == [bench.flash_settings(args)] and current() == before
+    with pytest.raises(LmtrainError, match="flash.gluon"):
+        bench.run(_args(tmp_path, "--flash-gluon", "sometimes"))
+    assert not (tmp_path / "attn.csv").exists()
+

@@ -5,7 +5,7 @@ to the error of the same naive computation carried out in the input dtype (flash
 style): ``max|out - ref| <= 3 * max|naive_same_dtype - ref| + max(2 eps(dtype), 1e-5) * max|ref|``.
 
 Triton on CPU runs under Triton's interpreter, which is chosen when the kernels are decorated, i.e.
-when ``lmtrain.kernels.flash_triton`` is first imported. In a pytest process another module may have
+when ``lmtrain.kernels.flash.api`` is first imported. In a pytest process another module may have
 imported it (or Triton) first, so setting ``TRITON_INTERPRET`` here would be unreliable. Instead the
 interpreter cases run in ONE fresh subprocess (this file executed as a script with
 ``TRITON_INTERPRET=1``), which receives the inputs from this process and sends back the raw outputs;
@@ -28,6 +28,20 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (CPU runs use its interpreter)")
+
+
+@pytest.fixture(name="flash_settings")
+def flash_settings_fixture():
+    """``apply(**changes)``: FlashAttention settings changed for this test (cumulatively), restored after it."""
+    from lmtrain.kernels.flash import settings
+
+    before = settings.current()
+
+    def apply(**changes) -> None:
+        settings.set_settings(**changes)
+
+    yield apply
+    settings.set_settings(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +143,7 @@ def _run_worker(in_path: str, out_path: str) -> None:
     """Compute every case with the Triton kernels under the interpreter; save raw outputs (no assertions here)."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    from lmtrain.kernels.flash_triton import FlashAttentionTriton, _backward, _forward, flash_attention
+    from lmtrain.kernels.flash.api import FlashAttentionTriton, _backward, _forward, flash_attention
 
     cases = torch.load(in_path)
     results = {}
@@ -171,7 +185,7 @@ def _run_worker(in_path: str, out_path: str) -> None:
             res["apply"] = [out.detach()] + [t.grad for t in leaves]
             res["saved"] = saved
         results[case["id"]] = res
-    from lmtrain.kernels._flash_shared import _CHOSEN
+    from lmtrain.kernels.flash.common import _CHOSEN
 
     # Launches after the first of each tuning key skip the autotuner: the configurations it chose are held here.
     results["chosen"] = sorted((kernel.fn.__name__, *key[1:-1]) for kernel, *key in _CHOSEN)
@@ -261,6 +275,8 @@ def test_pytorch_saves_only_logsumexp_of_row_shape():
 @pytest.mark.slow
 @requires_triton
 def test_triton_interpreter_matches_reference(interpreter_results):
+    from lmtrain.kernels.flash import pointer
+
     cases, results = interpreter_results
     for case in cases:
         q, k, v, do = case["inputs"]
@@ -277,7 +293,7 @@ def test_triton_interpreter_matches_reference(interpreter_results):
             assert torch.equal(got, want), case["id"]
     # every kernel and causal setting of the cases went through the cached-configuration launch
     kernels = {name for name, *_ in results["chosen"]}
-    assert kernels == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}, results["chosen"]
+    assert kernels == set(pointer.KERNEL_NAMES), results["chosen"]
     assert {key[2] for key in results["chosen"]} == {True, False}
 
 
@@ -311,7 +327,7 @@ def test_triton_interpreter_seeds_interface_saves_only_logsumexp(interpreter_res
 
 @requires_triton
 def test_triton_views_strided_inputs_without_copy():
-    from lmtrain.kernels.flash_triton import _as_4d
+    from lmtrain.kernels.flash.api import _as_4d
 
     b, h, n, d = 2, 4, 33, 80
     qkv = torch.randn(b, n, 3 * h * d)
@@ -337,7 +353,7 @@ def test_triton_views_strided_inputs_without_copy():
     ],
 )
 def test_triton_rejects_bad_inputs(make, match):
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     with pytest.raises(ValueError, match=match):
         flash_attention(*make())
@@ -362,12 +378,12 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("shapes", GPU_SHAPES, ids=_shape_id)
-def test_gpu_triton_matches_reference(shapes, dtype, causal, monkeypatch):
-    from lmtrain.kernels.flash_triton import _backward, _forward
+def test_gpu_triton_matches_reference(shapes, dtype, causal, flash_settings):
+    from lmtrain.kernels.flash.api import _backward, _forward
 
     # 36 shape x dtype x mask combinations: the first valid config of each kernel (no autotuning) keeps this
     # test to compile time; the single-shape tests below run the autotuned configs.
-    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
+    flash_settings(autotune=False)
 
     q, k, v, do = _inputs(*shapes, dtype=dtype, device="cuda", seed=2)
     nan = float("nan")
@@ -388,7 +404,7 @@ HAS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 def launch_into_poisoned(q, k, v, do, causal: bool) -> dict[str, torch.Tensor]:
     """O, L, dQ, dK, dV from ``flash_triton``'s launchers, written into buffers filled with NaN beforehand (so an
     element no program writes shows up as NaN)."""
-    from lmtrain.kernels.flash_triton import _backward, _forward
+    from lmtrain.kernels.flash.api import _backward, _forward
 
     nan = float("nan")
     o = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
@@ -421,23 +437,22 @@ TMA_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", TMA_SHAPES, ids=lambda s: _shape_id(s[:2]) + ("_fusedv" if s[2] else ""))
 @pytest.mark.parametrize("split", ["0", "1"], ids=["padded", "split"])
-def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatch):
+def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, flash_settings, monkeypatch):
     """The TMA kernels (forward and backward, chosen on Hopper for these inputs) against float64, every output
     element written; a head dim that is not a power of two padded to one tile, or split into two
-    (``LMTRAIN_FLASH_TMA_SPLIT``)."""
-    from lmtrain.kernels import _flash_shared, flash_triton_hopper
-    from lmtrain.kernels.flash_triton import _as_4d
+    (setting ``tma_split_head_dim``)."""
+    from lmtrain.kernels.flash import common, dispatch, tma
+    from lmtrain.kernels.flash.api import _as_4d
 
-    if split == "1" and flash_triton_hopper.split_head_dim(shapes[0][-1])[1] == 0:
+    if split == "1" and tma.split_head_dim(shapes[0][-1])[1] == 0:
         pytest.skip("a head dim that is not split")
-    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")  # the TMA path for both passes (the default)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")  # not the Gluon forward (tests/test_flash_gluon.py)
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA_SPLIT", split)
-    monkeypatch.setattr(_flash_shared, "_CHOSEN", {})  # no launch cached from another setting
+    # The TMA path for both passes (the default), not the Gluon kernels (tests/test_flash_gluon.py).
+    flash_settings(autotune=False, tma=True, gluon="off", tma_split_head_dim=split == "1")
+    monkeypatch.setattr(common, "_CHOSEN", {})  # no launch cached from another setting
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=12, fused_v=fused_v)
-    assert flash_triton_hopper.usable(_as_4d(q), _as_4d(k), _as_4d(v)), "these inputs should take the TMA path"
+    plan = dispatch.select(dispatch.call_of(_as_4d(q), _as_4d(k), _as_4d(v)))
+    assert (plan.fwd, plan.dq, plan.dkdv) == ("tma",) * 3, "these inputs should take the TMA path"
     out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
@@ -446,18 +461,16 @@ def test_gpu_tma_path_matches_reference(shapes, dtype, causal, split, monkeypatc
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
+def test_gpu_tma_path_chosen_only_where_it_applies(flash_settings):
     """fp32, head dim 256 or 20 and misaligned views go to the pointer kernels; the misaligned view still matches."""
-    from lmtrain.kernels import flash_triton_hopper
-    from lmtrain.kernels.flash_triton import _as_4d, flash_attention
+    from lmtrain.kernels.flash import dispatch
+    from lmtrain.kernels.flash.api import _as_4d, flash_attention
 
-    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "0")
-    monkeypatch.delenv("LMTRAIN_FLASH_TMA", raising=False)
-    x = _as_4d(torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16))
-    assert flash_triton_hopper.usable(x) and flash_triton_hopper.usable(x, backward=True), "both passes by default"
+    flash_settings(autotune=False, gluon="off")
 
     def usable(*ts):
-        return flash_triton_hopper.usable(*(_as_4d(t) for t in ts))
+        views = [_as_4d(t) for t in ts]
+        return dispatch.select(dispatch.call_of(views[0], views[0], *views[1:])).fwd == dispatch.TMA
 
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     assert usable(torch.randn(2, 64, 64, **bf16))
@@ -470,11 +483,9 @@ def test_gpu_tma_path_chosen_only_where_it_applies(monkeypatch):
     assert not usable(torch.randn(1, 1, 64, 64, **bf16).expand(2, 3, 64, 64))  # stride 0: no descriptor
     odd = torch.randn(1, 3, 64, 64, **bf16).as_strided((1, 3, 64, 64), (7, 64 * 64, 64, 1))
     assert usable(odd), "the stride of a dimension of size 1 is never used"
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "forward")
-    assert usable(wide) and not flash_triton_hopper.usable(_as_4d(wide), backward=True)
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "0")
+    flash_settings(tma=False)
     assert not usable(wide)
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "1")
+    flash_settings(tma=True)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # clones are aligned: TMA path
     want = flash_attention(*leaves, causal=True)
     torch.testing.assert_close(flash_attention(q, k, v, causal=True), want.detach(), rtol=2e-2, atol=2e-2)
@@ -502,7 +513,7 @@ def test_gpu_pytorch_matches_reference(dtype):
 @pytest.mark.parametrize("fused_v", [False, True], ids=["contiguous", "fused_qkv_view"])
 def test_gpu_model_layout_bf16(fused_v):
     """The model's call: (B, H, N, hd) bf16, v possibly a strided view of a fused qkv projection."""
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     shape = (2, 5, 1000, 80)
     q, k, v, do = _inputs(shape, shape, torch.bfloat16, device="cuda", seed=4, fused_v=fused_v)
@@ -519,7 +530,7 @@ def test_gpu_model_layout_bf16(fused_v):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_backward_is_deterministic():
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     q, k, v, do = _inputs((3, 4, 2000, 80), (3, 4, 2000, 80), torch.bfloat16, device="cuda", seed=5)
     runs = []
@@ -533,23 +544,21 @@ def test_gpu_backward_is_deterministic():
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(monkeypatch):
+def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(flash_settings):
     """Tuning runs inside the first call (in training: inside the first step's memory peak). Its cache-flush buffer
     must be the L2's size, not Triton's default 256 MB, which this test would see as a 256 MB higher first peak."""
-    from lmtrain.kernels import flash_triton as ft
+    from lmtrain.kernels.flash import api as ft
+    from lmtrain.kernels.flash import dispatch, pointer, tma
 
-    monkeypatch.setenv("LMTRAIN_FLASH_AUTOTUNE", "1")
+    flash_settings(autotune=True)
     # A tuning key (fp16, head dim 48, 4096-bucket, causal) that no other test uses, so this call tunes.
     q, k, v, do = _inputs((2, 3, 3000, 48), (2, 3, 3000, 48), torch.float16, device="cuda", seed=11)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    # The kernels this call dispatches to: the TMA ones on Hopper (by default for the forward only), the pointer
-    # ones elsewhere.
+    # The kernels this call dispatches to: the TMA ones on Hopper, the pointer ones elsewhere.
     tensors = [ft._as_4d(t) for t in (q, k, v)]
-    forward = ft._hopper if ft._hopper.usable(*tensors) else ft
-    backward = ft._hopper if ft._hopper.usable(*tensors, backward=True) else ft
-    tuned_before = {
-        kern: len(kern.cache) for kern in (forward._fwd_kernel, backward._bwd_dq_kernel, backward._bwd_dkdv_kernel)
-    }
+    module = tma if dispatch.select(dispatch.call_of(*tensors)).fwd == dispatch.TMA else pointer
+    kernels = [getattr(module, name) for name in module.KERNEL_NAMES]
+    tuned_before = {kern: len(kern.cache) for kern in kernels}
     peaks = []
     for _ in range(2):
         torch.cuda.synchronize()
@@ -568,7 +577,7 @@ def test_gpu_autotuning_adds_at_most_an_l2_sized_buffer_to_the_peak(monkeypatch)
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_tuning_bench_returns_ordered_quantiles():
-    from lmtrain.kernels.flash_triton import _tuning_bench
+    from lmtrain.kernels.flash.common import _tuning_bench
 
     x = torch.randn(4096, 4096, device="cuda")
     med, low, high = _tuning_bench(lambda: x @ x, quantiles=(0.5, 0.2, 0.8), warmup_ms=5, rep_ms=20)
@@ -578,7 +587,7 @@ def test_gpu_tuning_bench_returns_ordered_quantiles():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_seeds_interface_saves_only_logsumexp():
-    from lmtrain.kernels.flash_triton import FlashAttentionTriton
+    from lmtrain.kernels.flash.api import FlashAttentionTriton
 
     batch, n, d = 4, 128, 64
     q, k, v, do = _inputs((batch, n, d), (batch, n, d), torch.float32, device="cuda")
@@ -604,8 +613,8 @@ def test_gpu_long_sequence_one_head(n):
     """bf16, d 64, causal: errors within 3x of SDPA's (flash) against the fp32 tiled reference."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from lmtrain.kernels.flash.api import flash_attention
     from lmtrain.kernels.flash_pytorch import flash_backward, flash_forward
-    from lmtrain.kernels.flash_triton import flash_attention
 
     q, k, v, do = _inputs((1, 1, n, 64), (1, 1, n, 64), torch.bfloat16, device="cuda", seed=6)
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -632,7 +641,7 @@ def test_gpu_long_sequence_one_head(n):
 @requires_cuda
 def test_gpu_batch_heads_beyond_grid_limit():
     """B*H = 70000 > 65535 (the limit of CUDA grid axes 1 and 2)."""
-    from lmtrain.kernels.flash_triton import _backward, _forward
+    from lmtrain.kernels.flash.api import _backward, _forward
 
     q, k, v, do = _inputs((70000, 48, 32), (70000, 48, 32), torch.bfloat16, device="cuda", seed=7)
     o, lse = _forward(q, k, v, True)
@@ -647,7 +656,7 @@ def test_gpu_batch_heads_beyond_grid_limit():
 @requires_cuda
 def test_gpu_more_than_2_31_elements():
     """(BH, N, d) bf16 with BH*N*d > 2^31: offsets need int64. Checked on the last batch entries."""
-    from lmtrain.kernels.flash_triton import _backward, _forward
+    from lmtrain.kernels.flash.api import _backward, _forward
 
     bh, n, d = 16640, 2048, 64  # 2.18e9 elements, 4.4 GB per tensor
     free, _ = torch.cuda.mem_get_info()
@@ -668,7 +677,7 @@ def test_gpu_more_than_2_31_elements():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_torch_compile_fullgraph():
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
     def block(q, k, v):
         return flash_attention(q * 1.5, k, v, causal=True).float().square().mean()

@@ -1,4 +1,4 @@
-"""The Gluon FlashAttention kernels (``lmtrain.kernels.flash_gluon_hopper``).
+"""The Gluon FlashAttention kernels (``lmtrain.kernels.flash.gluon_*``, ``fused_bwd``).
 
 Gluon kernels do not run under Triton's interpreter. On the CPU these tests check the configuration arithmetic and
 the selection rules, and compile every default configuration for sm_90a (Triton compiles without a GPU): the
@@ -25,8 +25,39 @@ from test_flash_attention import (
     _inputs,
     _reference_results,
     assert_matches_reference,
+    flash_settings_fixture,  # noqa: F401 - the fixture flash_settings
     launch_into_poisoned,
 )
+
+
+def gluon_plan(*tensors):
+    """The dispatcher's plan for (..., N, d) tensors q, k and the call's others, on their device."""
+    from lmtrain.kernels.flash import dispatch
+    from lmtrain.kernels.flash.api import _as_4d
+
+    return dispatch.select(dispatch.call_of(*(_as_4d(t) for t in tensors)))
+
+
+def gluon_picks(*tensors) -> list[bool]:
+    """Whether the Gluon forward, dQ and dK/dV kernels serve these tensors (see ``gluon_plan``)."""
+    plan = gluon_plan(*tensors)
+    return [plan.fwd == "gluon", plan.dq == "gluon", plan.dkdv == "gluon"]
+
+
+def gluon_modules():
+    """The Gluon modules' names in one namespace (tuning, gluon_common, gluon_fwd, gluon_bwd, fused_bwd), the kernels
+    also under their role: ``fwd_kernel``, ``dq_kernel``, ``dkdv_kernel``, ``bwd_atomic_kernel``."""
+    from types import SimpleNamespace
+
+    from lmtrain.kernels.flash import fused_bwd, gluon_bwd, gluon_common, gluon_fwd, tuning
+
+    names = {}
+    for module in (tuning, gluon_common, gluon_fwd, gluon_bwd, fused_bwd):
+        names.update(vars(module))
+    return SimpleNamespace(**names, fwd_kernel=gluon_fwd._flash_gluon_fwd, dq_kernel=gluon_bwd._flash_gluon_bwd_dq,
+                           dkdv_kernel=gluon_bwd._flash_gluon_bwd_dkdv,
+                           bwd_atomic_kernel=fused_bwd._flash_fused_bwd_atomic,
+                           delta_kernel=fused_bwd._flash_bwd_delta, dq_convert_kernel=fused_bwd._flash_bwd_dq_convert)
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="needs a Hopper GPU and Triton")
@@ -34,7 +65,7 @@ requires_hopper = pytest.mark.skipif(not (HAS_HOPPER and HAS_TRITON), reason="ne
 
 @requires_triton
 def test_config_checks_and_parsing():
-    from lmtrain.kernels.flash_gluon_hopper import Config
+    from lmtrain.kernels.flash.tuning import Config
 
     assert Config.parse("3,128,2") == Config(3, 128, 2)
     assert Config(3, 128, 2).tile_rows == 192
@@ -54,7 +85,7 @@ def test_config_checks_and_parsing():
 def test_registers_fill_the_register_file(num_wg):
     """One program per multiprocessor: all its warps' registers within 64K, the producer at 24, consumers as many as
     fit (multiples of 8)."""
-    from lmtrain.kernels.flash_gluon_hopper import Config
+    from lmtrain.kernels.flash.tuning import Config
 
     maxnreg, consumer = Config(num_wg, 128, 2).registers()
     warpgroups = num_wg + 1
@@ -68,7 +99,7 @@ def test_registers_fill_the_register_file(num_wg):
 @requires_triton
 def test_two_programs_per_multiprocessor_halve_the_registers():
     """per_sm=2: both programs' warpgroups within 64K registers, each program's producer at 24."""
-    from lmtrain.kernels.flash_gluon_hopper import Config
+    from lmtrain.kernels.flash.tuning import Config
 
     cfg = Config.parse("2,64,3,2")
     assert cfg == Config(2, 64, 3, per_sm=2)
@@ -81,7 +112,7 @@ def test_two_programs_per_multiprocessor_halve_the_registers():
 
 @requires_triton
 def test_default_configurations_fit_shared_memory():
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     for mode in (fg.FWD, fg.DQ, fg.DKDV):
         for d in fg.HEAD_DIMS:
@@ -93,46 +124,13 @@ def test_default_configurations_fit_shared_memory():
 
 
 @requires_triton
-def test_setting_and_cpu_tensors(monkeypatch):
-    from lmtrain.kernels import flash_gluon_hopper as fg
-
-    x = torch.randn(1, 2, 4096, 128, dtype=torch.bfloat16)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "sometimes")
-    with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON='sometimes'"):
-        fg.setting()
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dkdv, fwd")
-    assert fg.setting() == frozenset({fg.FWD, fg.DKDV})
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "fwd,bwd")
-    with pytest.raises(ValueError, match="a list of kernels from fwd, dq, dkdv"):
-        fg.setting()
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
-    assert not any(fg.usable(x, x, kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)), "CPU tensors never take a GPU kernel"
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FWD", "3,64,3")
-    assert fg.config(fg.FWD, 128) == fg.Config(3, 64, 3)
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FWD")
-    assert fg.config(fg.FWD, 64, 16384) == fg.Config(3, 128, 2, schedule=2)
-    assert fg.config(fg.FWD, 64, 1024) == fg.Config(2, 128, 3, schedule=2)
-    monkeypatch.setattr(fg, "_REG_A_DEFAULTS", False)  # a Triton the reg_a defaults were not checked with
-    assert fg.config(fg.DKDV, 64, 4096) == fg.Config(2, 64, 3)
-    monkeypatch.setattr(fg, "_REG_A_DEFAULTS", True)
-    assert fg.config(fg.DKDV, 64, 4096) == fg.Config(2, 64, 3, 1, 1)
-    assert fg.config(fg.DKDV, 64, 1024) == fg.Config(2, 64, 3, 1, 1, 2)
-    # Where the dK/dV consumers load L and D themselves: d 128 keeps 32-query blocks, d 64 and the other kernels
-    # their configuration.
-    assert fg.config(fg.DKDV, 128, 4096) == fg.Config(2, 64, 2, schedule=2)
-    assert fg.config(fg.DKDV, 128, 4096, loads=True) == fg.Config(2, 32, 2, schedule=2)
-    assert fg.config(fg.DKDV, 64, 4096, loads=True) == fg.config(fg.DKDV, 64, 4096)
-    assert fg.config(fg.FWD, 128, 4096, loads=True) == fg.config(fg.FWD, 128, 4096)
-
-
-@requires_triton
 def test_paired_schedules_launch_shape(monkeypatch):
     """Schedule 0: one program per tile; 1: one per pair of tiles (a middle tile of an odd count alone); 2: one per
     multiprocessor (times per_sm), unless the last round would leave most programs idle, then one per tile, taken
     position by position where each head has at least four programs running at once."""
     from types import SimpleNamespace
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
@@ -162,7 +160,7 @@ def _schedule_functions(pid: int, grid: int) -> dict:
 
     import triton
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     gl = types.SimpleNamespace(cdiv=triton.cdiv, minimum=min, program_id=lambda axis: pid,
                                num_programs=lambda axis: grid, constexpr=object)
@@ -197,7 +195,7 @@ def test_every_tile_done_once_by_any_grid(n, block_t):
     position 1, and so on."""
     import triton
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
@@ -248,7 +246,7 @@ def _fast_div_python():
     """``flash_gluon_hopper._fast_div``'s own code as a Python function over ``_Int32``, built once."""
     import types
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     gl = types.SimpleNamespace(uint32="uint32", int32="int32", to_tensor=_Int32,
                                umulhi=lambda a, b: _Int32((a.value * b.value) >> 32, True),
@@ -270,7 +268,7 @@ def test_fast_divisor_divides_exactly():
     divisors are refused."""
     import random
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
@@ -300,7 +298,7 @@ def test_pair_tile_matches_item_tile_and_coords(n, block_t, heads):
 
     import triton
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
@@ -336,7 +334,7 @@ def test_causal_pairs_have_equal_work_and_streamed_ranges_are_exact(block_t, blo
     two tiles of every causal pair stream the same number of blocks, when N is a multiple of the tile rows."""
     from triton import cdiv
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     if not fg._HAS_GLUON:
         pytest.skip("needs Triton's Gluon")
@@ -417,14 +415,14 @@ def _compile_sm90_sass(kernel, args: tuple, kwargs: dict):
 
 def _launches(d: int, n: int):
     """(name, kernel, config, grid/args/kwargs) of every kernel's default launch for CPU stand-in tensors."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     q, k, v, o, do, dq, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(8))
     lse, delta = torch.empty(6, n), torch.empty(6, n)
     return [
-        ("forward", fg._fwd_kernel, fg.config(fg.FWD, d, n), fg.forward_args(q, k, v, o, lse, True, programs=132)),
-        ("dq", fg._dq_kernel, fg.config(fg.DQ, d, n), fg.dq_args(q, k, v, o, do, dq, lse, delta, True, programs=132)),
-        ("dkdv", fg._dkdv_kernel, fg.config(fg.DKDV, d, n),
+        ("forward", fg.fwd_kernel, fg.config(fg.FWD, d, n), fg.forward_args(q, k, v, o, lse, True, programs=132)),
+        ("dq", fg.dq_kernel, fg.config(fg.DQ, d, n), fg.dq_args(q, k, v, o, do, dq, lse, delta, True, programs=132)),
+        ("dkdv", fg.dkdv_kernel, fg.config(fg.DKDV, d, n),
          fg.dkdv_args(q, k, v, do, dk, dv, lse, delta, True, programs=132)),
     ]
 
@@ -511,7 +509,7 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     registers) no register spills in the block loops and at most ``_SPILLS_PER_TILE`` local-memory accesses in all,
     warpgroup MMAs not serialised (ptxas waits for each one when it cannot keep the registers of the products in
     flight), and the registers of stationary first operands never overwritten."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     compiled, sass = _compile_sm90_sass(kernel, args, kwargs)
     assert "HGMMA" in sass, f"{label}: no warpgroup MMA in the machine code"
@@ -520,7 +518,7 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
     assert {str(consumer_regs), "24"} <= counts, f"{label}: register counts {counts}"
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, f"{label}: {compiled.metadata.shared} bytes of shared memory"
     assert cfg.per_sm * (compiled.metadata.shared + 1024) <= fg._SMEM_PER_SM, f"{label}: {cfg.per_sm} do not fit"
-    if spill_free and (cfg.num_wg == 2 or kernel is not fg._fwd_kernel):
+    if spill_free and (cfg.num_wg == 2 or kernel is not fg.fwd_kernel):
         in_loop = _block_loop_spills(sass)
         assert not in_loop, f"{label}: register spills in the block loop: {in_loop[:3]}"
         spills = re.findall(r"\b(LDL|STL)\b", sass)
@@ -537,7 +535,7 @@ def _check_machine_code(label: str, kernel, cfg, args: tuple, kwargs: dict, spil
 @pytest.mark.parametrize("d,n", [(64, 1024), (64, 16384), (128, 1024), (128, 16384)])
 def test_default_kernels_compile_for_sm90a(d, n):
     pytest.importorskip("triton.experimental.gluon")
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     for (name, kernel, cfg, (_, args, kwargs)), mode in zip(_launches(d, n), (fg.FWD, fg.DQ, fg.DKDV), strict=True):
         if n > 1024 and cfg == fg.config(mode, d, 1024):
@@ -552,9 +550,8 @@ def test_dkdv_statistics_copied_where_aligned(monkeypatch):
     the tensors for the consumers to load, and at head dim 128 takes the 32-query configuration that fits beside
     the loads, unless a configuration is named."""
     pytest.importorskip("triton.experimental.gluon")
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_DKDV", raising=False)
     for d in (64, 128):
         for n, copied in ((1024, True), (100, True), (97, False), (1025, False)):
             q, k, v, do, dk, dv = (torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(6))
@@ -573,8 +570,10 @@ def test_dkdv_statistics_copied_where_aligned(monkeypatch):
     misaligned = torch.randn(2 * n + 1)[1:].view(2, n)
     _, args, kwargs = fg.dkdv_args(q, k, v, do, dk, dv, misaligned, torch.randn(2, n), True)
     assert not kwargs["SMEM_STATS"] and args[6] is misaligned and kwargs["BLOCK_M"] == 32
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_DKDV", "2,64,2")
-    _, _, kwargs = fg.dkdv_args(q, k, v, do, dk, dv, misaligned, torch.randn(2, n), True)
+    from lmtrain.kernels.flash.settings import use_settings
+
+    with use_settings(gluon_dkdv_config="2,64,2"):
+        _, _, kwargs = fg.dkdv_args(q, k, v, do, dk, dv, misaligned, torch.randn(2, n), True)
     assert not kwargs["SMEM_STATS"] and kwargs["BLOCK_M"] == 64
 
 
@@ -585,7 +584,7 @@ def test_dkdv_with_loaded_statistics_compiles_for_sm90a(d):
     """The dK/dV kernel where the consumers load L and D (N_q 1025): the machine code checks above, global loads in
     the consumers; where the statistics are copied (N_q 1024) none at all."""
     pytest.importorskip("triton.experimental.gluon")
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     loads = {}
     for n in (1025, 1024):
@@ -593,7 +592,7 @@ def test_dkdv_with_loaded_statistics_compiles_for_sm90a(d):
         _, args, kwargs = fg.dkdv_args(q, k, v, do, dk, dv, torch.empty(6, n), torch.empty(6, n), True,
                                        programs=132)
         cfg = fg.Config(kwargs["NUM_WG"], kwargs["BLOCK_M"], kwargs["NUM_STAGES"])
-        compiled = _check_machine_code(f"dkdv d={d} n={n}", fg._dkdv_kernel, cfg, args, kwargs)
+        compiled = _check_machine_code(f"dkdv d={d} n={n}", fg.dkdv_kernel, cfg, args, kwargs)
         loads[n] = compiled.asm["ptx"].count("ld.global")
     assert loads[1025] > 0 and loads[1024] == 0, loads
 
@@ -604,15 +603,15 @@ def test_two_programs_per_multiprocessor_compile_for_sm90a():
     """The head-dim-64 forward and dQ kernels with two programs per multiprocessor (104 registers a consumer; the
     forward spills a few registers there, 16 bytes with Triton 3.6, which is one reason it is not a default)."""
     pytest.importorskip("triton.experimental.gluon")
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     q, k, v, o, do, dq = (torch.randn(2, 3, 1024, 64, dtype=torch.bfloat16) for _ in range(6))
     lse, delta = torch.empty(6, 1024), torch.empty(6, 1024)
     fwd, dq_cfg = fg.Config.parse("2,64,3,2"), fg.Config.parse("2,32,3,2")
     _, args, kwargs = fg.forward_args(q, k, v, o, lse, True, fwd)
-    _check_machine_code(f"forward {fwd}", fg._fwd_kernel, fwd, args, kwargs, spill_free=False)
+    _check_machine_code(f"forward {fwd}", fg.fwd_kernel, fwd, args, kwargs, spill_free=False)
     _, args, kwargs = fg.dq_args(q, k, v, o, do, dq, lse, delta, True, dq_cfg)
-    _check_machine_code(f"dq {dq_cfg}", fg._dq_kernel, dq_cfg, args, kwargs)
+    _check_machine_code(f"dq {dq_cfg}", fg.dq_kernel, dq_cfg, args, kwargs)
 
 
 @requires_triton
@@ -650,51 +649,6 @@ def _deterministic_algorithms():
 
 
 @requires_triton
-def test_fused_backward_selection(monkeypatch):
-    """``fused``: unset, the fused backward with TMA reductions (2) at head dims 64 and 128 from 4096 keys on (where
-    its 64-query blocks apply), with the default ``LMTRAIN_FLASH_GLUON`` and without deterministic algorithms; ``2``
-    wherever its 64-query blocks apply (not head dim 128 with N_q not a multiple of 4); ``1`` (ordered) causal head
-    dim 64 only; ``0`` never; both need the Gluon dK/dV kernel; bad values are errors."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-
-    def x(n, d):
-        return torch.empty(1, 2, n, d)
-
-    chosen = frozenset((fg.DKDV,))
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_FUSED", raising=False)
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON_DKDV", raising=False)
-    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 2
-    assert fg.fused(chosen, x(100, 64), x(16384, 64), False) == 2  # the keys decide
-    assert fg.fused(chosen, x(4096, 64), x(1024, 64), True) == 0
-    assert fg.fused(chosen, x(16384, 128), x(16384, 128), True) == 2
-    assert fg.fused(chosen, x(2048, 128), x(2048, 128), True) == 0
-    assert fg.fused(chosen, x(4097, 128), x(4097, 128), True) == 0  # 32-query blocks there
-    assert fg.fused(chosen, x(4096, 80), x(4096, 80), True) == 0
-    assert fg.fused(frozenset((fg.FWD, fg.DQ)), x(4096, 64), x(4096, 64), True) == 0
-    with _deterministic_algorithms():
-        assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
-    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "2")
-    assert fg.fused(chosen, x(100, 64), x(100, 64), False) == 2
-    assert fg.fused(chosen, x(1028, 128), x(1028, 128), True) == 2
-    assert fg.fused(chosen, x(1025, 128), x(1025, 128), True) == 0  # 32-query blocks there
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "1")
-    assert fg.fused(chosen, x(100, 64), x(100, 64), True) == 1
-    assert fg.fused(chosen, x(100, 64), x(100, 64), False) == 0
-    assert fg.fused(chosen, x(100, 128), x(100, 128), True) == 0
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", "0")
-    assert fg.fused(chosen, x(4096, 64), x(4096, 64), True) == 0
-    for bad in ("yes", "true", " 1", "3", ""):
-        monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", bad)
-        with pytest.raises(ValueError, match="LMTRAIN_FLASH_GLUON_FUSED="):
-            fg.fused(chosen, x(100, 64), x(100, 64), True)
-        with pytest.raises(ValueError, match="use 2 .* or 0"):
-            fg.kernels(x(100, 64), x(100, 64))  # what the forward asks first
-
-
-@requires_triton
 @pytest.mark.slow
 @pytest.mark.parametrize("d,n", [(64, 1025), (64, 4096), (128, 4096)])
 def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
@@ -704,13 +658,13 @@ def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
     block loop (with them loaded, Triton 3.6 spills four accesses there)."""
     pytest.importorskip("triton.experimental.gluon")
 
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     q, k, v, do, dk, dv = (torch.randn(2, 3, n, d, dtype=torch.bfloat16) for _ in range(6))
     lse, delta, acc = torch.empty(6, n), torch.empty(6, n), torch.empty(2, 3, n, d)
     _, args, kwargs = fg.bwd_atomic_args(q, k, v, do, dk, dv, acc, lse, delta, True)
     assert kwargs["SMEM_STATS"] == (n % 4 == 0) and kwargs["OUT_IN_SLOTS"] == (d == 128)
-    compiled, sass = _compile_sm90_sass(fg._bwd_atomic_kernel, args, kwargs)
+    compiled, sass = _compile_sm90_sass(fg.bwd_atomic_kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
     assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
@@ -725,7 +679,7 @@ def test_fused_backward_with_reductions_compiles_for_sm90a(d, n):
 def test_small_kernels_launch_for_many_heads():
     """The grid of the small tl kernels around the fused backward puts batch x heads on its first axis: CUDA allows
     at most 65535 programs on the second, and with the heads there a call of 70000 heads failed to launch."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
+    fg = gluon_modules()
 
     o = torch.empty(1, 1, 97, 64).expand(70000, 1, 97, 64)
     grid, _, _ = fg.delta_args(o, o, torch.empty(70000, 97))
@@ -741,20 +695,20 @@ def test_delta_zeroes_sums_and_sums_convert_to_dq(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(
         "import torch\n"
-        "from lmtrain.kernels import flash_gluon_hopper as fg\n"
+        "from lmtrain.kernels.flash import fused_bwd as fg\n"
         "g = torch.Generator().manual_seed(3)\n"
         "z, h, n, d = 2, 3, 97, 64\n"
         "o, do = (torch.randn(z, h, n, d, generator=g) for _ in range(2))\n"
         "delta = torch.full((z * h, n), float('nan'))\n"
         "acc = torch.full((z, h, n, d), float('nan'))\n"
         "grid, args, kwargs = fg.delta_args(o, do, delta, acc)\n"
-        "fg._delta_kernel[grid](*args, **kwargs)\n"
+        "fg._flash_bwd_delta[grid](*args, **kwargs)\n"
         "assert torch.allclose(delta, (o * do).sum(-1).reshape(z * h, n), atol=1e-5), 'D'\n"
         "assert torch.equal(acc, torch.zeros_like(acc)), 'sums not zeroed'\n"
         "acc = torch.randn(z, h, n, d, generator=g)\n"
         "dq = torch.full((z, n + 5, h, d), float('nan'), dtype=torch.float16)\n"
         "dq4 = dq[:, :n].transpose(1, 2)\n"
-        "fg._dq_convert_kernel[fg._row_grid(z * h, n)](acc, dq4, *dq4.stride()[:3], h, n, 0.125, HEAD_DIM=d, "
+        "fg._flash_bwd_dq_convert[fg._row_grid(z * h, n)](acc, dq4, *dq4.stride()[:3], h, n, 0.125, HEAD_DIM=d, "
         "BLOCK=64)\n"
         "assert torch.allclose(dq4.float(), (acc * 0.125).half().float()), 'dQ'\n"
         "assert dq[:, n:].isnan().all(), 'rows past N written'\n"
@@ -763,34 +717,6 @@ def test_delta_zeroes_sums_and_sums_convert_to_dq(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
-
-
-@requires_triton
-@pytest.mark.slow
-def test_fused_backward_compiles_for_sm90a():
-    """The fused backward's machine code: warpgroup MMA, the consumers' and the producer/reducer warpgroup's register
-    counts, shared memory within one program's share, MMAs not serialised, stationary operands never overwritten;
-    its PTX orders the dQ sums through an acquire load and a release store of the flags and has no atomic
-    instruction (``atom``, ``red``): the shares are added in a fixed order, so dQ is deterministic."""
-    pytest.importorskip("triton.experimental.gluon")
-
-    from lmtrain.kernels import flash_gluon_hopper as fg
-
-    q, k, v, do, dq, dk, dv = (torch.randn(2, 3, 1025, 64, dtype=torch.bfloat16) for _ in range(7))
-    lse, delta = torch.empty(6, 1025), torch.empty(6, 1025)
-    acc, flags = torch.empty(2, 3, 17 * 64, 64), torch.zeros(6 * 17, dtype=torch.int32)
-    _, args, kwargs = fg.bwd_args(q, k, v, do, dq, dk, dv, acc, flags, lse, delta, True)
-    compiled, sass = _compile_sm90_sass(fg._bwd_kernel, args, kwargs)
-    ptx = compiled.asm["ptx"]
-    counts = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
-    assert {str(fg.FUSED_CONFIG.registers(fg.FUSED_REGS)[1]), str(fg.FUSED_REGS)} <= counts, counts
-    assert compiled.metadata.shared <= fg._SMEM_LIMIT, compiled.metadata.shared
-    mmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
-    assert mmas and 4 * waits < mmas, f"{waits} full waits for {mmas} warpgroup MMAs"
-    assert "tnspA" in sass, "the dQ product reads dS^T transposed from shared memory"
-    assert not _stationary_operands_overwritten(sass)
-    assert "ld.acquire.gpu.global.b32" in ptx and "st.release.gpu.global.b32" in ptx
-    assert not re.search(r"\b(atom|red)\.", ptx), "an atomic instruction in the fused backward"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -819,16 +745,14 @@ def _gluon_shape_id(shapes) -> str:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", GLUON_SHAPES, ids=_gluon_shape_id)
-def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
-    """Forward and backward through ``flash_triton``'s launchers with ``LMTRAIN_FLASH_GLUON=all``, against float64."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, _backward
+def test_gpu_gluon_matches_reference(shapes, dtype, causal, flash_settings):
+    """Forward and backward through the launchers with ``gluon="all"`` (the fused backward off), against float64."""
+    from lmtrain.kernels.flash.api import _backward
 
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    flash_settings(gluon="all", fused_backward="off")
     sq, sk, fused_v = shapes
     q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=21, fused_v=fused_v)
-    assert all(fg.usable(_as_4d(q), _as_4d(k), _as_4d(v), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)), \
-        "these inputs should take the Gluon kernels"
+    assert gluon_picks(q, k, v) == [True] * 3, "these inputs should take the Gluon kernels"
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
@@ -840,41 +764,40 @@ def test_gpu_gluon_matches_reference(shapes, dtype, causal, monkeypatch):
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_gluon_chosen_by_default_where_faster(monkeypatch):
-    """By default: the Gluon forward and dK/dV kernels at head dims 64 and 128, the Gluon dQ kernel at 128 and at 64
-    from 4096 keys on. A list takes the kernels it names wherever they apply."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
+def test_gpu_gluon_chosen_by_default_where_faster(flash_settings):
+    """By default each Gluon kernel serves where its table says (the dispatcher's CPU tests check the table's
+    reading); on this GPU the tensors' facts reach it: the Gluon kernels at head dims 64 and 128, not at 80. A list
+    takes the kernels it names wherever they apply."""
+    from lmtrain.kernels.flash import tuning
 
-    monkeypatch.delenv("LMTRAIN_FLASH_GLUON", raising=False)
+    def picks(n, d):
+        x = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16)
+        return gluon_picks(x, x)
 
-    def usable(n, d, kernel=fg.FWD):
-        x = _as_4d(torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16))
-        return fg.usable(x, x, kernel=kernel)
-
-    assert usable(1024, 128) and usable(4096, 64) and usable(1024, 64)
-    assert not usable(4096, 80) and usable(4096, 128, fg.DQ) and usable(1024, 128, fg.DKDV)
-    assert usable(1024, 64, fg.DKDV) and usable(4096, 64, fg.DQ) and not usable(1024, 64, fg.DQ)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "dq")
-    assert usable(1024, 64, fg.DQ) and not usable(1024, 64, fg.DKDV) and not usable(4096, 128)
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "0")
-    assert not usable(4096, 128)
+    for n, d in ((1024, 64), (4096, 64), (1024, 128)):
+        x = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16)
+        assert gluon_plan(x, x).fwd == ("gluon" if tuning.step(tuning.FWD, d, n)[2] else "tma")
+    assert picks(4096, 80) == [False] * 3
+    flash_settings(gluon="dq")
+    assert picks(1024, 64) == [False, True, False]
+    flash_settings(gluon="off")
+    assert picks(4096, 128) == [False] * 3
 
 
 PAIRED = {  # per head dim, configurations with the paired schedules (1: one program per pair, 2: persistent)
-    "d64": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,2",
-                 "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,2"}),
-    "d64_three_wg": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,3,1,0,1",
-                          "LMTRAIN_FLASH_GLUON_DKDV": "3,32,3,1,1,2"}),
-    "d128": (128, {"LMTRAIN_FLASH_GLUON_FWD": "3,64,3,1,0,2", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,2",
-                   "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2"}),
+    "d64": (64, {"gluon_fwd_config": "2,128,3,1,0,2", "gluon_dq_config": "3,64,3,1,0,2",
+                 "gluon_dkdv_config": "2,64,3,1,1,2"}),
+    "d64_three_wg": (64, {"gluon_fwd_config": "3,128,2,1,0,1", "gluon_dq_config": "2,128,3,1,0,1",
+                          "gluon_dkdv_config": "3,32,3,1,1,2"}),
+    "d128": (128, {"gluon_fwd_config": "3,64,3,1,0,2", "gluon_dq_config": "2,128,2,1,0,2",
+                   "gluon_dkdv_config": "2,32,2,1,0,2"}),
     # Consumers taking turns (the seventh field), two and three of them, all three schedules.
-    "d64_pingpong": (64, {"LMTRAIN_FLASH_GLUON_FWD": "3,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "3,64,3,1,0,1,1",
-                          "LMTRAIN_FLASH_GLUON_DKDV": "2,64,3,1,1,0,1"}),
-    "d128_pingpong": (128, {"LMTRAIN_FLASH_GLUON_FWD": "2,128,2,1,0,2,1", "LMTRAIN_FLASH_GLUON_DQ": "2,128,2,1,0,0,1",
-                            "LMTRAIN_FLASH_GLUON_DKDV": "2,32,2,1,0,2,1"}),
+    "d64_pingpong": (64, {"gluon_fwd_config": "3,128,2,1,0,2,1", "gluon_dq_config": "3,64,3,1,0,1,1",
+                          "gluon_dkdv_config": "2,64,3,1,1,0,1"}),
+    "d128_pingpong": (128, {"gluon_fwd_config": "2,128,2,1,0,2,1", "gluon_dq_config": "2,128,2,1,0,0,1",
+                            "gluon_dkdv_config": "2,32,2,1,0,2,1"}),
     # 64-key blocks in the forward: the first consumer's rows pass the tile's last key block on unread.
-    "d64_fwd_64_keys": (64, {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,1,0,2"}),
+    "d64_fwd_64_keys": (64, {"gluon_fwd_config": "2,64,3,1,0,2"}),
 }
 
 
@@ -883,21 +806,18 @@ PAIRED = {  # per head dim, configurations with the paired schedules (1: one pro
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("n_q,n_k", [(1025, 1025), (257, 333), (333, 257), (97, 97)])
 @pytest.mark.parametrize("case", list(PAIRED))
-def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monkeypatch):
+def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, flash_settings, monkeypatch):
     """Tiles in pairs (a head's j-th longest with its j-th shortest), persistent programs forced to 7, so that at N
     1025 and 257/333 each takes several pairs and some one more than others; odd tile counts (9 tiles of 128 rows
     in 1025) included: against float64 (bf16), NaN-poisoned outputs, the backward deterministic. With more queries
     than keys (333/257) the causal forward's consumers see different numbers of key blocks (``n_mine``), and the
     last query rows every key."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _backward
+    from lmtrain.kernels.flash import gluon_common
+    from lmtrain.kernels.flash.api import _backward
 
-    d, env = PAIRED[case]
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
-    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "0")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(fg, "_persistent_programs", lambda cfg, pairs, device: 7)
+    d, configs = PAIRED[case]
+    flash_settings(gluon="all", fused_backward="off", launch_plans="off", **configs)
+    monkeypatch.setattr(gluon_common, "_persistent_programs", lambda cfg, pairs, device: 7)
     q, k, v, do = _inputs((2, 3, n_q, d), (2, 3, n_k, d), dtype=torch.bfloat16, device="cuda", seed=24)
     out = launch_into_poisoned(q, k, v, do, causal)
     again = _backward(do, q, k, v, out["o"], out["lse"], causal)
@@ -910,36 +830,31 @@ def test_gpu_gluon_paired_schedules_match_reference(case, n_q, n_k, causal, monk
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("setting,env", [("dq", {}), ("fwd,dkdv", {}),
-                                         ("all", {"LMTRAIN_FLASH_GLUON_FWD": "2,64,3,2",
-                                                  "LMTRAIN_FLASH_GLUON_DQ": "2,32,3,2"})],
+@pytest.mark.parametrize("setting,configs", [("dq", {}), ("fwd,dkdv", {}),
+                                         ("all", {"gluon_fwd_config": "2,64,3,2",
+                                                  "gluon_dq_config": "2,32,3,2"})],
                          ids=["gluon_dq_tl_dkdv", "tl_dq_gluon_dkdv", "two_per_sm"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gpu_gluon_mixed_with_tl_kernels(setting, env, causal, monkeypatch):
+def test_gpu_gluon_mixed_with_tl_kernels(setting, configs, causal, flash_settings):
     """A backward whose dQ kernel (which writes D) and dK/dV kernel (which reads it) come from different paths, and
     the two-programs-per-multiprocessor configurations, against float64 (head dim 64, N 1025, bf16)."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
-
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", setting)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    flash_settings(gluon=setting, fused_backward="off", **configs)
     q, k, v, do = _inputs((2, 3, 1025, 64), (2, 3, 1025, 64), dtype=torch.bfloat16, device="cuda", seed=23)
-    picked = [fg.usable(_as_4d(q), _as_4d(k), kernel=m) for m in (fg.FWD, fg.DQ, fg.DKDV)]
+    picked = gluon_picks(q, k)
     assert picked == {"dq": [False, True, False], "fwd,dkdv": [True, False, True], "all": [True] * 3}[setting]
     out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
-    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {setting} {env} causal={causal}")
+    assert_matches_reference(out, ref, base, torch.bfloat16, f"Gluon {setting} {configs} causal={causal}")
 
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_gluon_backward_in_autograd_threads(monkeypatch):
+def test_gpu_gluon_backward_in_autograd_threads(flash_settings):
     """Autograd runs the backward in its own threads, where the descriptors need a current CUDA context."""
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash.api import flash_attention
 
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON", "all")
+    flash_settings(gluon="all", fused_backward="off")
     q, k, v, do = _inputs((2, 4, 1000, 128), (2, 4, 1000, 128), torch.bfloat16, device="cuda", seed=22)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, causal=True).backward(do)
@@ -959,38 +874,18 @@ REDUCTION_SHAPES = FUSED_SHAPES + [((1, 2, 1028, 128), (1, 2, 1028, 128), False)
                                    ((1, 1, 4100, 128), (1, 1, 200, 128), False)]
 
 
-def _fused_run(shapes, dtype, causal: bool, mode: int, monkeypatch):
-    """Inputs of ``shapes``, checked to take fused backward ``mode`` (``LMTRAIN_FLASH_GLUON_FUSED``), run into
-    NaN-poisoned buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d
-
-    monkeypatch.setenv("LMTRAIN_FLASH_GLUON_FUSED", str(mode))
+def _fused_run(shapes, dtype, causal: bool, flash_settings):
+    """Inputs of ``shapes``, checked to take the fused backward (``fused_backward="on"``), run into NaN-poisoned
+    buffers and compared with float64: (q, k, v, dO, outputs, reference, same-dtype reference)."""
+    flash_settings(fused_backward="on")
     sq, sk, fused_v = shapes
-    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=30 + mode, fused_v=fused_v)
-    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    assert fg.fused(fg.kernels(q4, k4, v4), q4, k4, causal) == mode, "these inputs should take the fused backward"
+    q, k, v, do = _inputs(sq, sk, dtype=dtype, device="cuda", seed=32, fused_v=fused_v)
+    assert gluon_plan(q, k, v).fused, "these inputs should take the fused backward"
     out = launch_into_poisoned(q, k, v, do, causal)
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
-    assert_matches_reference(out, ref, base, dtype, f"fused backward {mode} {shapes} {dtype} causal={causal}")
+    assert_matches_reference(out, ref, base, dtype, f"fused backward {shapes} {dtype} causal={causal}")
     return q, k, v, do, out, ref, base
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shapes", FUSED_SHAPES, ids=_gluon_shape_id)
-def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
-    """The fused backward (LMTRAIN_FLASH_GLUON_FUSED=1) against float64 into NaN-poisoned buffers (every dQ row is
-    written by key tile 0, after every other tile's share), and the same bits on three more runs."""
-    from lmtrain.kernels.flash_triton import _backward
-
-    q, k, v, do, out, _, _ = _fused_run(shapes, dtype, True, 1, monkeypatch)
-    grads = (out["dq"], out["dk"], out["dv"])
-    for _ in range(3):
-        again = _backward(do, q, k, v, out["o"], out["lse"], True)
-        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True)), "not deterministic"
 
 
 @pytest.mark.gpu
@@ -998,31 +893,29 @@ def test_gpu_fused_backward_matches_reference(shapes, dtype, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shapes", REDUCTION_SHAPES, ids=_gluon_shape_id)
-def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, monkeypatch):
-    """The fused backward with TMA reductions (LMTRAIN_FLASH_GLUON_FUSED=2) against float64 into NaN-poisoned
-    buffers, and a second run (its sums added in another order) as close."""
-    from lmtrain.kernels.flash_triton import _backward
+def test_gpu_fused_backward_with_reductions_matches_reference(shapes, dtype, causal, flash_settings):
+    """The fused backward with TMA reductions (``fused_backward="on"``) against float64 into NaN-poisoned buffers,
+    and a second run (its sums added in another order) as close."""
+    from lmtrain.kernels.flash.api import _backward
 
-    q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, 2, monkeypatch)
+    q, k, v, do, out, ref, base = _fused_run(shapes, dtype, causal, flash_settings)
     dq, dk, dv = _backward(do, q, k, v, out["o"], out["lse"], causal)
     assert_matches_reference({**out, "dq": dq, "dk": dk, "dv": dv}, ref, base, dtype, "second run")
 
 
 @pytest.mark.gpu
 @requires_hopper
-def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
+def test_gpu_reductions_by_default_unless_deterministic(flash_settings):
     """Head dim 64 at 4096 keys: by default the fused backward with reductions, through autograd and then from a
     launch plan (its sums a role of the plan), both against float64; with deterministic algorithms requested, the
     dQ and dK/dV kernels, the same bits twice."""
-    from lmtrain.kernels import _launch_plans
-    from lmtrain.kernels import flash_gluon_hopper as fg
-    from lmtrain.kernels.flash_triton import _as_4d, flash_attention
+    from lmtrain.kernels.flash import FlashSettings
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
+    from lmtrain.kernels.flash.api import flash_attention
 
-    for name in ("LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_GLUON_DKDV",
-                 "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_LAUNCH_PLANS"):
-        monkeypatch.delenv(name, raising=False)
+    flash_settings(**FlashSettings().as_dict())  # the defaults
     q, k, v, do = _inputs((1, 2, 4096, 64), (1, 2, 4096, 64), torch.bfloat16, device="cuda", seed=33)
-    assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 2
+    assert gluon_plan(q, k).fused
     ref = _reference_results(q, k, v, do, True, upcast=True)
     base = _reference_results(q, k, v, do, True, upcast=False)
 
@@ -1037,6 +930,6 @@ def test_gpu_reductions_by_default_unless_deterministic(monkeypatch):
         assert_matches_reference(grads(), ref, base, torch.bfloat16, f"default, run {run}")
     assert _launch_plans.STATS["replayed"] > replayed, "no call was replayed from a plan"
     with _deterministic_algorithms():
-        assert fg.fused(fg.kernels(_as_4d(q), _as_4d(k)), _as_4d(q), _as_4d(k), True) == 0
+        assert not gluon_plan(q, k).fused
         first, second = grads(), grads()
     assert all(torch.equal(first[name], second[name]) for name in ("dq", "dk", "dv")), "not deterministic"

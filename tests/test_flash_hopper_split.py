@@ -1,4 +1,4 @@
-"""The TMA kernels' split head dims (``flash_triton_hopper.split_head_dim``, ``LMTRAIN_FLASH_TMA_SPLIT=1``): the
+"""The TMA kernels' split head dims (``flash.tma.split_head_dim``, setting ``tma_split_head_dim``): the
 rule, and the forward, dQ and dK/dV kernels, split and padded, against the float64 reference of
 ``test_flash_attention`` under Triton's interpreter (on a Hopper GPU the same kernels run in
 ``test_flash_attention.py::test_gpu_tma_path_matches_reference``).
@@ -23,7 +23,7 @@ from test_flash_attention import _inputs, _reference_results, assert_matches_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-SPLIT_SETTINGS = ("0", "1")  # LMTRAIN_FLASH_TMA_SPLIT: one padded tile, or split
+SPLIT_SETTINGS = ("0", "1")  # tma_split_head_dim off (one padded tile) or on (split)
 
 # (label, q shape, k shape, dtype, causal): split head dims 80 (64 + 16), 48 (32 + 16), 96 (64 + 32), 72 (64 + 16)
 # and an unsplit 64 as a control; N 97/130/33, N_q != N_k both ways, a fused-qkv view for v.
@@ -55,8 +55,8 @@ def _case_inputs() -> dict[str, tuple[torch.Tensor, ...]]:
 
 def _tma_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> dict:
     """O, L, dQ, dK, dV from the TMA launchers, written into NaN-poisoned buffers."""
-    from lmtrain.kernels import flash_triton as ft
-    from lmtrain.kernels import flash_triton_hopper as hop
+    from lmtrain.kernels.flash import api as ft
+    from lmtrain.kernels.flash import tma as hop
 
     z, h, n_q, d = q.shape
     precision = ft._dot_precision(q.dtype, allow_tf32=False)
@@ -75,12 +75,14 @@ def _run_worker(in_path: str, out_path: str) -> None:
     """Every case with the TMA kernels, padded and split, under the interpreter; raw outputs saved, no assertions."""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
+    from lmtrain.kernels.flash.settings import use_settings
+
     inputs = torch.load(in_path)
     results = {}
     for label, _, _, _, causal in CASES:
         for split in SPLIT_SETTINGS:
-            os.environ["LMTRAIN_FLASH_TMA_SPLIT"] = split  # read at every launch
-            results[label, split] = _tma_passes(*inputs[label], causal)
+            with use_settings(tma_split_head_dim=split == "1"):
+                results[label, split] = _tma_passes(*inputs[label], causal)
     torch.save(results, out_path)
 
 
@@ -102,7 +104,7 @@ def interpreter_results(tmp_path_factory) -> tuple[dict, dict]:
                                          (40, (32, 16)), (64, (64, 0)), (128, (128, 0)), (112, (128, 0)),
                                          (24, (32, 0)), (16, (16, 0))])
 def test_split_rule(d: int, tiles: tuple[int, int]) -> None:
-    from lmtrain.kernels.flash_triton_hopper import split_head_dim
+    from lmtrain.kernels.flash.tma import split_head_dim
 
     assert split_head_dim(d) == tiles
     first, second = tiles
@@ -113,14 +115,14 @@ def test_split_rule(d: int, tiles: tuple[int, int]) -> None:
 def test_tma_kernels_match_float64_reference_under_the_interpreter(interpreter_results, label, sq, sk, dtype,
                                                                      causal) -> None:
     """O, L, dQ, dK, dV of the TMA kernels, with the head dim split and padded, every output element written."""
-    from lmtrain.kernels.flash_triton_hopper import split_head_dim
+    from lmtrain.kernels.flash.tma import split_head_dim
 
     inputs, results = interpreter_results
     q, k, v, do = inputs[label]
     ref = _reference_results(q, k, v, do, causal, upcast=True)
     base = _reference_results(q, k, v, do, causal, upcast=False)
     for split in SPLIT_SETTINGS:
-        name = f"TMA kernels[interpreter] {label} causal={causal} LMTRAIN_FLASH_TMA_SPLIT={split}"
+        name = f"TMA kernels[interpreter] {label} causal={causal} tma_split_head_dim={split}"
         assert_matches_reference(results[label, split], ref, base, dtype, name)
     if split_head_dim(sq[-1])[1] == 0:  # a head dim that is not split: the setting changes nothing
         for name, got in results[label, "1"].items():

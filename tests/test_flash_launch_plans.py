@@ -1,4 +1,4 @@
-"""Launch plans of the flash kernels (``lmtrain.kernels._launch_plans``).
+"""Launch plans of the flash kernels (``lmtrain.kernels.flash.launch_plans``).
 
 On CPU, with a stand-in JIT function: what a recorded call keeps, how a replay fills in the new call's tensors and
 descriptors, which calls are never kept, and what the plan key tells apart. On a GPU (``-m gpu``): flash_triton's
@@ -13,6 +13,9 @@ import inspect
 
 import pytest
 import torch
+
+from lmtrain.errors import LmtrainError
+from lmtrain.kernels.flash.settings import FlashSettings, use_settings
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -53,14 +56,13 @@ class FakeJit:
 
 @pytest.fixture
 def plans(monkeypatch):
-    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
 
-    monkeypatch.setattr(_launch_plans, "_INTERPRET", False)
+    monkeypatch.setattr(_launch_plans, "_PLANNED", True)  # as on a GPU with a tested Triton
     monkeypatch.setattr(_launch_plans, "_PLANS", {})
     monkeypatch.setattr(_launch_plans, "device_and_stream", lambda: (0, 1234))
-    for name in _launch_plans.SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    return _launch_plans
+    with use_settings(FlashSettings()):
+        yield _launch_plans
 
 
 def _desc(plans, t, block=(2, 16)):
@@ -158,9 +160,8 @@ def test_key_tells_apart_what_changes_the_launches(plans, monkeypatch):
     ]
     assert all(k is not None and k != key(base) for k in others)
     assert len(set(others)) == len(others)
-    monkeypatch.setenv("LMTRAIN_FLASH_TMA", "0")  # a setting is read on every call
-    changed = key(base)
-    monkeypatch.delenv("LMTRAIN_FLASH_TMA")
+    with use_settings(tma=False):  # the settings are part of every key
+        changed = key(base)
     assert changed != key(base)
 
 
@@ -170,9 +171,8 @@ def test_no_key_when_plans_are_off_or_inputs_are_not_tensors(plans, monkeypatch)
     t = torch.randn(4, 8)
     assert plans.key("fwd", (t,)) is not None
     assert plans.key("fwd", ("not a tensor",)) is None  # the full path then raises its own error
-    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "0")
-    assert plans.key("fwd", (t,)) is None
-    monkeypatch.delenv("LMTRAIN_FLASH_LAUNCH_PLANS")
+    with use_settings(launch_plans="off"):
+        assert plans.key("fwd", (t,)) is None
     hooks = triton.knobs.runtime.launch_enter_hook
     hook = lambda metadata: None  # noqa: E731
     hooks.add(hook)
@@ -180,7 +180,7 @@ def test_no_key_when_plans_are_off_or_inputs_are_not_tensors(plans, monkeypatch)
         assert plans.key("fwd", (t,)) is None  # a profiler's hook sees every launch through the JIT function
     finally:
         hooks.remove(hook)
-    monkeypatch.setattr(plans, "_INTERPRET", True)
+    monkeypatch.setattr(plans, "_PLANNED", False)  # the interpreter, or an untested Triton
     assert plans.key("fwd", (t,)) is None
 
 
@@ -195,7 +195,7 @@ def test_store_starts_afresh_when_full(plans, monkeypatch):
 def test_unchecked_descriptor_has_the_fields_given_and_the_defaults():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from lmtrain.kernels._launch_plans import unchecked
+    from lmtrain.kernels.flash.launch_plans import unchecked
 
     t = torch.randn(4, 16)
     d = unchecked(TensorDescriptor, base=t, shape=[4, 16], strides=[16, 1], block_shape=[2, 16])
@@ -265,7 +265,7 @@ def nvidia_driver(monkeypatch):
         encoded.append(ptr)
         return ("map", ptr, rest)
 
-    from lmtrain.kernels import _launch_plans
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
 
     utils = types.SimpleNamespace(fill_tma_descriptor=fill)
     monkeypatch.setattr(_launch_plans.triton.runtime, "driver", types.SimpleNamespace(
@@ -320,10 +320,10 @@ def test_replay_keeps_the_python_launcher_where_it_has_another_shape(plans, nvid
 
 def test_python_setting_keeps_the_python_launcher(plans, nvidia_driver, monkeypatch):
     fill, encoded = nvidia_driver
-    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "python")
     fn = FakeJit()
     fn.compiled.run = FakeCudaLauncher([0], [_META], fill)
-    _record(plans, fn, (torch.randn(64), torch.randn(8)))
+    with use_settings(launch_plans="python"):
+        _record(plans, fn, (torch.randn(64), torch.randn(8)))
     plan = plans.get(("k",))
     assert plan.launches[0].head is None
     x, y = torch.randn(64), torch.randn(8)
@@ -333,10 +333,9 @@ def test_python_setting_keeps_the_python_launcher(plans, nvidia_driver, monkeypa
     assert encoded == [x.data_ptr()] * 2  # the launcher's expansion: encoded on every launch
 
 
-def test_bad_plan_setting_is_an_error_naming_it(plans, monkeypatch):
-    monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", "yes")
-    with pytest.raises(ValueError, match="LMTRAIN_FLASH_LAUNCH_PLANS='yes'"):
-        plans.key("fwd", (torch.randn(4),), True)
+def test_bad_plan_setting_is_an_error_naming_it():
+    with pytest.raises(LmtrainError, match="flash.launch_plans"):
+        FlashSettings(launch_plans="yes")
 
 
 def test_kept_arguments_and_descriptors_are_bounded(plans, nvidia_driver, monkeypatch):
@@ -365,8 +364,8 @@ def test_gpu_replayed_calls_are_bit_identical_to_full_calls(d, monkeypatch):
     """A run of flash_triton calls whose layouts change from call to call (contiguous, a fused-qkv view, a
     misaligned view that takes the pointer kernels, another N, fp16 after bf16, a gradient that needs a copy), twice:
     outputs and gradients with plans equal those without bit for bit, and plans were replayed."""
-    from lmtrain.kernels import _launch_plans
-    from lmtrain.kernels.flash_triton import flash_attention
+    from lmtrain.kernels.flash import launch_plans as _launch_plans
+    from lmtrain.kernels.flash.api import flash_attention
 
     def inputs(kind: str, seed: int):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -389,20 +388,20 @@ def test_gpu_replayed_calls_are_bit_identical_to_full_calls(d, monkeypatch):
     kinds = ("contiguous", "fused", "misaligned", "n1025", "fp16", "expanded_grad", "contiguous")
 
     def run(setting: str) -> list[torch.Tensor]:
-        monkeypatch.setenv("LMTRAIN_FLASH_LAUNCH_PLANS", setting)
         results = []
-        for _ in range(3):
-            for seed, kind in enumerate(kinds):
-                (q, k, v), do = inputs(kind, seed)
-                o = flash_attention(q, k, v, causal=True)
-                o.backward(do)
-                results += [o.detach(), q.grad, k.grad, v.grad]
+        with use_settings(launch_plans=setting):
+            for _ in range(3):
+                for seed, kind in enumerate(kinds):
+                    (q, k, v), do = inputs(kind, seed)
+                    o = flash_attention(q, k, v, causal=True)
+                    o.backward(do)
+                    results += [o.detach(), q.grad, k.grad, v.grad]
         return results
 
-    full = run("0")
+    full = run("off")
     _launch_plans.clear()
     replayed_before = _launch_plans.STATS["replayed"]
-    planned = run("1")
+    planned = run("c")
     assert _launch_plans.STATS["replayed"] - replayed_before >= 2 * len(kinds), "plans were not replayed"
     import triton.backends.nvidia.driver as nvidia
 

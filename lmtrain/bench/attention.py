@@ -36,6 +36,10 @@ of both. Inputs are random (never zeros), fresh per shape and the same for its b
 memory is recorded as ``OOM`` and the sweep goes on; a backend that cannot run a cell is recorded as ``n/a`` with the
 reason.
 
+flash_triton's kernels follow ``lmtrain.kernels.flash.FlashSettings``, one ``--flash-<field>`` flag per field (e.g.
+``--flash-gluon off``, ``--no-flash-autotune``, ``--flash-gluon-dkdv-config 2,64,3,1,1,2``); the settings and the
+kernels that served each flash_triton shape go into the JSON's ``meta.flash_kernels``.
+
 Output: a short Markdown table on stdout, one progress line per cell on stderr, and with ``--out PATH``
 a CSV at PATH and the same rows as JSON beside it (PATH with suffix .json). Needs a CUDA GPU;
 ``--allow-cpu`` runs a tiny smoke sweep on the CPU (wall-clock timing, no memory figures).
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import json
 import math
@@ -57,7 +62,7 @@ from pathlib import Path
 import torch
 
 from lmtrain.bench.clock import Clock
-from lmtrain.bench.environment import device_name, environment
+from lmtrain.bench.environment import device_name, environment, flash_kernels
 from lmtrain.bench.sweep import command_line
 
 #: Bench-only variants of the registered backends: (what it is, whether it needs CUDA). The registered backends
@@ -102,14 +107,14 @@ GRID_ALIASES = {"seeds": "study"}
 #: The CPU smoke run (``--allow-cpu``): longest N timed, and the most warm-up and timed runs per measurement.
 CPU_MAX_N, CPU_WARMUP, CPU_REP, CPU_ROUNDS = 512, 1, 3, 1
 #: ``--warmup-ms``'s default. A GPU at its power limit changes its clock under load, most right after an idle
-#: moment (an H100 at 700 W, docs/benchmarks/2026-11-27-H100-flash-gluon-split-dq.md: 1980 MHz after idle,
+#: moment (an H100 at 700 W: 1980 MHz after idle,
 #: 1215-1410 MHz at the lowest, a median of 1515-1665 MHz over a cell of N 16384); runs timed right after the load
 #: starts measure the transition, not the sustained speed a training run sees.
 DEFAULT_WARMUP_MS = 1000.0
 #: ``--rounds``'s default: each shape's backends timed in turn this many times, the median kept. One backend timed
 #: after another sees another stretch of the power-limited clock: at head dim 64 and 1024 keys on an H100, five
 #: calls with one round each put flash_triton's forward at 0.932-1.078 of cuDNN's, while windows of both taking
-#: turns gave 1.018-1.084 (docs/benchmarks/2026-11-27-H100-flash-interleaved.md).
+#: turns gave 1.018-1.084.
 DEFAULT_ROUNDS = 3
 #: The most untimed runs ``--warmup-ms`` adds before one measurement (a bound for calls of microseconds).
 MAX_SUSTAINED_RUNS = 20_000
@@ -199,6 +204,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-cpu", action="store_true",
                         help=f"run on the CPU as a smoke run: N up to {CPU_MAX_N}, at most {CPU_WARMUP} warm-up and "
                              f"{CPU_REP} timed runs per measurement, no --warmup-ms (a minute or two on 2 cores)")
+    add_flash_arguments(parser)
+
+
+def add_flash_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flash-<field>`` flag per field of ``lmtrain.kernels.flash.FlashSettings`` (default: the field's)."""
+    from lmtrain.kernels.flash import FlashSettings
+
+    group = parser.add_argument_group("flash_triton settings (lmtrain.kernels.flash.FlashSettings)")
+    for f in dataclasses.fields(FlashSettings):
+        flag = "--flash-" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f"flash_{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f"FlashSettings.{f.name} (default {f.default})")
+        else:
+            group.add_argument(flag, dest=f"flash_{f.name}", default=f.default,
+                               help=f"FlashSettings.{f.name} (default {f.default})")
+
+
+def flash_settings(args: argparse.Namespace):
+    """The ``FlashSettings`` of the ``--flash-*`` flags (``LmtrainError`` for a bad value)."""
+    from lmtrain.kernels.flash import FlashSettings
+
+    return FlashSettings(**{f.name: getattr(args, f"flash_{f.name}", f.default)
+                            for f in dataclasses.fields(FlashSettings)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,7 +608,15 @@ def write_results(cells: list[Cell], out: Path, meta: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sweep; 0 on success, 2 when no GPU is there and ``--allow-cpu`` is not given."""
+    """Run the sweep under the ``--flash-*`` settings (checked before anything runs, restored after); 0 on success, 2
+    when no GPU is there and ``--allow-cpu`` is not given."""
+    from lmtrain.kernels.flash import use_settings
+
+    with use_settings(flash_settings(args)):
+        return _sweep(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda")
     elif args.allow_cpu:
@@ -595,7 +632,10 @@ def run(args: argparse.Namespace) -> int:
         for cell in cells:
             if cell.seq_len > CPU_MAX_N:
                 cell.status, cell.reason = "n/a", f"CPU smoke run: N above {CPU_MAX_N} is not timed"
-    meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args)}
+    meta = {"device": device_name(device.type == "cuda"), **environment(), "command": command_line(args),
+            "flash_kernels": flash_kernels(sorted({(c.seq_len, c.head_dim) for c in cells
+                                                   if c.backend == "flash_triton"}), args.dtype,
+                                           device.type == "cuda")}
     print(f"bench attention: {len(cells)} cells on {meta['device']} (torch {meta['torch']}, triton {meta['triton']})",
           file=sys.stderr)
     done = 0

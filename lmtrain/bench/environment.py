@@ -26,6 +26,19 @@ def environment() -> dict[str, str]:
     return info
 
 
+def flash_kernels(shapes: list[tuple[int, int]] | None = None, dtype: str = "bf16", cuda: bool | None = None) -> dict:
+    """The FlashAttention settings in force and, per (sequence length, head dim) in ``shapes``, the kernels that serve
+    it on this device (``lmtrain.kernels.flash.describe``): what a record needs to say which kernels it measured."""
+    import torch
+
+    from lmtrain.kernels.flash import describe
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return describe(shapes, device="cuda" if cuda else "cpu", dtype=dtypes.get(dtype, torch.bfloat16))
+
+
 def _driver() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

@@ -1,4 +1,4 @@
-"""FlashAttention-2 kernels: a tiled PyTorch reference and Triton forward + backward kernels.
+"""FlashAttention-2 kernels: a tiled PyTorch reference and Triton/Gluon forward + backward kernels (``flash/``).
 
 ``flash_attention_pytorch`` / ``FlashAttentionPyTorch`` run anywhere; ``flash_attention`` /
 ``FlashAttentionTriton`` need a CUDA GPU (or Triton's interpreter, for tests). The Triton names are
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from lmtrain.kernels.flash_pytorch import FlashAttentionPyTorch, flash_attention_pytorch
 
 if TYPE_CHECKING:
-    from lmtrain.kernels.flash_triton import FlashAttentionTriton, flash_attention
+    from lmtrain.kernels.flash.api import FlashAttentionTriton, flash_attention
 
 __all__ = ["FlashAttentionPyTorch", "FlashAttentionTriton", "flash_attention", "flash_attention_pytorch",
            "triton_interpreted"]
@@ -27,7 +27,7 @@ def triton_interpreted() -> bool:
 
 def __getattr__(name: str) -> Any:
     if name in ("FlashAttentionTriton", "flash_attention"):
-        from lmtrain.kernels import flash_triton
+        from lmtrain.kernels.flash import api
 
-        return getattr(flash_triton, name)
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

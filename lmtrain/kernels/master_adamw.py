@@ -26,6 +26,8 @@ from triton.language.extra import libdevice
 
 #: Tensors one launch updates (the slots of ``master_adamw_kernel``).
 SLOTS = 8
+#: The kernels as a profiler names them.
+KERNEL_NAMES = ("master_adamw_kernel",)
 
 
 @triton.jit

@@ -1,25 +1,24 @@
-"""Pieces shared by the FlashAttention-2 kernels of ``flash_triton`` (pointer loads) and ``flash_triton_hopper``
-(TMA descriptors): autotuning (candidate pruning, the tuning clock, the launch cache) and the ``@triton.jit``
-helpers that map programs to blocks and mask scores.
+"""Pieces shared by the pointer kernels (``pointer``) and the TMA kernels (``tma``): autotuning (candidate pruning,
+the tuning clock, the launch cache) and the ``@triton.jit`` helpers that map programs to blocks and mask scores.
 
 Kept apart so that each kernel module imports this one and neither imports the other's internals.
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lmtrain.kernels import _launch_plans as _plans
 from lmtrain.kernels import triton_interpreted
+from lmtrain.kernels.flash import launch_plans as _plans
+from lmtrain.kernels.flash.settings import current
 
 _INTERPRET = triton_interpreted()
 _LOG2E = 1.4426950408889634
 
 
 def _autotune_enabled() -> bool:
-    return not _INTERPRET and os.environ.get("LMTRAIN_FLASH_AUTOTUNE", "1") != "0"
+    return not _INTERPRET and current().autotune
 
 
 def _tuning_bench(fn, quantiles=None, warmup_ms: float = 25.0, rep_ms: float = 100.0, **_ignored) -> list[float]:

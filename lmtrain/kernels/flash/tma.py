@@ -1,37 +1,30 @@
-"""FlashAttention-2 forward and backward for Hopper GPUs (sm_90 and later): tiles moved by TMA.
+"""FlashAttention-2 forward and backward for Hopper GPUs (sm_90 and later): the pointer kernels' algorithm with every
+tile moved through TMA tensor descriptors.
 
-Same algorithm, outputs and properties as ``flash_triton`` (online-softmax forward writing O and the natural-log
-logsumexp L; a dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV kernel; no atomics, so the backward
-is deterministic; causal top-left aligned with the loops split into unmasked and masked parts). What differs is how
+Same algorithm, outputs and properties as ``pointer`` (online-softmax forward writing O and the natural-log logsumexp
+L; a dQ kernel that also writes ``D = rowsum(O * dO)``, then a dK/dV kernel; no atomics, so the backward is
+deterministic; causal top-left aligned with the loops split into unmasked and masked parts). What differs is how
 tiles reach shared memory: every q/k/v/O/dO tile is loaded, and every O/dQ/dK/dV tile stored, through a tensor
 descriptor, which Triton lowers to the Hopper bulk tensor copy engine (TMA).
 
 The descriptors are built on the host, one per tensor and launch (``TensorDescriptor`` over the whole (Z, H, N, d)
 tensor with its own strides, moving (1, 1, rows, width) boxes), and a program addresses its tiles by (batch, head,
-row, column). An earlier version built a 2-D descriptor per program inside the kernel (``tl.make_tensor_descriptor``);
-each program then wrote its descriptors to global memory and fenced them before its first load, which cost most at
-short sequences, where programs are short: host descriptors made the forward 1.26-1.33x faster at N 1024 and the
-forward+backward 1.22-1.41x (docs/benchmarks/2026-11-23-H100-flash-tma-host.md). The box shapes depend on the
-autotuned block sizes, so each configuration's pre-launch hook sets them (``_set_boxes``). What the copy engine does
-at the edges keeps the general shapes working without masks in the loads:
+row, column). Host descriptors beat descriptors built per program in the kernel, most at short sequences, where each
+program's descriptor writes and fence are a large part of its work. The box shapes depend on the autotuned block
+sizes, so each configuration's pre-launch hook sets them (``_set_boxes``). What the copy engine does at the edges
+keeps the general shapes working without masks in the loads:
 
 * any N: rows past N (of this batch and head: the box never crosses into the next head) read as zeros and are not
   written; the score mask still removes keys past N_k, as in the pointer kernels;
-* head dims that are not powers of two are split into two column tiles (``split_head_dim``: the largest power of two
-  below d, then the next power of two, at least 16, covering the rest: 80 -> 64 + 16, 96 -> 64 + 32, 48 -> 32 + 16;
-  one padded tile where two would not be narrower, 112 -> 128), each moved through its own descriptor; each product
-  over the head dim (S = Q K^T, dP = dO V^T) is a sum of two and each head-dim-wide result (O, dQ, dK, dV) two
-  accumulators, so d 80 does 80 columns of matrix work instead of 128. ``LMTRAIN_FLASH_TMA_SPLIT=0`` pads to one
-  tile instead, the columns past d reading as zeros and not written;
+* head dims that are not powers of two are split into two column tiles (``split_head_dim``: 80 -> 64 + 16,
+  96 -> 64 + 32, 48 -> 32 + 16; one padded tile where two would not be narrower, 112 -> 128), each moved through
+  its own descriptor, so d 80 does 80 columns of matrix work instead of 128. The setting ``tma_split_head_dim=False``
+  pads to one tile instead;
 * strided q/k/v (e.g. heads of a fused qkv projection): the descriptors take the tensors' own strides.
 
-The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1), and
-strides that are not zero; ``usable`` checks that (a dimension of size 1 takes a dense stride, as it is never
-stepped over) and the dtype (fp16/bf16; fp32 stays on the pointer kernels, whose IEEE products run on CUDA cores
-anyway), the head dim (a multiple of 8 up to 128) and the GPU (compute capability 9.0 or later, a Triton with host
-tensor descriptors). Anything else runs the pointer kernels of ``flash_triton``, which also serve older GPUs and
-Triton's interpreter. ``LMTRAIN_FLASH_TMA=1`` (default) takes this path for both passes, ``forward`` for the forward
-only, ``0`` for neither.
+The copy engine needs 16-byte alignment of the base pointers and of every stride but the last (which must be 1);
+``dispatch.aligned`` checks that. Which calls these kernels serve (fp16/bf16, head dims a multiple of 8 up to 128,
+compute capability 9.0 or later, aligned tensors) is the dispatcher's decision (``lmtrain.kernels.flash.dispatch``).
 
 Causal programs of one (batch, head) are launched longest rows first (forward, dQ) or longest columns first (dK/dV),
 and heads one after the other, so the programs that run together share their K/V (or Q/dO) tiles in L2.
@@ -39,14 +32,11 @@ and heads one after the other, so the programs that run together share their K/V
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from lmtrain.kernels._flash_shared import (
-    _INTERPRET,
+from lmtrain.kernels.flash.common import (
     _LOG2E,
     _NO_SPECIALIZE,
     _TUNE_KEY,
@@ -59,15 +49,17 @@ from lmtrain.kernels._flash_shared import (
     _softmax_step,
     _tuning_bench,
 )
-from lmtrain.kernels._launch_plans import unchecked
+from lmtrain.kernels.flash.dispatch import tma_strides
+from lmtrain.kernels.flash.launch_plans import unchecked
+from lmtrain.kernels.flash.settings import current
 
 try:  # host-side tensor descriptors: Triton 3.4 and later
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the pointer kernels serve every call
     TensorDescriptor = None
 
-_TMA_DTYPES = (torch.float16, torch.bfloat16)
-
+#: The kernels as a profiler names them.
+KERNEL_NAMES = ("_flash_tma_fwd", "_flash_tma_bwd_dq", "_flash_tma_bwd_dkdv")
 
 def _set_boxes(rows: dict[str, str]):
     """A configuration's pre-launch hook: give each descriptor argument its box for the configuration,
@@ -94,8 +86,8 @@ def _configs(blocks: list[tuple[int, int, int, int, bool]], rows: dict[str, str]
 
 _M, _N = "BLOCK_M", "BLOCK_N"
 
-# Candidates from pinned sweeps on an H100 (bf16, causal, B*H*N = 2^21, N 1024 and 16384, head dims 64/80/128; see
-# docs/benchmarks/2026-11-23-H100-flash-tma-host.md). Forward: 128 x 128 with 8 warps at d 128, 128 x 64 with 4
+# Candidates from pinned sweeps on an H100 (bf16, causal, B*H*N = 2^21, N 1024 and 16384, head dims 64/80/128).
+# Forward: 128 x 128 with 8 warps at d 128, 128 x 64 with 4
 # warps at d 64 and split 80. dQ: 128 x 64 with 8 warps at long N, 64/128 x 32 with 4 warps at N 1024. dK/dV
 # (keys x queries held x streamed): 64 x 64 with 4 warps at d 64/80, 64 x 32 with 4 warps and 2 stages at d 128,
 # 128 x 64 with 8 warps close behind. Warp-specialised loops (``WARP_SPEC``) were no faster than the plain ones on the
@@ -109,53 +101,6 @@ _DQ_CONFIGS = _configs([(128, 128, 8, 2, False), (128, 64, 8, 3, False), (64, 64
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3, False), (32, 128, 4, 3, False), (64, 128, 8, 2, False),
                           (64, 64, 4, 3, False), (32, 64, 4, 2, False)],
                          {"Q": _M, "K": _N, "V": _N, "DO": _M, "DK": _N, "DV": _N})
-
-
-# ---------------------------------------------------------------------------------------------
-# Which calls this path serves
-# ---------------------------------------------------------------------------------------------
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
-
-
-def _tma_strides(t: torch.Tensor) -> list[int]:
-    """The strides a descriptor of the (Z, H, N, d) tensor ``t`` gets: its own, except that a dimension of size 1
-    (never stepped over) takes the dense stride of the dimensions inside it, so an odd stride there does not matter."""
-    strides = list(t.stride())
-    for i in (2, 1, 0):
-        if t.shape[i] == 1:
-            strides[i] = strides[i + 1] * t.shape[i + 1]
-    return strides
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """What a TMA descriptor needs: a 16-byte aligned base, positive 16-byte multiples as strides (but the last,
-    which must be 1)."""
-    elt = t.element_size()
-    strides = _tma_strides(t)
-    return strides[-1] == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s * elt % 16 == 0 for s in strides[:-1])
-
-
-def usable(*tensors: torch.Tensor, backward: bool = False) -> bool:
-    """Whether the TMA kernels serve these (Z, H, N, d) tensors (inputs and output buffers alike).
-
-    ``LMTRAIN_FLASH_TMA``: ``1`` (default) forward and backward, ``forward`` the forward only, ``0`` neither.
-    """
-    setting = os.environ.get("LMTRAIN_FLASH_TMA", "1")
-    if _INTERPRET or TensorDescriptor is None or setting == "0" or (backward and setting == "forward"):
-        return False
-    q = tensors[0]
-    d = q.shape[-1]
-    if q.device.type != "cuda" or q.dtype not in _TMA_DTYPES or d % 8 != 0 or not 16 <= d <= 128:
-        return False
-    return _capability(q.device) >= (9, 0) and all(_aligned(t) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +208,7 @@ def _fwd_inner(
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _fwd_kernel(
+def _flash_tma_fwd(
     Q, Q1, K, K1, V, V1, OUT, OUT1, LSE,
     H, N_Q, N_K, N_KEY, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -311,7 +256,7 @@ def _bwd_dq_inner(
 @triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bwd_dq_kernel(
+def _flash_tma_bwd_dq(
     Q, Q1, K, K1, V, V1, OUT, OUT1, DO, DO1, DQ, DQ1, LSE, DELTA,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -375,7 +320,7 @@ def _bwd_dkdv_inner(
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n},
                  do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bwd_dkdv_kernel(
+def _flash_tma_bwd_dkdv(
     Q, Q1, K, K1, V, V1, DO, DO1, DK, DK1, DV, DV1, LSE, DELTA,
     H, N_Q, N_K, N_KEY, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D1: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -414,7 +359,7 @@ def _bwd_dkdv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers: (Z, H, N, d) views prepared and checked by flash_triton's _forward / _backward
+# Launchers: (Z, H, N, d) views prepared and checked by ``api``
 # ---------------------------------------------------------------------------------------------
 
 
@@ -435,9 +380,9 @@ def split_head_dim(d: int) -> tuple[int, int]:
 
 
 def _with_head_dim_tiles(consts: dict, d: int) -> dict:
-    """``consts`` with the head dim's tile widths: split as ``split_head_dim`` says with ``LMTRAIN_FLASH_TMA_SPLIT=1``,
-    else one tile of the next power of two."""
-    split = os.environ.get("LMTRAIN_FLASH_TMA_SPLIT", "1") == "1"
+    """``consts`` with the head dim's tile widths: split as ``split_head_dim`` says with the setting
+    ``tma_split_head_dim`` (default), else one tile of the next power of two."""
+    split = current().tma_split_head_dim
     block_d, block_d1 = split_head_dim(d) if split else (triton.next_power_of_2(d), 0)
     return {**consts, "BLOCK_D": block_d, "BLOCK_D1": block_d1}
 
@@ -445,7 +390,7 @@ def _with_head_dim_tiles(consts: dict, d: int) -> dict:
 def _descs(t: torch.Tensor, block_d: int, block_d1: int) -> tuple[TensorDescriptor, TensorDescriptor | None]:
     """Host descriptors of a (Z, H, N, d) tensor: columns from 0 in BLOCK_D-wide boxes and, with a split head dim,
     from BLOCK_D in BLOCK_D1-wide ones (None without). Box rows are set per configuration by ``_set_boxes``."""
-    shape, strides = list(t.shape), _tma_strides(t)
+    shape, strides = list(t.shape), tma_strides(t)
     first = unchecked(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=[1, 1, 16, block_d])
     return first, (unchecked(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=[1, 1, 16, block_d1])
                    if block_d1 else None)
@@ -459,7 +404,7 @@ def forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tens
     n_k = k4.shape[2]
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
-    _launch(_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
+    _launch(_flash_tma_fwd, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
         *_descs(q4, *widths), *_descs(k4, *widths), *_descs(v4, *widths), *_descs(o4, *widths), lse,
         h, n_q, n_k, key[0], d**-0.5 * _LOG2E,
     ), consts, key)
@@ -490,7 +435,7 @@ def dq(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, d
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
-    _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
+    _launch(_flash_tma_bwd_dq, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * z * h,), (
         *_descs_of((q4, k4, v4, o4, do4, dq4), widths, cache), lse, delta,
         h, n_q, k4.shape[2], key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
@@ -504,7 +449,7 @@ def dkdv(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor
     sm_scale = d**-0.5
     consts = _with_head_dim_tiles(consts, d)
     widths = consts["BLOCK_D"], consts["BLOCK_D1"]
-    _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
+    _launch(_flash_tma_bwd_dkdv, lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]) * z * h,), (
         *_descs_of((q4, k4, v4, do4, dk4, dv4), widths, cache), lse, delta,
         h, q4.shape[2], n_k, key[0], sm_scale * _LOG2E, sm_scale,
     ), consts, key)
@@ -519,4 +464,3 @@ def backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Ten
     dkdv(q4, k4, v4, do4, lse, delta, dk4, dv4, consts, key, cache)
 
 
-__all__ = ["backward", "dkdv", "dq", "forward", "split_head_dim", "usable"]

@@ -1,36 +1,34 @@
 """Launch plans: a flash_triton call replayed without the Python that decided what to launch.
 
 Each forward or backward call of ``flash_triton`` decides its kernels (Gluon, TMA or pointer), checks its tensors,
-builds up to 24 host descriptors and launches through Triton's JIT functions. On an H100 machine that took 178-271 us
-of host time per forward and 339-665 us per backward (4 x 32 heads x 512 x d 80), against 192-344 us for SDPA's
-whole forward+backward: at short sequences the GPU work of a call is shorter than that, and a model whose step is
-close to launch-bound (the 2.7B model at context 512) waits for it.
+builds up to 24 host descriptors and launches through Triton's JIT functions. That host time (hundreds of
+microseconds per call on an H100 machine) is longer than the GPU work of a call at short sequences, and a model whose
+step is close to launch-bound (the 2.7B model at context 512) waits for it.
 
 A call whose inputs look like an earlier call's, the same shapes, strides, dtypes, devices and 16-byte alignments,
-the same flags and the same ``LMTRAIN_FLASH_*`` settings, makes the same decisions and the same launches with the
-same compiled kernels; only the tensors differ. So the first such call is recorded: every launch that goes through
-``launch_compiled`` appends the compiled kernel and its arguments, and the call turns them into a ``Plan``, whose
-arguments name the call's tensors by role (q, k, v, the outputs, ...) instead of holding them. Later calls with the
-same key allocate their outputs and run the plan. Where the compiled kernel's launcher has the shape Triton 3.4-3.6
-builds for NVIDIA GPUs, a launch is a direct call of its C launch function with the arguments that launcher would
-pass: pointers as integers, each host descriptor encoded (``cuTensorMapEncodeTiled``) once per base address. Those
-arguments depend on nothing but the addresses of the call's tensors, so each launch keeps them per address tuple, and
-a training loop, whose allocator hands each layer the same addresses every step, finds them ready. Triton's Python
-launcher expands descriptors anew on every launch: against replays through it, the C launch function took a forward
-from 88-89 to 50-52 us and a backward from 207-209 to 95-100 us on an H100 machine. Elsewhere a launch builds
-descriptors over the new tensors (``unchecked``) and calls that launcher, as Triton's JIT function does after its own
-lookup.
+the same flags and the same settings (``lmtrain.kernels.flash.settings``), makes the same decisions and the same
+launches with the same compiled kernels; only the tensors differ. So the first such call is recorded: every launch
+that goes through ``launch_compiled`` appends the compiled kernel and its arguments, and the call turns them into a
+``Plan``, whose arguments name the call's tensors by role (q, k, v, the outputs, ...) instead of holding them. Later
+calls with the same key allocate their outputs and run the plan. Where the compiled kernel's launcher has the shape
+Triton 3.4-3.6 builds for NVIDIA GPUs, a launch is a direct call of its C launch function with the arguments that
+launcher would pass: pointers as integers, each host descriptor encoded (``cuTensorMapEncodeTiled``) once per base
+address. Those arguments depend on nothing but the addresses of the call's tensors, so each launch keeps them per
+address tuple, and a training loop, whose allocator hands each layer the same addresses every step, finds them
+ready. Triton's Python launcher expands descriptors anew on every launch: the C launch function roughly halves a
+replayed call's host time. Elsewhere a launch builds descriptors over the new tensors (``unchecked``) and calls that
+launcher, as Triton's JIT function does after its own lookup.
 
 Nothing is kept when a launch could not be recorded (the autotuner's first launches, a profiler's launch hooks, an
-argument that is none of the call's tensors), so such calls simply take the full path again.
-``LMTRAIN_FLASH_LAUNCH_PLANS``: ``1`` (default) plans on; ``0`` off; ``python`` plans that always replay through
-Triton's Python launcher. Triton's interpreter never uses them.
+argument that is none of the call's tensors), so such calls simply take the full path again. The setting
+``launch_plans`` says ``c`` (default) plans on, ``off`` none, ``python`` plans that always replay through Triton's
+Python launcher. Triton's interpreter never uses them, nor does a Triton version the dispatcher has not been tested
+with (``lmtrain.kernels.flash.dispatch.TESTED_TRITON``): the plans read that version's launcher internals.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -40,38 +38,16 @@ import torch
 import triton
 
 from lmtrain.kernels import triton_interpreted
+from lmtrain.kernels.flash.dispatch import triton_tested
+from lmtrain.kernels.flash.settings import current
 
 _INTERPRET = triton_interpreted()
-
-#: Settings whose values are part of every plan key (they change which kernels a call takes).
-SETTINGS = ("LMTRAIN_FLASH_TMA", "LMTRAIN_FLASH_TMA_SPLIT", "LMTRAIN_FLASH_GLUON", "LMTRAIN_FLASH_GLUON_FWD",
-            "LMTRAIN_FLASH_GLUON_DQ", "LMTRAIN_FLASH_GLUON_DKDV", "LMTRAIN_FLASH_GLUON_FUSED", "LMTRAIN_FLASH_AUTOTUNE",
-            "LMTRAIN_FLASH_LAUNCH_PLANS")
+_PLANNED = not _INTERPRET and triton_tested()  # plans read launcher internals of the tested Triton versions
 _MAX_PLANS = 512  # the store starts afresh when full (a training run has a handful of shapes)
 _PLANS: dict[tuple, Plan] = {}
 _LOCAL = threading.local()  # .recording: the launch list of the call being recorded in this thread, or None
 #: Counters for tests and probes: plans stored, calls replayed.
 STATS = {"stored": 0, "replayed": 0}
-
-
-# The settings are read on every call. ``os.environ.get`` encodes each name and wraps the lookup in Python (about
-# 1 us a name); on POSIX the mapping's own dict of encoded names and values, which every change of ``os.environ``
-# updates, is read directly.
-_ENVIRON = getattr(os.environ, "_data", None)
-if os.name == "posix" and isinstance(_ENVIRON, dict):
-    _SETTING_NAMES = tuple(map(os.fsencode, SETTINGS))
-    _OFF, _ON, _PYTHON = os.fsencode("0"), os.fsencode("1"), os.fsencode("python")
-
-    def _settings() -> tuple:
-        return tuple(map(_ENVIRON.get, _SETTING_NAMES))
-else:  # pragma: no cover - other platforms
-    _OFF, _ON, _PYTHON = "0", "1", "python"
-
-    def _settings() -> tuple:
-        return tuple(map(os.environ.get, SETTINGS))
-
-
-_PLAN_SETTINGS = (None, _OFF, _PYTHON, _ON)  # the values LMTRAIN_FLASH_LAUNCH_PLANS may take (unset: on)
 
 
 def _hook_set(hook) -> bool:
@@ -88,12 +64,10 @@ def launch_hooks_set() -> bool:
 
 def key(kind: str, tensors: Sequence[torch.Tensor], *flags) -> tuple | None:
     """The plan key of a call: ``kind``, the flags, the settings, and each tensor's shape, strides, dtype, device
-    and 16-byte alignment; None where plans are off (the setting, the interpreter, a launch hook)."""
-    settings = _settings()
-    if settings[-1] not in _PLAN_SETTINGS:
-        raise ValueError(f"LMTRAIN_FLASH_LAUNCH_PLANS={os.environ.get('LMTRAIN_FLASH_LAUNCH_PLANS')!r}: use 1 (the "
-                         "default), 0 (no plans) or python (replays through Triton's Python launcher)")
-    if settings[-1] == _OFF or _INTERPRET or launch_hooks_set():
+    and 16-byte alignment; None where plans are off (the setting, the interpreter, an untested Triton, a launch
+    hook)."""
+    settings = current()
+    if not _PLANNED or settings.launch_plans == "off" or launch_hooks_set():
         return None
     try:
         return (kind, flags, settings,
@@ -342,7 +316,7 @@ def store(plan_key: tuple | None, launches: list | None, roles: Sequence[torch.T
         return
     if len({id(t) for t in roles}) != len(roles):
         return  # one tensor in two roles (k is v, say): a replay with two tensors there could not tell which is which
-    steps, python_launcher = [], _settings()[-1] == _PYTHON
+    steps, python_launcher = [], current().launch_plans == "python"
     for run, function, packed, tail, grid, args, snapshot in launches:
         raw = None if python_launcher else _raw_launch(run, args, tail)
         template = _template(args, snapshot, roles, None if raw is None else raw[1])
