@@ -116,6 +116,19 @@ def own_kernel_patterns() -> list[str]:
     return [b.kernel_pattern for b in _REGISTRY.values() if b.kernel_pattern]
 
 
+def kernel_names() -> dict[str, frozenset[str]]:
+    """Backend name -> the names of the GPU kernels it launches itself, as they appear in profiler traces.
+
+    ``flash_triton`` serves a call with the pointer kernels (``lmtrain.kernels.flash_triton``), the TMA kernels
+    (``flash_triton_hopper``) or the Gluon kernels (``flash_gluon_hopper``); the trace names all of them. Backends
+    that run library kernels (``sdpa``, ``naive``) have none.
+    """
+    return {"flash_triton": frozenset({
+        "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_bwd_preprocess_kernel",  # pointer and TMA
+        "_dq_kernel", "_dkdv_kernel", "_bwd_kernel", "_bwd_atomic_kernel", "_delta_kernel", "_dq_convert_kernel",
+    })}
+
+
 def causal_mask(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
     """Boolean (n_q, n_k) mask, True where query i may attend to key j (j <= i)."""
     return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()

@@ -21,40 +21,14 @@ The attention stages (``attention/...`` ranges of the same thread) are found the
 stages are used for the softmax-versus-matmul answer. In a trace without CUDA activities, CPU operator
 self times stand in for kernel times.
 
------------------
-``CATEGORY_RULES`` is an ordered list of (category, regex); the first regex that matches a kernel
-(or CPU operator) name decides its category, and names no rule matches are ``other``. The order
-matters: fused attention kernels mention ``cutlass`` and must be caught before GEMMs; torch.compile's
-``triton_poi_fused__to_copy_...`` kernels are fused elementwise work, caught before the copy rule.
-
-==============  ====================================================================================
-category        what falls in it
-==============  ====================================================================================
-attention       fused attention: FlashAttention (``flash_fwd_kernel``, ``pytorch_flash::...``),
-                cuDNN SDPA (``cudnn_generated_fort_native_sdpa_...``), memory-efficient attention
-                (``fmha_cutlassF...``), lmtrain's own kernels (``_fwd_kernel``, ``_bwd_dq_kernel``, ...: the
-                ``kernel_pattern`` of each backend in ``lmtrain.attention``), Triton-style ``_attn_fwd`` /
-                ``_attn_bwd...``, ``aten::_scaled_dot_product...``
-gemm            cuBLAS / cuBLASLt / CUTLASS matrix products (``sm90_xmma_gemm_...``, ``nvjet_...``,
-                ``ampere_sgemm_...``, ``cutlass::Kernel2<cutlass_80_wmma_tensorop...>``, gemv,
-                cuBLASLt's split-K reduction), compiled ``triton_tem_...mm`` templates, ``aten::mm`` ...
-softmax         softmax and log-softmax forward and backward, the attention's and the loss's
-                (``cunn_SoftMaxForward``, ``softmax_warp_forward``, ``triton_per_fused__softmax...``)
-optimizer       multi-tensor (foreach) and fused optimizer kernels (``multi_tensor_apply_kernel``,
-                ``fused_adamw``, ``FusedAdamMathFunctor``), ``aten::_foreach_*``, ``aten::_fused_adamw_``
-elementwise     torch.compile pointwise kernels (``triton_poi_...``), ATen elementwise kernels
-                (``vectorized_elementwise_kernel``, ``elementwise_kernel``, ``unrolled_elementwise_kernel``
-                that do arithmetic), activations, masks, ``aten::add``, ``aten::mul`` ...
-reduction       torch.compile reductions (``triton_red_...``, ``triton_per_...``), ``reduce_kernel``,
-                norms, the loss's NLL (``cunn_ClassNLLCriterion...``, ``nll_loss...``), ``aten::sum`` ...
-communication   collectives between ranks: NCCL kernels (``ncclDevKernel_AllReduce_Sum_f32_RING_LL``,
-                ``ncclKernel_...``), on CPU gloo / c10d operators (``gloo:all_reduce``, ``c10d::allreduce_``,
-                ``record_param_comms``); see :func:`exposed_communication` for how much of it the GPU waited on
-copy            data movement: ``Memcpy``/``Memset``, copy and cast kernels (``direct_copy_kernel``,
-                ``..._copy_kernel``), ``cat``/``stack``, index gathers and scatters (the embedding's
-                ``indexSelectLargeIndex``, ``embedding_backward...``), ``aten::copy_``, ``aten::to`` ...
-other           everything else
-==============  ====================================================================================
+Categories
+----------
+Kernels are categorized by name (``lmtrain.analysis.categories``, whose docstring has the table), never by the
+phase that launched them, with one exception: work launched inside torch.optim's own ``Optimizer.step#...`` range
+outside the forward and backward phases is ``optimizer`` (an optimizer without foreach or fused kernels runs
+per-parameter ``aten::mul_``, ``aten::lerp_`` ... that the name rules would call elementwise). Kernels replayed
+from a CUDA graph (launched by ``cudaGraphLaunch``) are exempt: the whole graphed step replays inside
+``Optimizer.step``, and its GEMMs are GEMMs.
 
 Softmax versus matmul FLOPs
 ---------------------------
@@ -72,7 +46,6 @@ fractions in [0, 1] everywhere (reports print them as percentages).
 from __future__ import annotations
 
 import csv
-import functools
 import gzip
 import json
 import re
@@ -83,8 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmtrain.analysis.categories import CATEGORIES, CATEGORY_LABELS, CATEGORY_RULES, categorize
 from lmtrain.analysis.tables import markdown_table
-from lmtrain.attention import own_kernel_patterns
 
 __all__ = [
     "CATEGORIES",
@@ -118,15 +91,6 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
 GRAPH_PHASE = "cuda graph"
 #: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
 PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer", GRAPH_PHASE)
-#: Kernel categories, in report order.
-CATEGORIES: tuple[str, ...] = ("gemm", "attention", "softmax", "elementwise", "reduction", "optimizer",
-                               "communication", "copy", "other")
-#: Display names of the categories.
-CATEGORY_LABELS: dict[str, str] = {
-    "gemm": "GEMM", "attention": "attention", "softmax": "softmax", "elementwise": "elementwise",
-    "reduction": "reduction", "optimizer": "optimizer", "communication": "communication", "copy": "copy/cast",
-    "other": "other",
-}
 #: Attention stage ranges of the naive backend (``lmtrain.attention``).
 STAGE_PREFIX = "attention/"
 SOFTMAX_STAGE = "attention/softmax"
@@ -137,67 +101,6 @@ SOFTMAX_FLOPS_PER_ELEMENT = 5
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 
 _I = re.IGNORECASE
-#: Ordered (category, pattern) rules; the first match wins. See the module docstring for the reasons.
-CATEGORY_RULES: list[tuple[str, re.Pattern[str]]] = [
-    # Collectives between ranks: NCCL kernels (ncclDevKernel_*, ncclKernel_*), and on CPU the gloo / c10d
-    # operators. First: their names mention reduce, copy and sum, which later rules would take.
-    ("communication", re.compile(r"nccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$|"
-                                 r"^(aten::)?(all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all|barrier)"
-                                 r"_?(base_|into_tensor|coalesced_?)?$", _I)),
-    # Fused attention. Before GEMM: FlashAttention-3 and xformers kernels mention cutlass.
-    ("attention", re.compile(r"flash|fmha|_sdpa_|native_sdpa|scaled_dot_product|efficient_attention|"
-                             r"attention|_attn_(fwd|bwd)|"
-                             r"cudnn::fusion::(compute_dot_do_o|convert_dq)", _I)),
-    # Matrix products: cuBLAS(Lt) / CUTLASS / cuDNN tensor-core and SIMT kernels, compiled mm templates.
-    ("gemm", re.compile(r"gemm|gemv|xmma|nvjet|cutlass|wgmma|hmma|_tensorop_|splitKreduce|"
-                        r"[sh](884|1688|16816)|^triton_tem_|cublas|^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|"
-                        r"linear|_addmm_activation|addmv|mv|dot)$", _I)),
-    ("softmax", re.compile(r"softmax", _I)),
-    ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|fusedadam|adamw?_?math|fused_sgd|_foreach_|"
-                             r"^aten::_fused_", _I)),
-    # torch.compile (Inductor) kernels, by prefix: pointwise, reduction, persistent reduction.
-    ("elementwise", re.compile(r"^triton_poi_")),
-    ("reduction", re.compile(r"^triton_(red|per)_")),
-    ("copy", re.compile(r"^memcpy|^memset|copy|catarraybatched|^aten::(cat|stack|to|_to_copy|clone|contiguous|"
-                        r"index_select|embedding|embedding_dense_backward|index|index_put_|gather|scatter|"
-                        r"scatter_add_|repeat)$|"
-                        r"index_?select|indexselect|embedding|index_elementwise|indexing_backward|gather|scatter|"
-                        r"compute_grad_weight|sum_and_scatter|krn_partials|_to_copy", _I)),
-    ("reduction", re.compile(r"reduce|reduction|welford|norm(?!al)|nll|criterion|cross_entropy|argmax|argmin|cumsum|"
-                             r"^aten::(sum|mean|max|min|amax|amin|var|std|prod|all|any|logsumexp)$", _I)),
-    ("elementwise", re.compile(r"elementwise|pointwise|functor|silu|gelu|relu|sigmoid|tanh|log|sqrt|"
-                               r"triu|tril|where|masked|fill|neg|pow|sin|cos|clamp|dropout|exp(?!and)|"
-                               r"^aten::(add|add_|sub|sub_|mul|mul_|div|div_|lerp_|addcmul_|addcdiv_|abs|sign|"
-                               r"maximum|minimum|ge|gt|le|lt|eq|ne|bitwise_not|logical_not|reciprocal|"
-                               r"threshold_backward|unsqueeze_copy)$", _I)),
-]
-
-
-@functools.lru_cache(maxsize=8)
-def _own_kernels_rule(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
-    return re.compile("|".join(f"(?:{p})" for p in patterns), _I) if patterns else None
-
-
-def categorize(kernel_name: str) -> str:
-    """Category of a CUDA kernel or CPU operator name.
-
-    lmtrain's own attention kernels come first, by the ``kernel_pattern`` of each registered attention
-    backend (``lmtrain.attention.own_kernel_patterns()``, read at each call so that a backend registered
-    later counts too); then the first matching rule of ``CATEGORY_RULES``.
-
-    Args:
-        kernel_name: the kernel's full (demangled) name as the profiler reports it, or an ``aten::`` op.
-
-    Returns:
-        One of ``CATEGORIES``.
-    """
-    own = _own_kernels_rule(tuple(own_kernel_patterns()))
-    if own is not None and own.search(kernel_name):
-        return "attention"
-    for category, pattern in CATEGORY_RULES:
-        if pattern.search(kernel_name):
-            return category
-    return "other"
 
 
 _NAMESPACES = re.compile(r"\(anonymous namespace\)::|at::native::|at::|c10::|std::|binary_internal::|"
@@ -615,14 +518,14 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             records.append((e["name"], phase, self_us, stage_iv.find(t, e.get("tid")),
                             _optimizer_category(optim_iv, phase, t, e.get("tid"))))
         return TraceRecords(records, n_steps, wall, "cpu")
-    launches: dict[int, tuple[float, Any]] = {}
-    by_external: dict[int, tuple[float, Any]] = {}
+    launches: dict[int, tuple[float, Any, bool]] = {}  # correlation -> (ts, tid, a graph launch)
+    by_external: dict[int, tuple[float, Any, bool]] = {}
     for e in events:
         cat, args = e.get("cat", ""), e.get("args") or {}
         if cat in _LAUNCH_CATS and "correlation" in args:
-            launches[int(args["correlation"])] = (float(e["ts"]), e.get("tid"))
+            launches[int(args["correlation"])] = (float(e["ts"]), e.get("tid"), "GraphLaunch" in e.get("name", ""))
         elif cat in ("cpu_op", "user_annotation") and "External id" in args:
-            by_external.setdefault(int(args["External id"]), (float(e["ts"]), e.get("tid")))
+            by_external.setdefault(int(args["External id"]), (float(e["ts"]), e.get("tid"), False))
     for e in events:
         if e.get("cat") not in _GPU_CATS:
             continue
@@ -636,8 +539,9 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             continue
         phase = phase_iv.find(launch[0]) or "outside"
         stage = stage_iv.find(launch[0], launch[1])
+        graphed = launch[2] or "graph id" in args
         records.append((e.get("name", "?"), phase, float(e.get("dur", 0)), stage,
-                        _optimizer_category(optim_iv, phase, launch[0], launch[1])))
+                        None if graphed else _optimizer_category(optim_iv, phase, launch[0], launch[1])))
         intervals.append((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?"), phase))
     return TraceRecords(records, n_steps, wall, "cuda", missing, missing_us, gpu_timeline(intervals, n_steps),
                         exposed_communication(intervals, n_steps))

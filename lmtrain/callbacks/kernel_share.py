@@ -133,7 +133,7 @@ class KernelShare(Callback):
             ``kernel_trace_rank{r}.json.gz``.
     """
 
-    def __init__(self, wait: int = 5, warmup: int = 2, active: int = 3, top_k: int = 15, export_trace: bool = False,
+    def __init__(self, wait: int = 5, warmup: int = 1, active: int = 2, top_k: int = 15, export_trace: bool = False,
                  chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
                  release_cupti: bool = True, ranks: list[int] | None = None) -> None:
         super().__init__()
@@ -166,8 +166,12 @@ class KernelShare(Callback):
         self.metrics: dict[str, float] | None = None  # the last window's metrics of this rank
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` runs under the profiler (warm-up and active steps; on every rank): slower than others."""
+        """Step ``step`` runs under the profiler (warm-up and active steps; on every rank)."""
         return self._window.contains(step)
+
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes inside the window: the profiler records every operator and kernel launch (host time per launch)."""
+        return self.in_window(step)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -159,8 +159,13 @@ class MemorySnapshot(pl.Callback):
         self._rank = ""  # file-name part: "" on one process, "rank<r>_" on several
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` lies in the allocation-history window (every allocation pays for a stack capture)."""
+        """Step ``step`` lies in the allocation-history window."""
         return self._cuda and self._window.contains(step)
+
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes inside the history window: every allocation pays for a Python stack capture. The per-step peaks
+        (two counter reads per step) do not; ``on_oom`` recording slows every step alike (said once at setup)."""
+        return self.in_window(step)
 
     # -- setup / teardown -----------------------------------------------------------------------
 
@@ -186,6 +191,8 @@ class MemorySnapshot(pl.Callback):
                        f"{self._device.type} nothing is measured or logged.")
             return
         if self.on_oom and self._records:
+            rank_zero_info("MemorySnapshot: on_oom records allocation history from the start; every step pays for it "
+                           "alike, and CudaSyncTimer's times include that cost.")
             self._start_recording()
 
     @override

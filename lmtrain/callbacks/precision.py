@@ -109,6 +109,10 @@ class PrecisionInspector(Callback):
         """Step ``step`` is the inspected one (hooks, fp32 reference forward: slower than the others)."""
         return self._window.contains(step)
 
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes for the inspected step: forward hooks on every module and an extra fp32 forward pass."""
+        return self.in_window(step)
+
     def needs_eager_step(self, step: int) -> bool:
         """The inspected step records dtypes through module hooks, which a CUDA graph replay
         (``LMModule(cuda_graphs=True)``) does not run: it runs eagerly."""

@@ -28,7 +28,7 @@ from lmtrain.callbacks._common import (
     gather_values,
     log_scalars,
     log_text,
-    windows_holding,
+    timing_perturbed_by,
 )
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import peak_flops as peak_flops_for
@@ -74,10 +74,12 @@ class CudaSyncTimer(pl.Callback):
 
     The first ``warmup_steps`` steps of the fit (CUDA context, cuBLAS autotuning, allocator growth: the
     first step is often ~20x slower) are logged only as ``time/warmup_step_ms`` and kept out of the summary.
-    Steps inside another callback's measurement window (any callback of the trainer with an
-    ``in_window(step)`` method that returns True: KernelShare's profiler, MemorySnapshot's history,
-    NVTXRanges' ranges and hooks, PrecisionInspector's inspected step) are logged as usual but kept out of
-    the summary's statistics too; the summary reports them apart and says how many there were.
+    Steps whose timing another callback measurably perturbs are logged as usual but kept out of the summary's
+    statistics; the summary reports them apart and says how many there were. Each callback declares it with
+    ``perturbs_timing(step)`` (``lmtrain.callbacks._common.timing_perturbed_by``): KernelShare's profiler window,
+    MemorySnapshot's allocation-history window and PrecisionInspector's inspected step do; NVTXRanges does only at
+    depth ``block`` and deeper (its default, depth ``phase``, does not), and under CUDA graphs the module's eager
+    warm-up and capture steps do. At their defaults the five callbacks leave out 3 steps (5..7).
 
     Metrics (TensorBoard scalars at the step they belong to; every ``log_every_n_steps`` steps):
 
@@ -102,12 +104,12 @@ class CudaSyncTimer(pl.Callback):
       over the ranks.
     - ``time/summary`` (text, at the end): per-phase mean ± std, median, min and max in ms, and the
       same in the ``Model  Params  Forward (s)  Backward (s)`` format of the reference profiling study's
-      timing tables; then the steps excluded as inside other callbacks' windows, with their own statistics.
+      timing tables; then the steps other callbacks perturbed, apart, with their own statistics.
 
     Attributes:
         step_times: one dict per measured (post-warm-up) step: ``step`` (index) and the phase keys among
             ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` that the step has.
-        excluded_steps: step index -> class names of the other callbacks whose measurement window held it
+        excluded_steps: step index -> class names of the other callbacks that perturbed its timing
             (those steps are in ``step_times`` but not in the summary's statistics).
         warmup_times: step time in ms of each warm-up step.
 
@@ -303,7 +305,7 @@ class CudaSyncTimer(pl.Callback):
         row: dict[str, float] = {"step": step.index}
         row.update({k: times[k] for k in PHASES if k in seen})
         self.step_times.append(row)
-        windows = windows_holding(trainer, step.index, exclude=self)
+        windows = timing_perturbed_by(trainer, step.index, exclude=self)
         if windows:
             self.excluded_steps[step.index] = windows
         if not log_now:
@@ -340,7 +342,7 @@ class CudaSyncTimer(pl.Callback):
         Times in ms; ``std`` is the sample standard deviation (0 for a single step).
 
         Args:
-            excluded: the statistics of the steps inside other callbacks' windows instead.
+            excluded: the statistics of the steps other callbacks perturbed instead.
         """
         return phase_statistics(self._rows(excluded), PHASES)
 

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+#: Names of this module's GPU kernels as they appear in profiler traces (kernel-time categories: optimizer).
+KERNEL_NAMES: frozenset[str] = frozenset({"master_adamw_kernel"})
 #: Tensors one launch updates (the slots of ``master_adamw_kernel``).
 SLOTS = 8
 
