@@ -578,6 +578,7 @@ class TraceAnalysis:
     summary: KernelSummary
     metrics: dict[str, float]
     report: str
+    breakdown: str = ""  # the temporal breakdown, idle split, overlap and launch statistics (Markdown)
 
     @property
     def cuda(self) -> bool:
@@ -624,12 +625,19 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
         batches: which steps the trace covers, for the report.
     """
     tr = records_from_trace(trace, device)
+    from lmtrain.analysis import temporal  # it reads traces with this module's helpers
+
     summary = summarize(tr.records, tr.steps)
     report = build_report(summary, head_dim=head_dim, cuda=tr.device == "cuda", top_k=top_k,
                           device=device_name or ("GPU" if tr.device == "cuda" else "CPU"), precision=precision,
                           batches=batches, step_wall_ms=tr.step_wall_us / 1e3, unattributed=tr.unattributed_kernels,
                           unattributed_ms=tr.unattributed_us / 1e3, timeline=tr.timeline)
-    return TraceAnalysis(tr, summary, trace_metrics(summary, tr, head_dim), report)
+    acts, steps = temporal.activities(trace, tr.device)
+    window = temporal.temporal_breakdown(acts, steps)
+    launch = temporal.launch_stats(acts, window)
+    metrics = trace_metrics(summary, tr, head_dim) | temporal.temporal_metrics(window, launch)
+    return TraceAnalysis(tr, summary, metrics, report,
+                         temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU"))
 
 
 # -- presentation -----------------------------------------------------------------------------------
