@@ -70,3 +70,29 @@ def test_graph_replayed_kernels_keep_their_own_categories() -> None:
     tr = records_from_trace({"traceEvents": events}, "cuda")
     summary = summarize(tr.records, tr.steps)
     assert summary.category_us["cuda graph"] == {"gemm": 30.0, "attention": 20.0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["flash_triton", "sdpa"])
+def test_other_holds_at_most_one_percent_on_a_default_path(tmp_path: Path, attention: str) -> None:
+    """The small model, eager, bf16: KernelShare's "other" category stays under 1% of the step's kernel time, and
+    the report names whatever is in it."""
+    import lightning.pytorch as pl
+
+    from lmtrain.callbacks import KernelShare
+    from lmtrain.data import LMDataModule
+    from lmtrain.module import LMModule
+
+    pl.seed_everything(0)
+    module = LMModule(size="small", vocab_size=10_000, context_length=512, attention=attention, warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=8, context_length=512, vocab_size=10_000, train_batches=20,
+                        val_batches=1)
+    cb = KernelShare(wait=2, warmup=1, active=2, chart=False)
+    trainer = pl.Trainer(max_steps=6, precision="bf16-mixed", accelerator="gpu", devices=1, logger=False,
+                         default_root_dir=str(tmp_path), callbacks=[cb], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, data)
+    assert cb.summary is not None
+    other = [r for r in cb.summary.rows["step"] if r.category == "other"]
+    assert (cb.summary.share("other") or 0.0) <= 0.01, [(r.name, r.share) for r in other]
+    assert cb.summary.share("attention") > 0.0 and cb.summary.share("gemm") > 0.0

@@ -232,9 +232,13 @@ class RequestProbe(Callback):
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
+        self.folders: set[str] = set()  # the profiler sessions' temporary trace folders
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
         self.seen.append(active_requests())
+        session = next((cb._prof for cb in trainer.callbacks if isinstance(cb, KernelShare)), None)
+        if session is not None:
+            self.folders.add(session._tmpdir)
 
 
 def _fit(tmp_path: Path, callbacks: list, max_steps: int) -> pl.Trainer:
@@ -260,7 +264,7 @@ def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
     # annotate ranges on for the window's batches only (warmup + active), back to zero after it
     assert probe.seen == [(0, 0), (0, 1), (0, 1), (0, 1), (0, 0)]
     assert active_requests() == (0, 0)
-    assert cb._prof is None and cb._open == [] and not cb._ranges_on and cb._tmpdir is None
+    assert cb._prof is None and len(probe.folders) == 1 and not any(map(os.path.exists, probe.folders))
     logged = scalars(trainer.log_dir)
     for tag in ("kernels/total_ms_per_step", "kernels/forward_ms_per_step", "kernels/backward_ms_per_step",
                 "kernels/optimizer_ms_per_step", "kernels/gemm_share_forward", "kernels/gemm_share_backward",
@@ -277,6 +281,13 @@ def test_kernel_share_fit_on_cpu(tmp_path: Path) -> None:
         generic = re.sub(r"^kernels/(forward|backward|optimizer|outside)_ms", "kernels/{phase}_ms", tag)
         generic = re.sub(rf"^kernels/({'|'.join(CATEGORIES)})_share_step$", "kernels/{category}_share_step", generic)
         assert f"    {generic}  " in KernelShare.__doc__, tag
+    timeline = [t for t in logged if t.startswith(("breakdown/", "idle/", "launch/"))]
+    assert {"breakdown/compute_share", "breakdown/idle_share", "idle/host_wait_share", "launch/bound"} <= set(timeline)
+    for tag in timeline:  # documented too (phase, kind, idle cause as placeholders)
+        generic = re.sub(r"^breakdown/(forward|backward|optimizer|outside)_", "breakdown/{phase}_", tag)
+        generic = re.sub(r"(compute|communication|memory|idle)_(ms_per_step|share)$", r"{kind}_\2", generic)
+        generic = re.sub(r"^idle/(host_wait|kernel_wait|other)_", "idle/{host_wait,kernel_wait,other}_", generic)
+        assert generic in KernelShare.__doc__, tag
     assert logged["kernels/attn_softmax_to_matmul_flop_ratio"][0][1] == pytest.approx(5 / (4 * 16))
     assert logged["kernels/gemm_share_forward"][0][1] > 0  # aten::mm / aten::bmm self time
     assert sum(logged[f"kernels/{c}_share_step"][0][1] for c in CATEGORIES) == pytest.approx(1.0, abs=1e-5)
@@ -299,7 +310,7 @@ def test_kernel_share_window_not_reached(tmp_path: Path) -> None:
     cb = KernelShare(wait=1, warmup=1, active=5)
     with pytest.warns(UserWarning, match="before the profiling window"):
         trainer = _fit(tmp_path, [cb], max_steps=3)
-    assert active_requests() == (0, 0) and cb._prof is None and cb._tmpdir is None
+    assert active_requests() == (0, 0) and cb._prof is None
     assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
 
 
@@ -330,7 +341,7 @@ def test_kernel_share_cleans_up_when_a_step_raises(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         _fit(tmp_path, [cb, RaiseAtBatch(2)], max_steps=5)
     assert active_requests() == (0, 0) and not torch.autograd._profiler_enabled()
-    assert cb._prof is None and cb._open == [] and cb._tmpdir is None and cb.summary is None
+    assert cb._prof is None and cb.summary is None
 
 
 def test_kernel_share_rejects_bad_window(tmp_path: Path) -> None:
