@@ -184,6 +184,7 @@ def _check_defaults(timer_summary: dict, excluded: dict, tags: set[str]) -> None
         assert set(expected) <= tags, (name, sorted(set(expected) - tags))
 
 
+@pytest.mark.slow
 def test_five_callbacks_at_their_defaults_in_python(tmp_path: Path) -> None:
     """All five at their defaults: the timer keeps >= 80% of its steps (only KernelShare's profiler window, steps
     5..7, is left out: NVTXRanges at phase depth and the inspected step 0, a warm-up step, perturb nothing counted)."""
@@ -211,7 +212,7 @@ def test_five_callbacks_at_their_defaults_through_the_cli(tmp_path: Path) -> Non
     names = ("CudaSyncTimer", "NVTXRanges", "MemorySnapshot", "KernelShare", "PrecisionInspector")
     args = [sys.executable, "-m", "lmtrain", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
             "--trainer.max_steps", "20", "--trainer.accelerator", "cpu", "--trainer.log_every_n_steps", "1",
-            "--trainer.enable_checkpointing", "false", "--data.max_bytes", "200000",
+            "--data.max_bytes", "200000",
             *[f"--trainer.callbacks+=lmtrain.callbacks.{n}" for n in names]]
     result = subprocess.run(args, cwd=tmp_path, env={**own_job_env(), "CUDA_VISIBLE_DEVICES": ""},
                             capture_output=True, text=True, timeout=600)

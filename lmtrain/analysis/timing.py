@@ -11,11 +11,18 @@ import torch
 
 from lmtrain.analysis.tables import markdown_table
 
-__all__ = ["MARKS", "RANK_FIELDS", "clock_name", "cross_rank_metrics", "phase_statistics", "phase_times",
+__all__ = ["MARKS", "RANK_FIELDS", "clock_name", "cross_rank_metrics", "elapsed_ms", "phase_statistics", "phase_times",
            "step_metrics", "summary_text", "throughput", "tokens_in_batch"]
 
 #: Marks ``CudaSyncTimer`` takes in one batch, in the order Lightning's hooks fire them.
 MARKS = ("start", "before_backward", "after_backward", "before_opt", "end")
+
+
+def elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two time stamps: CUDA events (both recorded and completed) or seconds."""
+    if isinstance(start, torch.cuda.Event):
+        return float(start.elapsed_time(end))
+    return (end - start) * 1000.0
 
 
 def phase_times(batches: Sequence[dict[str, Any]], elapsed_ms: Callable[[Any, Any], float]

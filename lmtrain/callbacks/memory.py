@@ -34,13 +34,6 @@ from lmtrain.callbacks._common import (
 )
 
 
-def __getattr__(name: str) -> Any:
-    # The analysis names lived here before they moved to lmtrain.analysis.memory; old imports keep working.
-    if not name.startswith("_") and hasattr(analysis, name):
-        return getattr(analysis, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class AllocatorHistory:
     """The one place that uses ``torch.cuda.memory``'s semi-private allocation-history API.
 
@@ -345,7 +338,6 @@ class MemorySnapshot(pl.Callback):
                                     device_free=free, top=top, snapshot_name=str(path))
         print(text, file=sys.stderr)
         log_text(trainer, "memory/oom_summary", text, step=self._phases.step)
-
 
 
 def _model_name(pl_module: pl.LightningModule) -> str:
