@@ -612,7 +612,8 @@ def merge_rank_metrics(per_rank: dict[int, dict[str, float]]) -> dict[str, float
 
 
 def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None, top_k: int = 15,
-                  device_name: str = "", precision: str = "", batches: str = "") -> TraceAnalysis:
+                  device_name: str = "", precision: str = "", batches: str = "",
+                  ceilings: dict[str, float] | None = None, model_flops_per_step: float | None = None) -> TraceAnalysis:
     """Records, summary, scalars and report of a Chrome trace: what ``KernelShare`` logs, for any trace.
 
     Args:
@@ -623,9 +624,14 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
         device_name: the device, for the report's first line.
         precision: the trainer's precision, for the report.
         batches: which steps the trace covers, for the report.
+        ceilings: this GPU's ``bf16_matmul_tflops`` and ``copy_gbps`` (``lmtrain.analysis.ceilings``), for the
+            ``roofline/*_of_peak`` scalars; the achieved TFLOP/s and GB/s are computed without them.
+        model_flops_per_step: the model's FLOPs per step, charged to the gemm and attention kernels (``model``).
     """
+    from lmtrain.analysis import ceilings as roofline  # these two read traces with this module's helpers
+    from lmtrain.analysis import temporal
+
     tr = records_from_trace(trace, device)
-    from lmtrain.analysis import temporal  # it reads traces with this module's helpers
 
     summary = summarize(tr.records, tr.steps)
     report = build_report(summary, head_dim=head_dim, cuda=tr.device == "cuda", top_k=top_k,
@@ -636,6 +642,8 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
     window = temporal.temporal_breakdown(acts, steps)
     launch = temporal.launch_stats(acts, window)
     metrics = trace_metrics(summary, tr, head_dim) | temporal.temporal_metrics(window, launch)
+    if tr.device == "cuda":
+        metrics |= roofline.ceiling_metrics(roofline.achieved(trace, tr.steps, model_flops_per_step), ceilings or {})
     return TraceAnalysis(tr, summary, metrics, report,
                          temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU"))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lmtrain.analysis import ceilings
 from lmtrain.analysis import kernels as analysis
 from lmtrain.callbacks._common import (
     StepPhases,
@@ -113,6 +115,9 @@ class KernelShare(Callback):
         launch/delay_median_us, launch/delay_p90_us µs: kernel start minus its launch call's start (eager launches)
         launch/host_wait_share                      fraction of the span the GPU waited for the host
         launch/bound                                1 when launch/host_wait_share > 0.10, else 0
+        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs; ``model``: model
+                                                    FLOPs over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
+        roofline/{category}_gbps[_of_peak]          GB/s of its memcpy activities [/ copy ceiling]; CUDA only
 
     Several ranks: the ``ranks`` profile; at the window's last step every rank takes part in one gather of the
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
@@ -143,11 +148,15 @@ class KernelShare(Callback):
             for the rest of the process, so later profiler sessions release CUPTI too.
         ranks: the ranks that profile (default ``[0]``); with ``export_trace`` on several ranks each writes
             ``kernel_trace_rank{r}.json.gz``.
+        ceilings: this GPU's ceilings for the ``roofline/*_of_peak`` scalars: a dict (``bf16_matmul_tflops``,
+            ``copy_gbps``), the path of a JSON cache, or None: measured once per device and cached in
+            ``~/.cache/lmtrain/ceilings.json`` (``lmtrain.analysis.ceilings``; about a second, after the window).
     """
 
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 2, top_k: int = 15, export_trace: bool = False,
                  chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
-                 release_cupti: bool = True, ranks: list[int] | None = None) -> None:
+                 release_cupti: bool = True, ranks: list[int] | None = None,
+                 ceilings: dict[str, float] | str | None = None) -> None:
         super().__init__()
         self.ranks = [0] if ranks is None else ranks
         self.wait, self.warmup, self.active, self.top_k = wait, warmup, active, top_k
@@ -156,6 +165,7 @@ class KernelShare(Callback):
         self.head_dim = head_dim
         self.record_shapes = record_shapes
         self.release_cupti = release_cupti
+        self.ceilings = ceilings
         self._reset()
 
     def _reset(self) -> None:
@@ -273,7 +283,8 @@ class KernelShare(Callback):
         self._cuda = torch.cuda.is_available() and pl_module.device.type == "cuda"
         if not self._cuda:
             self._warn("KernelShare: no CUDA device in use; reporting CPU operator self time instead of GPU "
-                       "kernel time (categories apply to aten:: operator names).")
+                       "kernel time (categories apply to aten:: operator names), the CPU operators' timeline, and no "
+                       "roofline/* (no GPU ceilings to measure).")
         self._prof = ProfilerSession(self._cuda, self.warmup, self.active, self.record_shapes, self.release_cupti,
                                      pl_module.device if self._cuda else None)
 
@@ -293,7 +304,9 @@ class KernelShare(Callback):
             analysis.load_trace(path), "cuda" if self._cuda else "cpu",
             head_dim=head_dim if isinstance(head_dim, int) else None, top_k=self.top_k,
             device_name=torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
-            precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}")
+            precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}",
+            ceilings=self._ceilings(pl_module) if self._cuda else None,
+            model_flops_per_step=(getattr(pl_module, "flops_per_batch", None) or 0) * trainer.accumulate_grad_batches)
         if self._cuda and not found.records.records:
             self._warn("KernelShare: the profiler recorded no CUDA kernels (CUPTI unavailable?); nothing reported.")
             return None
@@ -307,6 +320,12 @@ class KernelShare(Callback):
                 shutil.copyfileobj(src, dst)
         return {"metrics": found.metrics, "report": found.report, "tables": found.tables(self.top_k),
                 "summary": found.summary, "cuda": found.cuda, "breakdown": found.breakdown}
+
+    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        if isinstance(self.ceilings, dict):
+            return self.ceilings
+        cache = Path(self.ceilings) if self.ceilings is not None else None
+        return ceilings.device_ceilings(torch.cuda.get_device_name(pl_module.device), cache)
 
     def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
         """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""
