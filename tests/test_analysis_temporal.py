@@ -53,15 +53,16 @@ def test_breakdown_of_a_constructed_trace() -> None:
                           "backward": {"compute": 15, "communication": 0, "memory": 4, "idle": 21}}
     assert t.communication_us == 25 and t.overlap_us == 5 and t.overlap_share == pytest.approx(0.2)
     # idle gaps of the whole GPU: 25-32 and 80-95 wait for the host (launched at 30 and 90); 60-62 and 66-70
-    # have their work queued (launched at 55 and 56) and wait on the all-reduce and the memcpy
-    assert t.idle_us == {"host_wait": 22, "kernel_wait": 0, "other": 6}
+    # have their work queued (launched at 55 and 56): under HTA's 30 µs, kernel waits
+    assert t.idle_us == {"host_wait": 22, "kernel_wait": 6, "other": 0}
+    assert idle_split(acts, kernel_wait_us=3) == {"host_wait": 22, "kernel_wait": 2, "other": 4}
 
 
 def test_idle_split_per_stream_as_hta_computes_it() -> None:
     """HTA splits each stream's gaps: stream 7 waits 40-62 for a memcpy launched at 55, which is host wait there."""
     acts, _ = activities(constructed())
-    assert idle_split(acts, per_stream=True) == {"host_wait": 44, "kernel_wait": 0, "other": 4}
-    assert idle_split(acts, per_stream=True, kernel_wait_us=5) == {"host_wait": 44, "kernel_wait": 4, "other": 0}
+    assert idle_split(acts, per_stream=True) == {"host_wait": 44, "kernel_wait": 4, "other": 0}
+    assert idle_split(acts, per_stream=True, kernel_wait_us=3) == {"host_wait": 44, "kernel_wait": 0, "other": 4}
 
 
 def test_launch_statistics_of_a_constructed_trace() -> None:

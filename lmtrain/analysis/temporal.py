@@ -19,11 +19,12 @@ Phases
 Idle split (HTA ``get_idle_time_breakdown``)
     Each idle gap is *host wait* when the CUDA runtime call that launched the activity ending the gap started after
     the gap began (the CPU had not enqueued the work yet), else *kernel wait* when the gap is shorter than
-    ``kernel_wait_us`` (HTA's ``consecutive_kernel_delay``, 30 ns: back-to-back launch latency), else *other* (the
-    work was queued but waited on another kernel, stream or event). HTA splits each stream's gaps; :func:`idle_split`
-    does that with ``per_stream=True``, and by default splits the gaps of the whole GPU, which add up to the
-    breakdown's idle time. On CPU traces the "activities" are the CPU operators (nested ones included: a busy
-    instant goes to the innermost) and every gap is host time (Python between operators).
+    ``kernel_wait_us`` (HTA's ``consecutive_kernel_delay``: 30 µs as HTA applies it; the overhead between queued
+    kernels), else *other* (the queued work waited longer: on another stream, an event, a synchronisation). HTA
+    splits each stream's gaps; :func:`idle_split` does that with ``per_stream=True``, and by default splits the gaps
+    of the whole GPU, which add up to the breakdown's idle time. On CPU traces the "activities" are the CPU
+    operators (nested ones included: a busy instant goes to the innermost) and every gap is host time (Python
+    between operators).
 Communication–computation overlap (HTA ``get_comm_comp_overlap``)
     The time both an NCCL kernel and a compute kernel run, over the communication time: the share of
     communication hidden behind compute.
@@ -59,8 +60,9 @@ KINDS: tuple[str, ...] = ("compute", "communication", "memory")
 SHORT_KERNEL_US = 10.0
 #: A window whose GPU waited for the host more than this share of its span is launch-bound.
 LAUNCH_BOUND_SHARE = 0.10
-#: HTA's default ``consecutive_kernel_delay`` (30 ns), in µs: shorter gaps with the work queued are kernel waits.
-KERNEL_WAIT_US = 0.03
+#: HTA's default ``consecutive_kernel_delay``: shorter gaps with the work queued are kernel waits. HTA documents it
+#: in ns but compares it with the trace's timestamps, which are µs; this is what HTA computes.
+KERNEL_WAIT_US = 30.0
 #: HTA's name patterns (``hta/common/types.py``): communication and memory kernels; everything else computes.
 _COMM = re.compile(r"^nccl|ncclKernel|^hccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$")
 _MEMORY = re.compile(r"^(hip)?Memcpy|^(hip)?Memset|^dma", re.IGNORECASE)
