@@ -2,9 +2,8 @@
 
 The callback profiles a window of training steps (``record_function`` ranges ``forward``, ``backward``,
 ``optimizer`` from ``StepPhases``' hooks, ``lmtrain.annotate``'s profiler ranges on) and hands the trace to
-``lmtrain.analysis.kernels`` (whose docstring explains how kernels are joined to phases and categories; ``python
--m lmtrain analyze kernels TRACE.json`` runs the same analysis offline). Every metric it logs, with its unit, is
-listed in the docstring of :class:`KernelShare`.
+``lmtrain.analysis`` (``kernels``, ``temporal``, ``ceilings``; ``python -m lmtrain analyze kernels TRACE.json`` runs
+the same analysis offline). Every metric it logs, with its unit, is listed in the docstring of :class:`KernelShare`.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lmtrain.analysis import ceilings
@@ -203,6 +203,9 @@ class KernelShare(Callback):
         self._reset()
         self._window = StepWindow(self.wait, self.warmup + self.active)
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
+        if getattr(pl_module, "cuda_graphs", False):
+            rank_zero_info("KernelShare: a step replayed as a CUDA graph is one phase, 'cuda graph'; its kernels keep "
+                           "their own categories, but no forward/backward/optimizer split exists inside it.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -322,10 +325,9 @@ class KernelShare(Callback):
                 "summary": found.summary, "cuda": found.cuda, "breakdown": found.breakdown}
 
     def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float]:
-        if isinstance(self.ceilings, dict):
-            return self.ceilings
-        cache = Path(self.ceilings) if self.ceilings is not None else None
-        return ceilings.device_ceilings(torch.cuda.get_device_name(pl_module.device), cache)
+        cache = Path(self.ceilings) if isinstance(self.ceilings, str) else None
+        return self.ceilings if isinstance(self.ceilings, dict) else ceilings.device_ceilings(
+            torch.cuda.get_device_name(pl_module.device), cache)
 
     def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
         """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""

@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lmtrain.analysis.dtypes import (
@@ -127,6 +128,9 @@ class PrecisionInspector(Callback):
         self._remove()
         self._clear()
         self._window = StepWindow(self.step, 1)
+        if getattr(pl_module, "cuda_graphs", False):
+            rank_zero_info(f"PrecisionInspector: step {self.step} runs eagerly (a CUDA graph replay runs no module "
+                           "hooks); the steps around it replay the graph.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
