@@ -104,6 +104,7 @@ def test_analyze_kernels_on_a_two_rank_folder(tmp_path: Path, capsys: pytest.Cap
     folder = tmp_path / "traces"
     folder.mkdir()
     (folder / "trace_rank0.json").write_text(json.dumps(constructed()))
+    (folder / "precision_step0.json").write_text("{}")  # a run's log folder holds other JSON files too
     with gzip.open(folder / "trace_rank1.json.gz", "wt") as f:
         json.dump(constructed(shift=1.0), f)  # rank 1's kernels start 1 µs later: the same shares
     out_dir = tmp_path / "analysis"
@@ -116,4 +117,5 @@ def test_analyze_kernels_on_a_two_rank_folder(tmp_path: Path, capsys: pytest.Cap
     row = "| 42.2%   | 22.2%         | 4.4%   | 31.1% | 20.0%       | 78.6%           | 6            | yes"
     assert out.count(row) == 2, out[-800:]
     assert sorted(p.name for p in out_dir.iterdir()) == ["kernel_table_rank0.csv", "kernel_table_rank1.csv"]
-    assert sorted(p.name for p in folder.iterdir()) == ["trace_rank0.json", "trace_rank1.json.gz"]
+    assert sorted(p.name for p in folder.iterdir()) == ["precision_step0.json", "trace_rank0.json",
+                                                        "trace_rank1.json.gz"]

@@ -63,7 +63,8 @@ def hta_figures(path: Path, rank: int) -> dict[str, float]:
 def traces(args: list[str]) -> dict[int, Path]:
     files: list[Path] = []
     for arg in map(Path, args):
-        files += sorted(p for p in arg.iterdir() if p.name.endswith((".json", ".json.gz"))) if arg.is_dir() else [arg]
+        found = sorted(p for p in arg.iterdir() if p.name.endswith((".json", ".json.gz"))) if arg.is_dir() else [arg]
+        files += [p for p in found if "trace" in p.name] or found
     ranks = [re.search(r"rank[_-]?(\d+)", p.name) for p in files]
     if all(ranks) and len({int(m.group(1)) for m in ranks}) == len(files):
         return {int(m.group(1)): p for m, p in zip(ranks, files, strict=True)}

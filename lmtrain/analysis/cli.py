@@ -148,14 +148,16 @@ def rank_table(found: dict) -> str:
 
 
 def _trace_files(path: Path) -> dict[int, Path]:
-    """Rank -> trace file: the file itself (rank 0), or a folder's ``*.json`` / ``*.json.gz`` files, ranked by a
-    ``rank<r>`` in their names, else in name order."""
+    """Rank -> trace file: the file itself (rank 0), or a folder's ``*.json`` / ``*.json.gz`` files (those with
+    ``trace`` in their names when there are any: a run's log folder holds other JSON too), ranked by a ``rank<r>`` in
+    their names, else in name order."""
     if path.is_file():
         return {0: path}
     if not path.is_dir():
         raise LmtrainError("analyze kernels", f"{path} is neither a file nor a folder.",
                            "give a saved trace file, or a folder with one trace per rank.")
     files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+    files = [p for p in files if "trace" in p.name] or files
     if not files:
         raise LmtrainError("analyze kernels", f"{path} holds no .json or .json.gz trace.",
                            "give a folder with one torch.profiler trace per rank.")
