@@ -46,18 +46,25 @@ fractions in [0, 1] everywhere (reports print them as percentages).
 from __future__ import annotations
 
 import csv
-import gzip
-import json
 import re
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from lmtrain.analysis import ceilings as roofline
+from lmtrain.analysis import temporal
 from lmtrain.analysis.categories import CATEGORIES, CATEGORY_LABELS, CATEGORY_RULES, categorize
 from lmtrain.analysis.tables import markdown_table
+from lmtrain.analysis.trace import (
+    _GPU_CATS,
+    _LAUNCH_CATS,
+    GRAPH_PHASE,
+    PHASE_RANGES,
+    _Intervals,
+    load_trace,
+    trace_device,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -86,11 +93,6 @@ __all__ = [
 
 #: Phases of a training step, in order; ``outside`` holds kernels launched outside the three ranges.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
-#: The one phase of a step replayed as a CUDA graph (``lmtrain.callbacks._common.StepPhases.GRAPH``): its kernels
-#: run from one graph launch, with no forward/backward/optimizer boundary in between.
-GRAPH_PHASE = "cuda graph"
-#: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
-PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer", GRAPH_PHASE)
 #: Attention stage ranges of the naive backend (``lmtrain.attention``).
 STAGE_PREFIX = "attention/"
 SOFTMAX_STAGE = "attention/softmax"
@@ -279,26 +281,6 @@ def summarize(records: Iterable[Sequence[Any]], steps: int = 1) -> KernelSummary
 
 # -- trace parsing ----------------------------------------------------------------------------------
 
-_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-_LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime", "driver")
-
-
-class _Intervals:
-    """Named CPU intervals; ``find(t)`` returns the latest-starting one that contains t (the innermost)."""
-
-    _LOOKBACK = 64  # intervals scanned backwards: enough for nesting, duplicates and other threads' ranges
-
-    def __init__(self, items: Iterable[tuple[float, float, str, Any]]) -> None:
-        self.items = sorted(items, key=lambda x: (x[0], -x[1]))
-        self.starts = [it[0] for it in self.items]
-
-    def find(self, t: float, tid: Any = None) -> str | None:
-        i = bisect_right(self.starts, t) - 1
-        for j in range(i, max(-1, i - self._LOOKBACK), -1):
-            start, end, name, itid = self.items[j]
-            if t <= end and (tid is None or itid == tid):
-                return name
-        return None
 
 
 def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
@@ -393,22 +375,6 @@ def _optimizer_category(optim: _Intervals, phase: str, t: float, tid: Any) -> st
     if phase in ("forward", "backward"):
         return None
     return optim.find(t, tid)
-
-
-def trace_device(trace: dict) -> str:
-    """``cuda`` when the trace holds GPU activities (kernels, memcpy, memset), else ``cpu``."""
-    return "cuda" if any(e.get("cat") in _GPU_CATS for e in trace.get("traceEvents", [])) else "cpu"
-
-
-def load_trace(path: str | Path) -> dict:
-    """A Chrome trace from ``prof.export_chrome_trace`` (``.json``) or gzipped (``.json.gz``)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ValueError(f"{path} is not a Chrome trace (no traceEvents list)")
-    return trace
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -628,9 +594,6 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
             ``roofline/*_of_peak`` scalars; the achieved TFLOP/s and GB/s are computed without them.
         model_flops_per_step: the model's FLOPs per step, charged to the gemm and attention kernels (``model``).
     """
-    from lmtrain.analysis import ceilings as roofline  # these two read traces with this module's helpers
-    from lmtrain.analysis import temporal
-
     tr = records_from_trace(trace, device)
 
     summary = summarize(tr.records, tr.steps)

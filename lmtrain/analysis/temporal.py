@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmtrain.analysis.kernels import _GPU_CATS, _LAUNCH_CATS, PHASE_RANGES, _Intervals, trace_device
+from lmtrain.analysis.trace import _GPU_CATS, _LAUNCH_CATS, PHASE_RANGES, _Intervals, trace_device
 
 __all__ = ["KINDS", "LAUNCH_BOUND_SHARE", "SHORT_KERNEL_US", "Activity", "LaunchStats", "Temporal", "activities",
            "idle_split", "launch_stats", "temporal_breakdown", "temporal_metrics", "temporal_text"]
