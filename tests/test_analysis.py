@@ -29,7 +29,6 @@ from lmtrain.analysis.memory import (
     peak_report,
     snapshot_devices,
 )
-from lmtrain.attention import own_kernel_patterns
 
 DATA = Path(__file__).parent / "data"
 TRACE = DATA / "kernel_trace_cpu_tiny.json.gz"  # tests/data/make_kernel_trace.py: KernelShare on a tiny model, CPU
@@ -88,16 +87,6 @@ def test_analyze_trace_metrics_are_fractions_and_report_answers() -> None:
     assert found.metrics["kernels/attn_softmax_to_matmul_flop_ratio"] == pytest.approx(5 / (4 * 16))
     assert "GEMM share" in found.report and "steps 1..2" in found.report
     assert set(found.tables()) == {"step", *[p for p in PHASES if found.summary.rows.get(p)]}
-
-
-def test_own_kernels_come_from_the_attention_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert own_kernel_patterns()  # flash_triton registers its kernels' names
-    for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
-        assert categorize(name) == "attention"
-    # the registry, not a name written into the category rules, decides
-    monkeypatch.setattr("lmtrain.analysis.kernels.own_kernel_patterns", lambda: [r"^my_fused_block$"])
-    assert categorize("my_fused_block") == "attention"
-    assert categorize("_fwd_kernel") == "other"
 
 
 def test_analyze_kernels_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -144,3 +144,24 @@ def test_events_mode_on_cuda(tmp_path):
         assert 0 < phases <= row["step_ms"] * (1 + 1e-3)
     logged = scalars(tmp_path)
     assert {"time/step_ms", "throughput/tokens_per_s", "time/warmup_step_ms"} <= set(logged)
+
+
+def test_phases_of_a_graphed_step_from_marks_recorded_inside_the_graph() -> None:
+    """A module whose graph records phase marks (``graph_phase_marks``: here host times standing in for the events a
+    CUDA graph records) gives its replayed steps a forward / backward / optimizer split; the step time stays the
+    host's own marks around the replay."""
+    from test_graphs import TINY, Emulated, _fit
+
+    class Marked(Emulated):
+        def graph_phase_marks(self) -> dict[str, float]:
+            return {"start": 1.0, "before_backward": 1.002, "after_backward": 1.005, "before_opt": 1.006,
+                    "end": 1.0065}
+
+    timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
+    _fit(Marked(**TINY, cuda_graphs=True, cuda_graph_warmup=3), steps=7, callbacks=[timer])
+    by_step = {row["step"]: row for row in timer.step_times}
+    replayed = by_step[5]
+    assert replayed["forward_ms"] == pytest.approx(2.0) and replayed["backward_ms"] == pytest.approx(3.0)
+    assert replayed["optimizer_ms"] == pytest.approx(0.5)
+    assert replayed["step_ms"] != pytest.approx(6.5)  # the host's marks, not the graph's
+    assert by_step[1]["forward_ms"] != pytest.approx(2.0)  # eager warm-up steps keep their own marks

@@ -2,13 +2,17 @@
 
 Two sub-commands, for files taken by anyone (a script, another machine, an earlier run):
 
-``python -m lmtrain analyze kernels TRACE.json[.gz]``
+``python -m lmtrain analyze kernels TRACE.json[.gz] | FOLDER``
     A Chrome trace exported by ``torch.profiler`` (``prof.export_chrome_trace``, or KernelShare's
-    ``kernel_trace.json.gz``). Prints KernelShare's report (time per phase, top kernels, GEMM share,
-    categories, softmax vs matmul) and the per-phase kernel tables; writes ``kernel_table.csv`` and
-    ``kernel_categories.png`` (the ``kernels/categories`` chart). Phases come from ``record_function`` ranges
-    named ``forward``, ``backward`` and ``optimizer`` in the trace; kernels launched outside them are
-    ``outside``. A trace without CUDA activities is read as CPU operator self time.
+    ``kernel_trace.json.gz``), or a folder holding one such trace per rank. Prints KernelShare's report (time per
+    phase, top kernels, GEMM share, categories, softmax vs matmul), the per-phase kernel tables and the temporal
+    breakdown (compute / communication / memory / idle per phase, the idle split, the communication overlap,
+    launch statistics: ``lmtrain.analysis.temporal``); for a folder, each rank's breakdown and a table comparing
+    the ranks. With ``--out`` it writes ``kernel_table.csv`` and ``kernel_categories.png`` (the
+    ``kernels/categories`` chart) there (``_rank<r>`` in the names for a folder). Phases come from
+    ``record_function`` ranges named ``forward``, ``backward`` and ``optimizer`` in the trace; kernels launched
+    outside them are ``outside``; a trace without them (a plain script's) has one phase, ``unknown``. A trace
+    without CUDA activities is read as CPU operator time.
 
 ``python -m lmtrain analyze memory SNAPSHOT.pickle``
     An allocator snapshot (``torch.cuda.memory._dump_snapshot``, or MemorySnapshot's
@@ -17,12 +21,14 @@ Two sub-commands, for files taken by anyone (a script, another machine, an earli
     device in the snapshot, and writes ``memory_timeline_<name>_device<d>.png`` (the ``memory/timeline``
     chart). Unpickling runs code named in the file: analyse only snapshots you trust.
 
-Files go to ``--out`` (default: the input's folder). Exit status 0, or 2 for a file that cannot be read.
+Files go to ``--out``; without it nothing is written (the input's folder is never written to unasked). Exit status
+0, or 2 for a file that cannot be read.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -42,14 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kernels = sub.add_parser("kernels", help="kernel time per phase and category of a torch.profiler Chrome trace",
                              description="Kernel tables, shares and report of a Chrome trace (.json or .json.gz) "
                                          "exported by torch.profiler, as KernelShare logs them.")
-    kernels.add_argument("trace", type=Path, help="the Chrome trace (.json or .json.gz)")
+    kernels.add_argument("trace", type=Path, help="the Chrome trace (.json or .json.gz), or a folder of one per rank")
     kernels.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                          help="read GPU kernels (cuda) or CPU operator self times (cpu); auto: cuda when the trace "
                               "has GPU activities")
     kernels.add_argument("--top-k", type=int, default=15, help="rows of the kernel tables (default 15)")
     kernels.add_argument("--head-dim", type=int, default=None,
                          help="attention head dimension, for the softmax/matmul FLOP ratio")
-    kernels.add_argument("--out", type=Path, default=None, help="folder for the CSV and PNG (default: the trace's)")
+    kernels.add_argument("--out", type=Path, default=None, help="folder for the CSV and PNG (default: none written)")
     kernels.add_argument("--no-chart", action="store_true", help="do not write the category chart")
     memory = sub.add_parser("memory", help="live memory at the peak and the timeline of an allocator snapshot",
                             description="What was live at the peak of an allocator snapshot (.pickle from "
@@ -58,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("snapshot", type=Path, help="the snapshot (.pickle)")
     memory.add_argument("--device", type=int, default=None, help="CUDA device index (default: every device in it)")
     memory.add_argument("--top-n", type=int, default=10, help="rows of the top-allocation table (default 10)")
-    memory.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the snapshot's)")
+    memory.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: none written)")
     memory.add_argument("--no-chart", action="store_true", help="do not write the timeline PNG")
 
 
@@ -87,29 +93,78 @@ def _kernels(args: argparse.Namespace) -> int:
 
     _check("top_k", args.top_k, 1)
     _check("head_dim", args.head_dim, 1)
-    path = _input(args.trace, "trace")
-    try:
-        trace = kernels.load_trace(path)
-    except (OSError, ValueError) as e:  # not JSON, not gzip, not a trace
-        raise LmtrainError("analyze kernels", f"cannot read {path}: {e}",
-                           "give a Chrome trace from torch.profiler (export_chrome_trace).") from e
-    found = kernels.analyze_trace(trace, args.device, head_dim=args.head_dim, top_k=args.top_k,
-                                  batches=f"{_profiler_steps(trace)} (ProfilerStep numbers) of {path.name}")
-    print(found.report)
-    for scope, table in found.tables(args.top_k).items():
+    paths = _trace_files(args.trace)
+    found = {}
+    for rank, path in paths.items():
+        try:
+            trace = kernels.load_trace(path)
+        except (OSError, ValueError) as e:  # not JSON, not gzip, not a trace
+            raise LmtrainError("analyze kernels", f"cannot read {path}: {e}",
+                               "give a Chrome trace from torch.profiler (export_chrome_trace).") from e
+        found[rank] = kernels.analyze_trace(trace, args.device, head_dim=args.head_dim, top_k=args.top_k,
+                                            batches=f"{_profiler_steps(trace)} (ProfilerStep numbers) of {path.name}")
+    first = found[min(found)]
+    if len(found) > 1:
+        print(f"# {len(found)} ranks in {args.trace}; the kernel report of rank {min(found)}\n")
+    print(first.report)
+    for scope, table in first.tables(args.top_k).items():
         if scope != "step":  # the report ends with the step's table
-            print(f"\n**Top {'kernel' if found.cuda else 'CPU op'}s, {scope}:**\n{table}")
-    out = args.out or path.parent
-    out.mkdir(parents=True, exist_ok=True)
-    kernels.write_csv(found.summary, str(out / "kernel_table.csv"))
-    written = [out / "kernel_table.csv"]
-    if not args.no_chart:
-        fig = kernels.category_chart(found.summary, cuda=found.cuda)
+            print(f"\n**Top {'kernel' if first.cuda else 'CPU op'}s, {scope}:**\n{table}")
+    for rank, one in found.items():
+        print(f"\n## Rank {rank}: temporal breakdown ({paths[rank].name})\n" if len(found) > 1 else "")
+        print(one.breakdown)
+    if len(found) > 1:
+        print("\n" + rank_table(found))
+    if args.out is None:
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank, one in found.items():
+        suffix = f"_rank{rank}" if len(found) > 1 else ""
+        kernels.write_csv(one.summary, str(args.out / f"kernel_table{suffix}.csv"))
+        written.append(args.out / f"kernel_table{suffix}.csv")
+        fig = None if args.no_chart else kernels.category_chart(one.summary, cuda=one.cuda)
         if fig is not None:
-            fig.savefig(out / "kernel_categories.png", dpi=110)
-            written.append(out / "kernel_categories.png")
+            fig.savefig(args.out / f"kernel_categories{suffix}.png", dpi=110)
+            written.append(args.out / f"kernel_categories{suffix}.png")
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def rank_table(found: dict) -> str:
+    """Markdown: one row per rank with its breakdown shares, overlap, host wait and launch-bound verdict."""
+    from lmtrain.analysis.tables import markdown_table
+
+    def pct(m: dict, key: str) -> str:
+        return f"{100 * m[key]:.1f}%" if key in m else "-"
+
+    rows = [[r, f"{m.get('breakdown/span_ms_per_step', 0.0):.3f}", *[pct(m, f"breakdown/{k}_share") for k in
+            ("compute", "communication", "memory", "idle")], pct(m, "breakdown/comm_overlap_share"),
+             pct(m, "idle/host_wait_share"), f"{m.get('launch/kernels_per_step', 0):g}",
+             "yes" if m.get("launch/bound") else "no"]
+            for r, m in ((rank, one.metrics) for rank, one in sorted(found.items()))]
+    return markdown_table(["rank", "span ms/step", "compute", "communication", "memory", "idle", "comm hidden",
+                           "idle: host wait", "kernels/step", "launch-bound"], rows)
+
+
+def _trace_files(path: Path) -> dict[int, Path]:
+    """Rank -> trace file: the file itself (rank 0), or a folder's ``*.json`` / ``*.json.gz`` files (those with
+    ``trace`` in their names when there are any: a run's log folder holds other JSON too), ranked by a ``rank<r>`` in
+    their names, else in name order."""
+    if path.is_file():
+        return {0: path}
+    if not path.is_dir():
+        raise LmtrainError("analyze kernels", f"{path} is neither a file nor a folder.",
+                           "give a saved trace file, or a folder with one trace per rank.")
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+    files = [p for p in files if "trace" in p.name] or files
+    if not files:
+        raise LmtrainError("analyze kernels", f"{path} holds no .json or .json.gz trace.",
+                           "give a folder with one torch.profiler trace per rank.")
+    ranks = [re.search(r"rank[_-]?(\d+)", p.name) for p in files]
+    if all(ranks) and len({int(m.group(1)) for m in ranks}) == len(files):
+        return {int(m.group(1)): p for m, p in sorted(zip(ranks, files, strict=True), key=lambda x: int(x[0].group(1)))}
+    return dict(enumerate(files))
 
 
 def _profiler_steps(trace: dict) -> str:
@@ -134,14 +189,13 @@ def _memory(args: argparse.Namespace) -> int:
     if not devices or not any(memory.device_trace(snapshot, d) for d in devices):
         raise LmtrainError("analyze memory", f"{path} holds no allocation trace for device(s) {devices or '-'}.",
                            "record it with torch.cuda.memory._record_memory_history() before the snapshot.")
-    out = args.out or path.parent
-    written = []
+    out, written = args.out, []
     for device in devices:
         print(f"## Device {device}\n")
         print(memory.peak_report(snapshot, device, args.top_n, where=f"`{path.name}` (device {device})",
                                  snapshot_name=path.name))
         print()
-        if not args.no_chart:
+        if out is not None and not args.no_chart:
             out.mkdir(parents=True, exist_ok=True)
             fig = memory.render_timeline(snapshot, device, [], title=f"{path.name}: active memory, device {device}")
             png = out / f"memory_timeline_{path.stem}_device{device}.png"

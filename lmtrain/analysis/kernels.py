@@ -21,40 +21,14 @@ The attention stages (``attention/...`` ranges of the same thread) are found the
 stages are used for the softmax-versus-matmul answer. In a trace without CUDA activities, CPU operator
 self times stand in for kernel times.
 
------------------
-``CATEGORY_RULES`` is an ordered list of (category, regex); the first regex that matches a kernel
-(or CPU operator) name decides its category, and names no rule matches are ``other``. The order
-matters: fused attention kernels mention ``cutlass`` and must be caught before GEMMs; torch.compile's
-``triton_poi_fused__to_copy_...`` kernels are fused elementwise work, caught before the copy rule.
-
-==============  ====================================================================================
-category        what falls in it
-==============  ====================================================================================
-attention       fused attention: FlashAttention (``flash_fwd_kernel``, ``pytorch_flash::...``),
-                cuDNN SDPA (``cudnn_generated_fort_native_sdpa_...``), memory-efficient attention
-                (``fmha_cutlassF...``), lmtrain's own kernels (``_fwd_kernel``, ``_bwd_dq_kernel``, ...: the
-                ``kernel_pattern`` of each backend in ``lmtrain.attention``), Triton-style ``_attn_fwd`` /
-                ``_attn_bwd...``, ``aten::_scaled_dot_product...``
-gemm            cuBLAS / cuBLASLt / CUTLASS matrix products (``sm90_xmma_gemm_...``, ``nvjet_...``,
-                ``ampere_sgemm_...``, ``cutlass::Kernel2<cutlass_80_wmma_tensorop...>``, gemv,
-                cuBLASLt's split-K reduction), compiled ``triton_tem_...mm`` templates, ``aten::mm`` ...
-softmax         softmax and log-softmax forward and backward, the attention's and the loss's
-                (``cunn_SoftMaxForward``, ``softmax_warp_forward``, ``triton_per_fused__softmax...``)
-optimizer       multi-tensor (foreach) and fused optimizer kernels (``multi_tensor_apply_kernel``,
-                ``fused_adamw``, ``FusedAdamMathFunctor``), ``aten::_foreach_*``, ``aten::_fused_adamw_``
-elementwise     torch.compile pointwise kernels (``triton_poi_...``), ATen elementwise kernels
-                (``vectorized_elementwise_kernel``, ``elementwise_kernel``, ``unrolled_elementwise_kernel``
-                that do arithmetic), activations, masks, ``aten::add``, ``aten::mul`` ...
-reduction       torch.compile reductions (``triton_red_...``, ``triton_per_...``), ``reduce_kernel``,
-                norms, the loss's NLL (``cunn_ClassNLLCriterion...``, ``nll_loss...``), ``aten::sum`` ...
-communication   collectives between ranks: NCCL kernels (``ncclDevKernel_AllReduce_Sum_f32_RING_LL``,
-                ``ncclKernel_...``), on CPU gloo / c10d operators (``gloo:all_reduce``, ``c10d::allreduce_``,
-                ``record_param_comms``); see :func:`exposed_communication` for how much of it the GPU waited on
-copy            data movement: ``Memcpy``/``Memset``, copy and cast kernels (``direct_copy_kernel``,
-                ``..._copy_kernel``), ``cat``/``stack``, index gathers and scatters (the embedding's
-                ``indexSelectLargeIndex``, ``embedding_backward...``), ``aten::copy_``, ``aten::to`` ...
-other           everything else
-==============  ====================================================================================
+Categories
+----------
+Kernels are categorized by name (``lmtrain.analysis.categories``, whose docstring has the table), never by the
+phase that launched them, with one exception: work launched inside torch.optim's own ``Optimizer.step#...`` range
+outside the forward and backward phases is ``optimizer`` (an optimizer without foreach or fused kernels runs
+per-parameter ``aten::mul_``, ``aten::lerp_`` ... that the name rules would call elementwise). Kernels replayed
+from a CUDA graph (launched by ``cudaGraphLaunch``) are exempt: the whole graphed step replays inside
+``Optimizer.step``, and its GEMMs are GEMMs.
 
 Softmax versus matmul FLOPs
 ---------------------------
@@ -72,19 +46,25 @@ fractions in [0, 1] everywhere (reports print them as percentages).
 from __future__ import annotations
 
 import csv
-import functools
-import gzip
-import json
 import re
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from lmtrain.analysis import ceilings as roofline
+from lmtrain.analysis import temporal
+from lmtrain.analysis.categories import CATEGORIES, CATEGORY_LABELS, CATEGORY_RULES, categorize
 from lmtrain.analysis.tables import markdown_table
-from lmtrain.attention import own_kernel_patterns
+from lmtrain.analysis.trace import (
+    _GPU_CATS,
+    _LAUNCH_CATS,
+    GRAPH_PHASE,
+    PHASE_RANGES,
+    _Intervals,
+    load_trace,
+    trace_device,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -113,20 +93,6 @@ __all__ = [
 
 #: Phases of a training step, in order; ``outside`` holds kernels launched outside the three ranges.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "outside")
-#: The one phase of a step replayed as a CUDA graph (``lmtrain.callbacks._common.StepPhases.GRAPH``): its kernels
-#: run from one graph launch, with no forward/backward/optimizer boundary in between.
-GRAPH_PHASE = "cuda graph"
-#: Range names that open a phase (``record_function`` names, also the NVTX convention of the project).
-PHASE_RANGES: tuple[str, ...] = ("forward", "backward", "optimizer", GRAPH_PHASE)
-#: Kernel categories, in report order.
-CATEGORIES: tuple[str, ...] = ("gemm", "attention", "softmax", "elementwise", "reduction", "optimizer",
-                               "communication", "copy", "other")
-#: Display names of the categories.
-CATEGORY_LABELS: dict[str, str] = {
-    "gemm": "GEMM", "attention": "attention", "softmax": "softmax", "elementwise": "elementwise",
-    "reduction": "reduction", "optimizer": "optimizer", "communication": "communication", "copy": "copy/cast",
-    "other": "other",
-}
 #: Attention stage ranges of the naive backend (``lmtrain.attention``).
 STAGE_PREFIX = "attention/"
 SOFTMAX_STAGE = "attention/softmax"
@@ -137,67 +103,6 @@ SOFTMAX_FLOPS_PER_ELEMENT = 5
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 
 _I = re.IGNORECASE
-#: Ordered (category, pattern) rules; the first match wins. See the module docstring for the reasons.
-CATEGORY_RULES: list[tuple[str, re.Pattern[str]]] = [
-    # Collectives between ranks: NCCL kernels (ncclDevKernel_*, ncclKernel_*), and on CPU the gloo / c10d
-    # operators. First: their names mention reduce, copy and sum, which later rules would take.
-    ("communication", re.compile(r"nccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$|"
-                                 r"^(aten::)?(all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all|barrier)"
-                                 r"_?(base_|into_tensor|coalesced_?)?$", _I)),
-    # Fused attention. Before GEMM: FlashAttention-3 and xformers kernels mention cutlass.
-    ("attention", re.compile(r"flash|fmha|_sdpa_|native_sdpa|scaled_dot_product|efficient_attention|"
-                             r"attention|_attn_(fwd|bwd)|"
-                             r"cudnn::fusion::(compute_dot_do_o|convert_dq)", _I)),
-    # Matrix products: cuBLAS(Lt) / CUTLASS / cuDNN tensor-core and SIMT kernels, compiled mm templates.
-    ("gemm", re.compile(r"gemm|gemv|xmma|nvjet|cutlass|wgmma|hmma|_tensorop_|splitKreduce|"
-                        r"[sh](884|1688|16816)|^triton_tem_|cublas|^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|"
-                        r"linear|_addmm_activation|addmv|mv|dot)$", _I)),
-    ("softmax", re.compile(r"softmax", _I)),
-    ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|fusedadam|adamw?_?math|fused_sgd|_foreach_|"
-                             r"^aten::_fused_", _I)),
-    # torch.compile (Inductor) kernels, by prefix: pointwise, reduction, persistent reduction.
-    ("elementwise", re.compile(r"^triton_poi_")),
-    ("reduction", re.compile(r"^triton_(red|per)_")),
-    ("copy", re.compile(r"^memcpy|^memset|copy|catarraybatched|^aten::(cat|stack|to|_to_copy|clone|contiguous|"
-                        r"index_select|embedding|embedding_dense_backward|index|index_put_|gather|scatter|"
-                        r"scatter_add_|repeat)$|"
-                        r"index_?select|indexselect|embedding|index_elementwise|indexing_backward|gather|scatter|"
-                        r"compute_grad_weight|sum_and_scatter|krn_partials|_to_copy", _I)),
-    ("reduction", re.compile(r"reduce|reduction|welford|norm(?!al)|nll|criterion|cross_entropy|argmax|argmin|cumsum|"
-                             r"^aten::(sum|mean|max|min|amax|amin|var|std|prod|all|any|logsumexp)$", _I)),
-    ("elementwise", re.compile(r"elementwise|pointwise|functor|silu|gelu|relu|sigmoid|tanh|log|sqrt|"
-                               r"triu|tril|where|masked|fill|neg|pow|sin|cos|clamp|dropout|exp(?!and)|"
-                               r"^aten::(add|add_|sub|sub_|mul|mul_|div|div_|lerp_|addcmul_|addcdiv_|abs|sign|"
-                               r"maximum|minimum|ge|gt|le|lt|eq|ne|bitwise_not|logical_not|reciprocal|"
-                               r"threshold_backward|unsqueeze_copy)$", _I)),
-]
-
-
-@functools.lru_cache(maxsize=8)
-def _own_kernels_rule(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
-    return re.compile("|".join(f"(?:{p})" for p in patterns), _I) if patterns else None
-
-
-def categorize(kernel_name: str) -> str:
-    """Category of a CUDA kernel or CPU operator name.
-
-    lmtrain's own attention kernels come first, by the ``kernel_pattern`` of each registered attention
-    backend (``lmtrain.attention.own_kernel_patterns()``, read at each call so that a backend registered
-    later counts too); then the first matching rule of ``CATEGORY_RULES``.
-
-    Args:
-        kernel_name: the kernel's full (demangled) name as the profiler reports it, or an ``aten::`` op.
-
-    Returns:
-        One of ``CATEGORIES``.
-    """
-    own = _own_kernels_rule(tuple(own_kernel_patterns()))
-    if own is not None and own.search(kernel_name):
-        return "attention"
-    for category, pattern in CATEGORY_RULES:
-        if pattern.search(kernel_name):
-            return category
-    return "other"
 
 
 _NAMESPACES = re.compile(r"\(anonymous namespace\)::|at::native::|at::|c10::|std::|binary_internal::|"
@@ -376,26 +281,6 @@ def summarize(records: Iterable[Sequence[Any]], steps: int = 1) -> KernelSummary
 
 # -- trace parsing ----------------------------------------------------------------------------------
 
-_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-_LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime", "driver")
-
-
-class _Intervals:
-    """Named CPU intervals; ``find(t)`` returns the latest-starting one that contains t (the innermost)."""
-
-    _LOOKBACK = 64  # intervals scanned backwards: enough for nesting, duplicates and other threads' ranges
-
-    def __init__(self, items: Iterable[tuple[float, float, str, Any]]) -> None:
-        self.items = sorted(items, key=lambda x: (x[0], -x[1]))
-        self.starts = [it[0] for it in self.items]
-
-    def find(self, t: float, tid: Any = None) -> str | None:
-        i = bisect_right(self.starts, t) - 1
-        for j in range(i, max(-1, i - self._LOOKBACK), -1):
-            start, end, name, itid = self.items[j]
-            if t <= end and (tid is None or itid == tid):
-                return name
-        return None
 
 
 def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
@@ -490,22 +375,6 @@ def _optimizer_category(optim: _Intervals, phase: str, t: float, tid: Any) -> st
     if phase in ("forward", "backward"):
         return None
     return optim.find(t, tid)
-
-
-def trace_device(trace: dict) -> str:
-    """``cuda`` when the trace holds GPU activities (kernels, memcpy, memset), else ``cpu``."""
-    return "cuda" if any(e.get("cat") in _GPU_CATS for e in trace.get("traceEvents", [])) else "cpu"
-
-
-def load_trace(path: str | Path) -> dict:
-    """A Chrome trace from ``prof.export_chrome_trace`` (``.json``) or gzipped (``.json.gz``)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ValueError(f"{path} is not a Chrome trace (no traceEvents list)")
-    return trace
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -615,14 +484,14 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             records.append((e["name"], phase, self_us, stage_iv.find(t, e.get("tid")),
                             _optimizer_category(optim_iv, phase, t, e.get("tid"))))
         return TraceRecords(records, n_steps, wall, "cpu")
-    launches: dict[int, tuple[float, Any]] = {}
-    by_external: dict[int, tuple[float, Any]] = {}
+    launches: dict[int, tuple[float, Any, bool]] = {}  # correlation -> (ts, tid, a graph launch)
+    by_external: dict[int, tuple[float, Any, bool]] = {}
     for e in events:
         cat, args = e.get("cat", ""), e.get("args") or {}
         if cat in _LAUNCH_CATS and "correlation" in args:
-            launches[int(args["correlation"])] = (float(e["ts"]), e.get("tid"))
+            launches[int(args["correlation"])] = (float(e["ts"]), e.get("tid"), "GraphLaunch" in e.get("name", ""))
         elif cat in ("cpu_op", "user_annotation") and "External id" in args:
-            by_external.setdefault(int(args["External id"]), (float(e["ts"]), e.get("tid")))
+            by_external.setdefault(int(args["External id"]), (float(e["ts"]), e.get("tid"), False))
     for e in events:
         if e.get("cat") not in _GPU_CATS:
             continue
@@ -636,8 +505,9 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             continue
         phase = phase_iv.find(launch[0]) or "outside"
         stage = stage_iv.find(launch[0], launch[1])
+        graphed = launch[2] or "graph id" in args
         records.append((e.get("name", "?"), phase, float(e.get("dur", 0)), stage,
-                        _optimizer_category(optim_iv, phase, launch[0], launch[1])))
+                        None if graphed else _optimizer_category(optim_iv, phase, launch[0], launch[1])))
         intervals.append((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?"), phase))
     return TraceRecords(records, n_steps, wall, "cuda", missing, missing_us, gpu_timeline(intervals, n_steps),
                         exposed_communication(intervals, n_steps))
@@ -674,6 +544,7 @@ class TraceAnalysis:
     summary: KernelSummary
     metrics: dict[str, float]
     report: str
+    breakdown: str = ""  # the temporal breakdown, idle split, overlap and launch statistics (Markdown)
 
     @property
     def cuda(self) -> bool:
@@ -707,7 +578,8 @@ def merge_rank_metrics(per_rank: dict[int, dict[str, float]]) -> dict[str, float
 
 
 def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None, top_k: int = 15,
-                  device_name: str = "", precision: str = "", batches: str = "") -> TraceAnalysis:
+                  device_name: str = "", precision: str = "", batches: str = "",
+                  ceilings: dict[str, float] | None = None, model_flops_per_step: float | None = None) -> TraceAnalysis:
     """Records, summary, scalars and report of a Chrome trace: what ``KernelShare`` logs, for any trace.
 
     Args:
@@ -718,14 +590,25 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
         device_name: the device, for the report's first line.
         precision: the trainer's precision, for the report.
         batches: which steps the trace covers, for the report.
+        ceilings: this GPU's ``bf16_matmul_tflops`` and ``copy_gbps`` (``lmtrain.analysis.ceilings``), for the
+            ``roofline/*_of_peak`` scalars; the achieved TFLOP/s and GB/s are computed without them.
+        model_flops_per_step: the model's FLOPs per step, charged to the gemm and attention kernels (``model``).
     """
     tr = records_from_trace(trace, device)
+
     summary = summarize(tr.records, tr.steps)
     report = build_report(summary, head_dim=head_dim, cuda=tr.device == "cuda", top_k=top_k,
                           device=device_name or ("GPU" if tr.device == "cuda" else "CPU"), precision=precision,
                           batches=batches, step_wall_ms=tr.step_wall_us / 1e3, unattributed=tr.unattributed_kernels,
                           unattributed_ms=tr.unattributed_us / 1e3, timeline=tr.timeline)
-    return TraceAnalysis(tr, summary, trace_metrics(summary, tr, head_dim), report)
+    acts, steps = temporal.activities(trace, tr.device)
+    window = temporal.temporal_breakdown(acts, steps)
+    launch = temporal.launch_stats(acts, window)
+    metrics = trace_metrics(summary, tr, head_dim) | temporal.temporal_metrics(window, launch)
+    if tr.device == "cuda":
+        metrics |= roofline.ceiling_metrics(roofline.achieved(trace, tr.steps, model_flops_per_step), ceilings or {})
+    return TraceAnalysis(tr, summary, metrics, report,
+                         temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU"))
 
 
 # -- presentation -----------------------------------------------------------------------------------

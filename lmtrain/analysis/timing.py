@@ -11,11 +11,18 @@ import torch
 
 from lmtrain.analysis.tables import markdown_table
 
-__all__ = ["MARKS", "RANK_FIELDS", "clock_name", "cross_rank_metrics", "phase_statistics", "phase_times",
+__all__ = ["MARKS", "RANK_FIELDS", "clock_name", "cross_rank_metrics", "elapsed_ms", "phase_statistics", "phase_times",
            "step_metrics", "summary_text", "throughput", "tokens_in_batch"]
 
 #: Marks ``CudaSyncTimer`` takes in one batch, in the order Lightning's hooks fire them.
 MARKS = ("start", "before_backward", "after_backward", "before_opt", "end")
+
+
+def elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two time stamps: CUDA events (both recorded and completed) or seconds."""
+    if isinstance(start, torch.cuda.Event):
+        return float(start.elapsed_time(end))
+    return (end - start) * 1000.0
 
 
 def phase_times(batches: Sequence[dict[str, Any]], elapsed_ms: Callable[[Any, Any], float]
@@ -88,12 +95,12 @@ def summary_text(step_times: Sequence[dict[str, Any]], excluded_times: Sequence[
     """The timing summary as Markdown.
 
     A per-phase table of the summarised steps, the same means in the ``Model Params Forward (s) Backward (s)``
-    format of the reference profiling study's timing tables, and the steps inside other callbacks'
-    measurement windows with their own table, apart.
+    format of the reference profiling study's timing tables, and the steps whose timing other callbacks
+    perturbed (``perturbs_timing``) with their own table, apart.
 
     Args:
         step_times: the summarised steps (``step`` and phase keys in ms).
-        excluded_times: steps inside other callbacks' windows (also ``windows``: those callbacks' names).
+        excluded_times: steps other callbacks perturbed (also ``windows``: those callbacks' names).
         warmup_times: step time in ms of each warm-up step.
         clock: how the times were measured, for the first line.
         model_row: (model name, parameter count).
@@ -103,8 +110,8 @@ def summary_text(step_times: Sequence[dict[str, Any]], excluded_times: Sequence[
     warm = ", ".join(f"{t:.1f}" for t in warmup_times)
     n_out = len(excluded_times)
     lines = [f"Step timing ({clock}); {len(warmup_times)} warm-up step(s) excluded"
-             + (f" (ms: {warm})" if warm else "") + f"; {n_out} step(s) inside other callbacks' measurement "
-             "windows excluded" + (" (below)" if n_out else "") + ".", "", stats_table(stats), ""]
+             + (f" (ms: {warm})" if warm else "") + f"; {n_out} step(s) perturbed by other callbacks' "
+             "measurements excluded" + (" (below)" if n_out else "") + ".", "", stats_table(stats), ""]
     name, params = model_row
 
     def seconds(key: str) -> str:
@@ -119,7 +126,7 @@ def summary_text(step_times: Sequence[dict[str, Any]], excluded_times: Sequence[
             for window in row["windows"]:
                 by_window.setdefault(window, []).append(int(row["step"]))
         where = "; ".join(f"{w}: steps {', '.join(map(str, steps))}" for w, steps in by_window.items())
-        lines += ["", f"Excluded: {n_out} step(s) inside other callbacks' measurement windows ({where}):", "",
+        lines += ["", f"Excluded: {n_out} step(s) perturbed by other callbacks' measurements ({where}):", "",
                   stats_table(phase_statistics(excluded_times, phases))]
     return "\n".join(lines)
 

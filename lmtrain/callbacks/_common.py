@@ -301,13 +301,15 @@ class StepPhases:
         return self.ended and window.contains(self.step) and not window.contains(self.step + 1)
 
 
-def windows_holding(trainer: pl.Trainer, step: int, exclude: object = None) -> list[str]:
-    """Class names of the trainer's callbacks whose measurement window holds ``step``.
+def timing_perturbed_by(trainer: pl.Trainer, step: int, exclude: object = None) -> list[str]:
+    """Class names of the trainer's callbacks (and module) whose measurement perturbs the timing of ``step``.
 
-    The mechanism is public and duck-typed: any callback with a method ``in_window(step: int) -> bool``
-    takes part (all lmtrain callbacks have one), and so does the LightningModule (``LMModule``'s window is the
-    step that captures its CUDA graph). ``CudaSyncTimer`` uses it to keep steps slowed by another callback's
-    measurement out of its summary.
+    The protocol is public and duck-typed. An object with a method ``perturbs_timing(step: int) -> bool`` says
+    itself whether its work in that step slows the step measurably (every lmtrain callback declares it; see
+    ``docs/callbacks.md``, "Which steps the timer leaves out"). An object without it but with ``in_window(step) ->
+    bool`` counts as perturbing wherever its window holds the step (the conservative reading for callbacks that
+    predate the declaration; ``LMModule``'s window is its eager warm-up and the step that captures its CUDA graph).
+    ``CudaSyncTimer`` keeps the steps named here out of its summary.
 
     Args:
         trainer: the trainer (its public ``callbacks`` list is read).
@@ -316,7 +318,11 @@ def windows_holding(trainer: pl.Trainer, step: int, exclude: object = None) -> l
     """
     names = []
     for cb in [*trainer.callbacks, getattr(trainer, "lightning_module", None)]:
-        in_window = getattr(cb, "in_window", None)
-        if cb is not exclude and callable(in_window) and in_window(step):
+        if cb is None or cb is exclude:
+            continue
+        ask = getattr(cb, "perturbs_timing", None)
+        if not callable(ask):
+            ask = getattr(cb, "in_window", None)
+        if callable(ask) and ask(step):
             names.append(type(cb).__name__)
     return names

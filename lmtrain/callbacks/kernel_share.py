@@ -2,27 +2,26 @@
 
 The callback profiles a window of training steps (``record_function`` ranges ``forward``, ``backward``,
 ``optimizer`` from ``StepPhases``' hooks, ``lmtrain.annotate``'s profiler ranges on) and hands the trace to
-``lmtrain.analysis.kernels`` (whose docstring explains how kernels are joined to phases and categories; ``python
--m lmtrain analyze kernels TRACE.json`` runs the same analysis offline). Every metric it logs, with its unit, is
-listed in the docstring of :class:`KernelShare`.
+``lmtrain.analysis`` (``kernels``, ``temporal``, ``ceilings``; ``python -m lmtrain analyze kernels TRACE.json`` runs
+the same analysis offline). Every metric it logs, with its unit, is listed in the docstring of :class:`KernelShare`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import os
 import shutil
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lmtrain.analysis import ceilings
 from lmtrain.analysis import kernels as analysis
-from lmtrain.annotate import disable_ranges, enable_ranges
 from lmtrain.callbacks._common import (
     StepPhases,
     StepWindow,
@@ -36,15 +35,9 @@ from lmtrain.callbacks._common import (
     log_text,
     request_cupti_teardown,
 )
+from lmtrain.callbacks._profiler import ProfilerSession
 
 __all__ = ["KernelShare", "request_cupti_teardown"]
-
-
-def __getattr__(name: str) -> Any:
-    # The analysis names lived here before they moved to lmtrain.analysis.kernels; old imports keep working.
-    if name in analysis.__all__:
-        return getattr(analysis, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class KernelShare(Callback):
@@ -69,8 +62,7 @@ class KernelShare(Callback):
         kernels/cuda_graph_ms_per_step              ms: kernel time per step of steps replayed as a CUDA graph
                                                     (``LMModule(cuda_graphs=True)``: one phase, no boundaries)
         kernels/{category}_share_step               fraction in [0, 1]: category's share of the step's kernel
-                                                    time, for gemm, attention, softmax, elementwise,
-                                                    reduction, optimizer, communication, copy, other
+                                                    time, for each of ``lmtrain.analysis.categories.CATEGORIES``
         kernels/gemm_share_forward                  fraction: GEMM share of the forward phase's kernel time
         kernels/gemm_share_backward                 fraction: same for backward
         kernels/gemm_share_optimizer                fraction: same for the optimizer phase
@@ -103,12 +95,37 @@ class KernelShare(Callback):
         kernels/busiest_rank                        the profiling rank with the most kernel time (these two
                                                     with several profiling ranks only)
 
+    The GPU timeline of the window (``lmtrain.analysis.temporal``: HolisticTraceAnalysis' definitions; on CPU the
+    operators' timeline), per step; ``{kind}``: compute, communication, memory, idle; ``{phase}`` as above, or
+    ``cuda_graph``:
+
+        breakdown/span_ms_per_step                  ms: first activity's start to the last one's end
+        breakdown/{kind}_ms_per_step                ms: time in that state (compute first, then communication,
+                                                    then memory; the four add up to the span)
+        breakdown/{kind}_share                      fraction of the span
+        breakdown/{phase}_{kind}_ms_per_step        ms: the same per phase (an idle gap goes to the phase of the
+                                                    work that ends it)
+        breakdown/comm_overlap_share                fraction of the communication time that compute overlaps
+        idle/{host_wait,kernel_wait,other}_ms_per_step  ms: idle time waiting for the host to launch, between
+                                                    back-to-back kernels, on another kernel / stream / event
+        idle/{host_wait,kernel_wait,other}_share    fraction of the idle time
+        launch/kernels_per_step                     kernels (memcpy / memset apart) per step
+        launch/short_kernels_per_step               kernels under 10 µs per step
+        launch/short_kernel_share                   fraction of the kernels under 10 µs
+        launch/delay_median_us, launch/delay_p90_us µs: kernel start minus its launch call's start (eager launches)
+        launch/host_wait_share                      fraction of the span the GPU waited for the host
+        launch/bound                                1 when launch/host_wait_share > 0.10, else 0
+        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs; ``model``: model
+                                                    FLOPs over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
+        roofline/{category}_gbps[_of_peak]          GB/s of its memcpy activities [/ copy ceiling]; CUDA only
+
     Several ranks: the ``ranks`` profile; at the window's last step every rank takes part in one gather of the
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
 
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
     backend) are not logged. Also logged: text ``kernels/report`` (Markdown answering the usual
-    questions of a kernel profiling study), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
+    questions of a kernel profiling study), ``kernels/breakdown`` (the timeline tables above, per phase),
+    ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
     ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
     ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
     ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
@@ -131,11 +148,15 @@ class KernelShare(Callback):
             for the rest of the process, so later profiler sessions release CUPTI too.
         ranks: the ranks that profile (default ``[0]``); with ``export_trace`` on several ranks each writes
             ``kernel_trace_rank{r}.json.gz``.
+        ceilings: this GPU's ceilings for the ``roofline/*_of_peak`` scalars: a dict (``bf16_matmul_tflops``,
+            ``copy_gbps``), the path of a JSON cache, or None: measured once per device and cached in
+            ``~/.cache/lmtrain/ceilings.json`` (``lmtrain.analysis.ceilings``; about a second, after the window).
     """
 
-    def __init__(self, wait: int = 5, warmup: int = 2, active: int = 3, top_k: int = 15, export_trace: bool = False,
+    def __init__(self, wait: int = 5, warmup: int = 1, active: int = 2, top_k: int = 15, export_trace: bool = False,
                  chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
-                 release_cupti: bool = True, ranks: list[int] | None = None) -> None:
+                 release_cupti: bool = True, ranks: list[int] | None = None,
+                 ceilings: dict[str, float] | str | None = None) -> None:
         super().__init__()
         self.ranks = [0] if ranks is None else ranks
         self.wait, self.warmup, self.active, self.top_k = wait, warmup, active, top_k
@@ -144,21 +165,18 @@ class KernelShare(Callback):
         self.head_dim = head_dim
         self.record_shapes = record_shapes
         self.release_cupti = release_cupti
+        self.ceilings = ceilings
         self._reset()
 
     def _reset(self) -> None:
         self._warn = WarnOnce()
-        self._prof: torch.profiler.profile | None = None
-        self._ranges_on = False
-        self._open: list[torch.profiler.record_function] = []
+        self._prof: ProfilerSession | None = None  # on the profiling ranks, while the window runs
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._phases = StepPhases()
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
         self._first_active: int | None = None
         self._cuda = False
-        self._trace_path: str | None = None
-        self._tmpdir: str | None = None
         self._done = False
         self.summary: analysis.KernelSummary | None = None  # the last window's summary (for scripts and tests)
         self.timeline: analysis.GpuTimeline | None = None  # the last window's GPU busy/idle time (CUDA only)
@@ -166,8 +184,12 @@ class KernelShare(Callback):
         self.metrics: dict[str, float] | None = None  # the last window's metrics of this rank
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` runs under the profiler (warm-up and active steps; on every rank): slower than others."""
+        """Step ``step`` runs under the profiler (warm-up and active steps; on every rank)."""
         return self._window.contains(step)
+
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes inside the window: the profiler records every operator and kernel launch (host time per launch)."""
+        return self.in_window(step)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -181,6 +203,9 @@ class KernelShare(Callback):
         self._reset()
         self._window = StepWindow(self.wait, self.warmup + self.active)
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
+        if getattr(pl_module, "cuda_graphs", False):
+            rank_zero_info("KernelShare: a step replayed as a CUDA graph is one phase, 'cuda graph'; its kernels keep "
+                           "their own categories, but no forward/backward/optimizer split exists inside it.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -197,26 +222,9 @@ class KernelShare(Callback):
 
     def _stop(self) -> None:
         """Close ranges, stop the profiler, withdraw the annotate request, delete temporary files."""
-        self._close_ranges()
         if self._prof is not None:
-            prof, self._prof = self._prof, None
-            with contextlib.suppress(Exception):  # stopping a profiler that already stopped itself
-                prof.stop()
-        if self._ranges_on:
-            disable_ranges(nvtx=False, profiler=True)
-            self._ranges_on = False
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
-
-    def _open_range(self, name: str) -> None:
-        self._close_ranges()
-        self._open.append(torch.profiler.record_function(name))
-        self._open[-1].__enter__()
-
-    def _close_ranges(self) -> None:
-        while self._open:
-            self._open.pop().__exit__(None, None, None)
+            self._prof.close()
+            self._prof = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -231,26 +239,26 @@ class KernelShare(Callback):
             if trainer.global_rank in self.ranks:
                 self._start(pl_module)
         if self._prof is not None:
-            self._open_range(self._phases.phase)  # forward, or "cuda graph" for a replayed step
+            self._prof.open_range(self._phases.phase)  # forward, or "cuda graph" for a replayed step
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._phases.before_backward()
         if self._prof is not None:
-            self._open_range("backward")
+            self._prof.open_range("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._phases.after_backward()
         if self._prof is not None:
-            self._close_ranges()
+            self._prof.close_ranges()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         self._phases.before_optimizer_step()
         if self._prof is not None and not self._phases.graphed:
-            self._open_range("optimizer")
+            self._prof.open_range("optimizer")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -258,7 +266,8 @@ class KernelShare(Callback):
         ended = self._phases.batch_end(trainer)
         if self._done or not self._running:
             return
-        self._close_ranges()
+        if self._prof is not None:
+            self._prof.close_ranges()
         if not ended:
             return  # one profiler step is one optimizer step, all its micro-batches
         self._window_steps += 1
@@ -269,43 +278,23 @@ class KernelShare(Callback):
                 # Let the GPU finish this step's kernels before the active steps start / the trace closes, so
                 # the trace holds exactly the active steps' kernels.
                 torch.cuda.synchronize(pl_module.device)
-            self._prof.step()
+            self._prof.prof.step()
         if self._window_steps == self.warmup + self.active:  # the same step on every rank
             self._finish(trainer, pl_module)
 
     def _start(self, pl_module: pl.LightningModule) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
         self._cuda = torch.cuda.is_available() and pl_module.device.type == "cuda"
         if not self._cuda:
             self._warn("KernelShare: no CUDA device in use; reporting CPU operator self time instead of GPU "
-                       "kernel time (categories apply to aten:: operator names).")
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
-        self._tmpdir = tempfile.mkdtemp(prefix="lmtrain_kernels_")
-
-        def on_ready(prof: torch.profiler.profile) -> None:
-            path = os.path.join(self._tmpdir, "trace.json")
-            prof.export_chrome_trace(path)
-            self._trace_path = path
-
-        if self._cuda and self.release_cupti:
-            request_cupti_teardown()
-        if self._cuda and self.warmup == 0:
-            torch.cuda.synchronize(pl_module.device)
-        enable_ranges(nvtx=False, profiler=True)
-        self._ranges_on = True
-        self._prof = profile(activities=activities, on_trace_ready=on_ready, record_shapes=self.record_shapes,
-                             schedule=schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1))
-        self._prof.start()
+                       "kernel time (categories apply to aten:: operator names), the CPU operators' timeline, and no "
+                       "roofline/* (no GPU ceilings to measure).")
+        self._prof = ProfilerSession(self._cuda, self.warmup, self.active, self.record_shapes, self.release_cupti,
+                                     pl_module.device if self._cuda else None)
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
-        self._close_ranges()
         try:
-            if self._prof is not None:
-                prof, self._prof = self._prof, None
-                prof.stop()
-            path = self._trace_path
+            path = self._prof.finish() if self._prof is not None else None
             found = self._analyze(trainer, pl_module, path) if path is not None else None
             self._report(trainer, found)
         finally:
@@ -318,7 +307,9 @@ class KernelShare(Callback):
             analysis.load_trace(path), "cuda" if self._cuda else "cpu",
             head_dim=head_dim if isinstance(head_dim, int) else None, top_k=self.top_k,
             device_name=torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
-            precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}")
+            precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}",
+            ceilings=self._ceilings(pl_module) if self._cuda else None,
+            model_flops_per_step=(getattr(pl_module, "flops_per_batch", None) or 0) * trainer.accumulate_grad_batches)
         if self._cuda and not found.records.records:
             self._warn("KernelShare: the profiler recorded no CUDA kernels (CUPTI unavailable?); nothing reported.")
             return None
@@ -331,7 +322,12 @@ class KernelShare(Callback):
             with open(path, "rb") as src, gzip.open(os.path.join(out_dir, name), "wb") as dst:
                 shutil.copyfileobj(src, dst)
         return {"metrics": found.metrics, "report": found.report, "tables": found.tables(self.top_k),
-                "summary": found.summary, "cuda": found.cuda}
+                "summary": found.summary, "cuda": found.cuda, "breakdown": found.breakdown}
+
+    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        cache = Path(self.ceilings) if isinstance(self.ceilings, str) else None
+        return self.ceilings if isinstance(self.ceilings, dict) else ceilings.device_ceilings(
+            torch.cuda.get_device_name(pl_module.device), cache)
 
     def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
         """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""
@@ -341,6 +337,7 @@ class KernelShare(Callback):
         step, first = self._phases.step, per_rank[min(per_rank)]  # the window's last step; the lowest profiler
         log_scalars(trainer, analysis.merge_rank_metrics({r: f["metrics"] for r, f in per_rank.items()}), step)
         log_text(trainer, "kernels/report", first["report"], step)
+        log_text(trainer, "kernels/breakdown", first["breakdown"], step)
         for scope, table in first["tables"].items():
             log_text(trainer, f"kernels/table_{scope}", table, step)
         out_dir = log_dir(trainer)

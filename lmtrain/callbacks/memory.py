@@ -34,13 +34,6 @@ from lmtrain.callbacks._common import (
 )
 
 
-def __getattr__(name: str) -> Any:
-    # The analysis names lived here before they moved to lmtrain.analysis.memory; old imports keep working.
-    if not name.startswith("_") and hasattr(analysis, name):
-        return getattr(analysis, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class AllocatorHistory:
     """The one place that uses ``torch.cuda.memory``'s semi-private allocation-history API.
 
@@ -159,8 +152,13 @@ class MemorySnapshot(pl.Callback):
         self._rank = ""  # file-name part: "" on one process, "rank<r>_" on several
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` lies in the allocation-history window (every allocation pays for a stack capture)."""
+        """Step ``step`` lies in the allocation-history window."""
         return self._cuda and self._window.contains(step)
+
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes inside the history window: every allocation pays for a Python stack capture. The per-step peaks
+        (two counter reads per step) do not; ``on_oom`` recording slows every step alike (said once at setup)."""
+        return self.in_window(step)
 
     # -- setup / teardown -----------------------------------------------------------------------
 
@@ -186,6 +184,8 @@ class MemorySnapshot(pl.Callback):
                        f"{self._device.type} nothing is measured or logged.")
             return
         if self.on_oom and self._records:
+            rank_zero_info("MemorySnapshot: on_oom records allocation history from the start; every step pays for it "
+                           "alike, and CudaSyncTimer's times include that cost.")
             self._start_recording()
 
     @override
@@ -338,7 +338,6 @@ class MemorySnapshot(pl.Callback):
                                     device_free=free, top=top, snapshot_name=str(path))
         print(text, file=sys.stderr)
         log_text(trainer, "memory/oom_summary", text, step=self._phases.step)
-
 
 
 def _model_name(pl_module: pl.LightningModule) -> str:

@@ -72,8 +72,13 @@ class NVTXRanges(pl.Callback):
     Without CUDA, NVTX is unavailable: only ``record_function`` ranges are emitted (one warning).
     This callback logs no metrics.
 
+    Timing: the default (depth ``phase``, every step) leaves step times as they are, so ``CudaSyncTimer`` keeps
+    those steps in its statistics. Depth ``block`` and deeper perturbs the window's steps (see
+    :meth:`perturbs_timing`); give such a window a few steps (``start_step``, ``num_steps``) and the timer leaves
+    them out of its summary.
+
     Args:
-        depth: ``step``, ``phase``, ``block``, ``module`` or ``op`` (see above).
+        depth: ``step``, ``phase`` (default), ``block``, ``module`` or ``op`` (see above).
         start_step: first step with ranges, on Lightning's ``global_step`` axis.
         num_steps: steps (optimizer steps) in the window; None: every step from ``start_step`` on.
         nvtx: emit NVTX ranges (for ``nsys`` / ``ncu``).
@@ -86,7 +91,7 @@ class NVTXRanges(pl.Callback):
 
     def __init__(
         self,
-        depth: Depth = "module",
+        depth: Depth = "phase",
         start_step: int = 0,
         num_steps: int | None = None,
         nvtx: bool = True,
@@ -115,6 +120,13 @@ class NVTXRanges(pl.Callback):
         """Step ``step`` has this callback's ranges (and, at depth ``block`` and deeper, its module hooks)."""
         return self._window.contains(step)
 
+    def perturbs_timing(self, step: int) -> bool:
+        """Ranges at depth ``step`` and ``phase`` cost a few host microseconds per step and change no kernel:
+        no. At depth ``block`` and deeper: yes inside the window. Two Python forward hooks per block and module run
+        on every call (each an NVTX push/pop and a ``record_function`` dispatch), tens to hundreds per step,
+        which a host-bound step pays in full; under CUDA graphs the window's steps also run eagerly."""
+        return self._depth_at_least("block") and self._window.contains(step)
+
     def needs_eager_step(self, step: int) -> bool:
         """At depth ``block`` and deeper the ranges come from module hooks and dispatched operations, which a CUDA
         graph replay (``LMModule(cuda_graphs=True)``) does not run: the window's steps run eagerly."""
@@ -138,6 +150,9 @@ class NVTXRanges(pl.Callback):
             self._warn("NVTXRanges: neither NVTX nor record_function ranges are enabled; nothing will be emitted.")
         self._window = StepWindow(self.start_step, self.num_steps)
         self._phases.reset()
+        if getattr(pl_module, "cuda_graphs", False) and not self._depth_at_least("block"):
+            rank_zero_info("NVTXRanges: a step replayed as a CUDA graph gets one range, 'cuda graph', instead of its "
+                           "phases (the replay has no host-side boundary); depth 'block' runs the window eagerly.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lmtrain.analysis.dtypes import (
@@ -109,6 +110,10 @@ class PrecisionInspector(Callback):
         """Step ``step`` is the inspected one (hooks, fp32 reference forward: slower than the others)."""
         return self._window.contains(step)
 
+    def perturbs_timing(self, step: int) -> bool:
+        """Yes for the inspected step: forward hooks on every module and an extra fp32 forward pass."""
+        return self.in_window(step)
+
     def needs_eager_step(self, step: int) -> bool:
         """The inspected step records dtypes through module hooks, which a CUDA graph replay
         (``LMModule(cuda_graphs=True)``) does not run: it runs eagerly."""
@@ -123,6 +128,9 @@ class PrecisionInspector(Callback):
         self._remove()
         self._clear()
         self._window = StepWindow(self.step, 1)
+        if getattr(pl_module, "cuda_graphs", False):
+            rank_zero_info(f"PrecisionInspector: step {self.step} runs eagerly (a CUDA graph replay runs no module "
+                           "hooks); the steps around it replay the graph.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

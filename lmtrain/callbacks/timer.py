@@ -15,6 +15,7 @@ from typing_extensions import override
 from lmtrain.analysis.timing import (
     MARKS,
     clock_name,
+    elapsed_ms,
     phase_statistics,
     phase_times,
     step_metrics,
@@ -28,7 +29,7 @@ from lmtrain.callbacks._common import (
     gather_values,
     log_scalars,
     log_text,
-    windows_holding,
+    timing_perturbed_by,
 )
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import peak_flops as peak_flops_for
@@ -50,7 +51,8 @@ class _Step:
     batches: list[dict[str, Any]] = field(default_factory=list)  # mark name -> CUDA event or seconds
     tokens: int | None = 0
     flops: float | None = 0.0
-    graphed: bool = False  # replayed as a CUDA graph: only the whole step has marks
+    graphed: bool = False  # replayed as a CUDA graph: only the whole step has host-side marks
+    graph_marks: dict[str, Any] | None = None  # marks recorded inside the graph (the module's graph_phase_marks)
 
 
 class CudaSyncTimer(pl.Callback):
@@ -74,16 +76,16 @@ class CudaSyncTimer(pl.Callback):
 
     The first ``warmup_steps`` steps of the fit (CUDA context, cuBLAS autotuning, allocator growth: the
     first step is often ~20x slower) are logged only as ``time/warmup_step_ms`` and kept out of the summary.
-    Steps inside another callback's measurement window (any callback of the trainer with an
-    ``in_window(step)`` method that returns True: KernelShare's profiler, MemorySnapshot's history,
-    NVTXRanges' ranges and hooks, PrecisionInspector's inspected step) are logged as usual but kept out of
-    the summary's statistics too; the summary reports them apart and says how many there were.
+    Steps whose timing another callback perturbs (its ``perturbs_timing(step)``; ``docs/callbacks.md`` lists which
+    windows do and why) are logged as usual but kept out of the summary's statistics and reported apart. At their
+    defaults the five callbacks leave out 3 steps (KernelShare's profiler, steps 5..7).
 
     Metrics (TensorBoard scalars at the step they belong to; every ``log_every_n_steps`` steps):
 
     - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds. A step
-      replayed as a CUDA graph (``LMModule(cuda_graphs=True)``) has ``time/step_ms`` only, and the step that
-      captures the graph is reported apart like a step in another callback's window.
+      replayed as a CUDA graph has ``time/step_ms`` only, unless the module has ``graph_phase_marks()``: a dict
+      mark name (``lmtrain.analysis.timing.MARKS``) -> ``torch.cuda.Event(enable_timing=True, external=True)``
+      recorded inside the graph, read one step later (valid until the replay after next).
     - ``time/warmup_step_ms``: milliseconds per warm-up step.
     - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens); on
       several ranks the tokens of all ranks over the slowest rank's step time.
@@ -95,19 +97,17 @@ class CudaSyncTimer(pl.Callback):
     gathered (one small ``all_gather``; in events mode at the next step's start, on every rank), and rank 0 logs:
 
     - ``time/step_ms_slowest``, ``time/step_ms_fastest``: ms, the slowest (what the run waits on) and fastest
-      rank's step time.
-    - ``time/straggler_ratio``: slowest / fastest step time (ratio, >= 1).
-    - ``time/slowest_rank``: the rank with the slowest step (lowest on ties).
-    - ``time/forward_ms_max``, ``time/backward_ms_max``, ``time/optimizer_ms_max``: ms, each phase's maximum
-      over the ranks.
+      rank's step time; ``time/straggler_ratio``: slowest / fastest (ratio, >= 1); ``time/slowest_rank``: the
+      rank with the slowest step (lowest on ties).
+    - ``time/forward_ms_max``, ``time/backward_ms_max``, ``time/optimizer_ms_max``: ms, over the ranks.
     - ``time/summary`` (text, at the end): per-phase mean ± std, median, min and max in ms, and the
       same in the ``Model  Params  Forward (s)  Backward (s)`` format of the reference profiling study's
-      timing tables; then the steps excluded as inside other callbacks' windows, with their own statistics.
+      timing tables; then the steps other callbacks perturbed, apart, with their own statistics.
 
     Attributes:
         step_times: one dict per measured (post-warm-up) step: ``step`` (index) and the phase keys among
             ``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``step_ms`` that the step has.
-        excluded_steps: step index -> class names of the other callbacks whose measurement window held it
+        excluded_steps: step index -> class names of the other callbacks that perturbed its timing
             (those steps are in ``step_times`` but not in the summary's statistics).
         warmup_times: step time in ms of each warm-up step.
 
@@ -162,17 +162,11 @@ class CudaSyncTimer(pl.Callback):
         self._cuda = trainer.strategy.root_device.type == "cuda"
         if not self._cuda:
             rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
-        self._peak = peak
+        name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else None
+        self._peak = peak if peak is not None else peak_flops_for(name, trainer.precision) if name else None
         if self._peak is None:
-            if self._cuda:
-                name = torch.cuda.get_device_name(trainer.strategy.root_device)
-                self._peak = peak_flops_for(name, trainer.precision)
-                if self._peak is None:
-                    self._warn(f"CudaSyncTimer: no peak FLOP/s known for {name!r} at precision "
-                               f"{trainer.precision!r}; throughput/mfu is not logged. Pass peak_flops=... .")
-            else:
-                self._warn("CudaSyncTimer: no peak FLOP/s for a CPU; throughput/mfu is not logged "
-                           "(pass peak_flops=... to get it).")
+            self._warn(f"CudaSyncTimer: no peak FLOP/s known for {name or 'a CPU'!r} at precision "
+                       f"{trainer.precision!r}; throughput/mfu is not logged. Pass peak_flops=... .")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -221,10 +215,10 @@ class CudaSyncTimer(pl.Callback):
         if self._current is None:
             self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps,
                                   graphed=self._phases.graphed)
-            if self._phases.graphed:
+            if self._phases.graphed and not callable(getattr(pl_module, "graph_phase_marks", None)):
                 self._warn("CudaSyncTimer: steps replayed as a CUDA graph (model.cuda_graphs) have time/step_ms only: "
-                           "forward, backward and the update run inside one graph launch, with no boundary to mark. "
-                           "The eager warm-up steps before the capture still have every phase.")
+                           "the module records no phase marks inside its graph (graph_phase_marks). The eager "
+                           "warm-up steps before the capture still have every phase.")
         self._batch = {}
         self._current.batches.append(self._batch)
         tokens = tokens_in_batch(batch)
@@ -260,6 +254,8 @@ class CudaSyncTimer(pl.Callback):
         step = self._current
         flops = getattr(pl_module, "flops_per_batch", None)
         step.flops = None if flops is None or step.flops is None else step.flops + float(flops)
+        if step.graphed and callable(getattr(pl_module, "graph_phase_marks", None)):
+            step.graph_marks = pl_module.graph_phase_marks()
         if ended:  # the optimizer stepped (StepPhases: every batch is a step without accumulation)
             self._current = None
             self._pending.append(step)
@@ -286,9 +282,11 @@ class CudaSyncTimer(pl.Callback):
             self._record(trainer, step)
 
     def _record(self, trainer: pl.Trainer, step: _Step) -> None:
-        times, seen = phase_times(step.batches, _elapsed_ms)
-        if step.graphed:
-            seen &= {"step_ms"}
+        times, seen = phase_times(step.batches, elapsed_ms)
+        if step.graphed:  # the phases from the marks inside the graph, if any; the step from the host's marks
+            inner, inner_seen = phase_times([step.graph_marks], elapsed_ms) if step.graph_marks else ({}, set())
+            seen = {"step_ms"} | (inner_seen - {"step_ms"})
+            times.update({k: inner[k] for k in seen - {"step_ms"}})
         for marks in step.batches:
             self._event_pool.extend(m for m in marks.values() if isinstance(m, torch.cuda.Event))
         if "step_ms" not in seen:
@@ -303,8 +301,7 @@ class CudaSyncTimer(pl.Callback):
         row: dict[str, float] = {"step": step.index}
         row.update({k: times[k] for k in PHASES if k in seen})
         self.step_times.append(row)
-        windows = windows_holding(trainer, step.index, exclude=self)
-        if windows:
+        if windows := timing_perturbed_by(trainer, step.index, exclude=self):
             self.excluded_steps[step.index] = windows
         if not log_now:
             return
@@ -335,13 +332,8 @@ class CudaSyncTimer(pl.Callback):
     # -- results --------------------------------------------------------------------------------
 
     def summary(self, excluded: bool = False) -> dict[str, dict[str, float]]:
-        """Statistics of the summarised steps: phase key -> mean, std, median, min, max, count.
-
-        Times in ms; ``std`` is the sample standard deviation (0 for a single step).
-
-        Args:
-            excluded: the statistics of the steps inside other callbacks' windows instead.
-        """
+        """Statistics of the summarised steps (``excluded``: of the steps other callbacks perturbed): phase key ->
+        mean, std (sample; 0 for one step), median, min, max (ms) and count."""
         return phase_statistics(self._rows(excluded), PHASES)
 
     def _rows(self, excluded: bool) -> list[dict[str, float]]:
@@ -354,8 +346,3 @@ class CudaSyncTimer(pl.Callback):
         return summary_text(self._rows(False), excluded, self.warmup_times, clock,
                             self._model_row or ("model", 0), PHASES)
 
-
-def _elapsed_ms(start: Any, end: Any) -> float:
-    if isinstance(start, torch.cuda.Event):
-        return float(start.elapsed_time(end))
-    return (end - start) * 1000.0

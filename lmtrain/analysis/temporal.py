@@ -1,0 +1,320 @@
+"""Where a step's time goes on the GPU's timeline: the temporal breakdown, idle split, overlap and launch statistics.
+
+Pure functions of a ``torch.profiler`` Chrome trace (any trace: lmtrain's, or a plain script's
+``prof.export_chrome_trace``), answering what HolisticTraceAnalysis (HTA, ``hta/analyzers``) answers, with the same
+definitions, per trace (one profiled window) and per phase:
+
+Temporal breakdown (HTA ``get_temporal_breakdown``)
+    The span runs from the start of the first GPU activity (kernel, memcpy, memset) to the end of the last. Every
+    instant of it is one of: *compute* (some compute kernel runs), else *communication* (an NCCL kernel runs), else
+    *memory* (a memcpy / memset runs), else *idle*. So compute is the union of the compute kernels' intervals, and
+    communication + memory is HTA's "non-compute" time; the four add up to the span. Kinds follow HTA's name
+    patterns: ``nccl...`` is communication, ``Memcpy`` / ``Memset`` memory, everything else compute.
+Phases
+    An activity belongs to the phase range (``forward``, ``backward``, ``optimizer``, ``cuda graph``: see
+    ``lmtrain.analysis.kernels``) in which the CPU launched it, found through the launch's correlation id; a trace
+    without lmtrain's ranges has one phase, ``unknown``; activities launched outside them are ``outside``. A busy
+    instant goes to the phase of an activity running then, an idle gap to the phase of the activity that ends it
+    (the work the GPU waited for).
+Idle split (HTA ``get_idle_time_breakdown``)
+    Each idle gap is *host wait* when the CUDA runtime call that launched the activity ending the gap started after
+    the gap began (the CPU had not enqueued the work yet), else *kernel wait* when the gap is shorter than
+    ``kernel_wait_us`` (HTA's ``consecutive_kernel_delay``: 30 µs as HTA applies it; the overhead between queued
+    kernels), else *other* (the queued work waited longer: on another stream, an event, a synchronisation). HTA
+    splits each stream's gaps; :func:`idle_split` does that with ``per_stream=True``, and by default splits the gaps
+    of the whole GPU, which add up to the breakdown's idle time. On CPU traces the "activities" are the CPU
+    operators (nested ones included: a busy instant goes to the innermost) and every gap is host time (Python
+    between operators).
+Communication–computation overlap (HTA ``get_comm_comp_overlap``)
+    The time both an NCCL kernel and a compute kernel run, over the communication time: the share of
+    communication hidden behind compute.
+Launch statistics
+    Kernels per step, kernels shorter than :data:`SHORT_KERNEL_US` (10 µs), and the launch delay: kernel start
+    minus the start of the ``cudaLaunchKernel`` (or driver) call with its correlation id. Kernels replayed from a
+    CUDA graph share one ``cudaGraphLaunch`` and are left out of the delay statistics. A window is *launch-bound*
+    when the GPU waited for the host for more than :data:`LAUNCH_BOUND_SHARE` of its span. Inside a profiled window
+    the profiler's own cost per launch (a few µs) adds to the host time, so small steps read more host-bound there
+    than they run.
+
+All results are per step (divided by the number of ``ProfilerStep#`` ranges, at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmtrain.analysis.trace import _GPU_CATS, _LAUNCH_CATS, PHASE_RANGES, _Intervals, trace_device
+
+__all__ = ["KINDS", "LAUNCH_BOUND_SHARE", "SHORT_KERNEL_US", "Activity", "LaunchStats", "Temporal", "activities",
+           "idle_split", "launch_stats", "temporal_breakdown", "temporal_metrics", "temporal_text"]
+
+#: Kinds of GPU time, in the order a busy instant is given to one of them.
+KINDS: tuple[str, ...] = ("compute", "communication", "memory")
+#: Kernels shorter than this (µs) count as short in the launch statistics.
+SHORT_KERNEL_US = 10.0
+#: A window whose GPU waited for the host more than this share of its span is launch-bound.
+LAUNCH_BOUND_SHARE = 0.10
+#: HTA's default ``consecutive_kernel_delay``: shorter gaps with the work queued are kernel waits. HTA documents it
+#: in ns but compares it with the trace's timestamps, which are µs; this is what HTA computes.
+KERNEL_WAIT_US = 30.0
+#: HTA's name patterns (``hta/common/types.py``): communication and memory kernels; everything else computes.
+_COMM = re.compile(r"^nccl|ncclKernel|^hccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$")
+_MEMORY = re.compile(r"^(hip)?Memcpy|^(hip)?Memset|^dma", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One GPU activity (or, in a CPU trace, one CPU operator) on the timeline, times in µs."""
+
+    start: float
+    end: float
+    name: str
+    kind: str  # one of KINDS
+    stream: Any
+    launch: float | None  # start of the CPU call that launched it (None: not in the trace)
+    phase: str
+    graphed: bool = False  # replayed from a CUDA graph (one launch for all its kernels)
+
+
+def kind_of(name: str) -> str:
+    """``communication``, ``memory`` or ``compute`` for an activity name (HTA's patterns)."""
+    return "communication" if _COMM.search(name) else "memory" if _MEMORY.search(name) else "compute"
+
+
+def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
+    """The activities of a trace and the number of profiled steps (``ProfilerStep#`` ranges, at least 1).
+
+    Args:
+        trace: a Chrome trace (``lmtrain.analysis.kernels.load_trace``).
+        device: ``cuda`` (GPU activities), ``cpu`` (CPU operators) or ``auto`` (cuda when there are any).
+    """
+    device = trace_device(trace) if device == "auto" else device
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    ranges = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"], e.get("tid")) for e in events
+              if e.get("cat") in ("user_annotation", "cpu_op") and e.get("name") in PHASE_RANGES]
+    steps = max(1, sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")))
+    phases = _Intervals(ranges)
+
+    def phase(t: float | None) -> str:
+        if not ranges:
+            return "unknown"
+        return (phases.find(t) if t is not None else None) or "outside"
+
+    out: list[Activity] = []
+    if device == "cpu":
+        for e in (e for e in events if e.get("cat") == "cpu_op"):
+            ts = float(e["ts"])
+            out.append(Activity(ts, ts + float(e.get("dur", 0)), e["name"], kind_of(e["name"]), e.get("tid"), ts,
+                                phase(ts)))
+        return out, steps
+    launches = {int(e["args"]["correlation"]): (float(e["ts"]), "GraphLaunch" in e.get("name", ""))
+                for e in events if e.get("cat") in _LAUNCH_CATS and "correlation" in (e.get("args") or {})}
+    for e in events:
+        if e.get("cat") not in _GPU_CATS:
+            continue
+        args = e.get("args") or {}
+        launch, graphed = launches.get(int(args.get("correlation", -1)), (None, False))
+        ts = float(e["ts"])
+        out.append(Activity(ts, ts + float(e.get("dur", 0)), e.get("name", "?"), kind_of(e.get("name", "")),
+                            args.get("stream", e.get("tid")), launch, phase(launch), graphed or "graph id" in args))
+    return out, steps
+
+
+@dataclass
+class Temporal:
+    """The temporal breakdown of one window, per step (µs); see the module docstring."""
+
+    steps: int
+    span_us: float = 0.0
+    kind_us: dict[str, float] = field(default_factory=dict)  # compute / communication / memory / idle
+    by_phase: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> the same four
+    idle_us: dict[str, float] = field(default_factory=dict)  # host_wait / kernel_wait / other
+    communication_us: float = 0.0  # union of the communication kernels (overlapped or not)
+    overlap_us: float = 0.0  # communication and compute at once
+
+    @property
+    def overlap_share(self) -> float | None:
+        """Communication time hidden behind compute, as a fraction of the communication time (None without any)."""
+        return self.overlap_us / self.communication_us if self.communication_us > 0 else None
+
+    def share(self, kind: str) -> float:
+        return self.kind_us.get(kind, 0.0) / self.span_us if self.span_us > 0 else 0.0
+
+
+def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
+                       kernel_wait_us: float = KERNEL_WAIT_US) -> Temporal:
+    """Compute / communication / memory / idle time over the span, per phase, the idle split and the overlap.
+
+    A sweep over the activities' start and end points: between two consecutive points the GPU is in one state.
+    """
+    steps = max(1, steps)
+    out = Temporal(steps=steps, kind_us=dict.fromkeys((*KINDS, "idle"), 0.0))
+    if not acts:
+        return out
+    points = sorted({a.start for a in acts} | {a.end for a in acts})
+    starts, ends = defaultdict(list), defaultdict(list)
+    for a in acts:
+        starts[a.start].append(a)
+        ends[a.end].append(a)
+    running: dict[str, dict[int, Activity]] = {k: {} for k in KINDS}
+    by_phase: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys((*KINDS, "idle"), 0.0))
+    for t0, t1 in zip(points, points[1:], strict=False):
+        for a in ends[t0]:
+            running[a.kind].pop(id(a), None)
+        for a in starts[t0]:
+            if a.end > a.start:
+                running[a.kind][id(a)] = a
+        dt = t1 - t0
+        if running["communication"]:
+            out.communication_us += dt
+            if running["compute"]:
+                out.overlap_us += dt
+        kind = next((k for k in KINDS if running[k]), None)
+        if kind is not None:
+            out.kind_us[kind] += dt
+            by_phase[next(reversed(running[kind].values())).phase][kind] += dt  # the innermost (latest) one
+        else:  # idle: charged to the work that ends the gap
+            nxt = min(starts[t1], key=lambda a: (a.launch is None, a.launch or 0.0))
+            out.kind_us["idle"] += dt
+            by_phase[nxt.phase]["idle"] += dt
+    out.span_us = points[-1] - points[0]
+    out.idle_us = idle_split(acts, kernel_wait_us=kernel_wait_us)
+    out.span_us /= steps
+    out.communication_us /= steps
+    out.overlap_us /= steps
+    out.kind_us = {k: v / steps for k, v in out.kind_us.items()}
+    out.by_phase = {p: {k: v / steps for k, v in d.items()} for p, d in by_phase.items()}
+    out.idle_us = {k: v / steps for k, v in out.idle_us.items()}
+    return out
+
+
+def idle_split(acts: Sequence[Activity], per_stream: bool = False,
+               kernel_wait_us: float = KERNEL_WAIT_US) -> dict[str, float]:
+    """Idle time split into ``host_wait``, ``kernel_wait`` and ``other`` (µs, whole window; module docstring).
+
+    Args:
+        acts: the window's activities.
+        per_stream: split each stream's gaps and add them up (HTA's way) instead of the gaps of the whole GPU.
+        kernel_wait_us: gaps shorter than this, with the work already launched, are kernel waits.
+    """
+    out = {"host_wait": 0.0, "kernel_wait": 0.0, "other": 0.0}
+    groups: dict[Any, list[Activity]] = defaultdict(list)
+    for a in acts:
+        groups[a.stream if per_stream else None].append(a)
+    for group in groups.values():
+        group = sorted(group, key=lambda a: (a.start, a.launch is None, a.launch or 0.0))
+        busy_until = group[0].end
+        for a in group[1:]:
+            if a.start > busy_until:
+                gap = a.start - busy_until
+                if a.launch is not None and a.launch > busy_until:
+                    out["host_wait"] += gap
+                elif gap < kernel_wait_us:
+                    out["kernel_wait"] += gap
+                else:
+                    out["other"] += gap
+            busy_until = max(busy_until, a.end)
+    return out
+
+
+@dataclass
+class LaunchStats:
+    """Kernel launch statistics of one window (see the module docstring)."""
+
+    kernels_per_step: float
+    short_per_step: float  # kernels under SHORT_KERNEL_US
+    delays_us: list[float]  # kernel start - launch call start, eagerly launched kernels
+    host_wait_share: float  # idle time waiting for the host / span
+    launch_bound: bool
+
+    @property
+    def short_share(self) -> float:
+        return self.short_per_step / self.kernels_per_step if self.kernels_per_step else 0.0
+
+    def delay(self, q: float) -> float | None:
+        """The ``q`` quantile of the launch delays (0.5: the median, else the nearest rank), or None without any."""
+        if not self.delays_us:
+            return None
+        if q == 0.5:
+            return statistics.median(self.delays_us)
+        values = sorted(self.delays_us)
+        return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
+def launch_stats(acts: Sequence[Activity], temporal: Temporal) -> LaunchStats:
+    """Kernels per step, short kernels, launch delays and whether the window is launch-bound."""
+    kernels = [a for a in acts if a.kind != "memory"]
+    delays = [a.start - a.launch for a in kernels if a.launch is not None and not a.graphed]
+    host = temporal.idle_us.get("host_wait", 0.0) / temporal.span_us if temporal.span_us > 0 else 0.0
+    return LaunchStats(kernels_per_step=len(kernels) / temporal.steps,
+                       short_per_step=sum(1 for a in kernels if a.end - a.start < SHORT_KERNEL_US) / temporal.steps,
+                       delays_us=delays, host_wait_share=host, launch_bound=host > LAUNCH_BOUND_SHARE)
+
+
+def _key(phase: str) -> str:
+    return phase.replace(" ", "_")
+
+
+def temporal_metrics(t: Temporal, launch: LaunchStats) -> dict[str, float]:
+    """The ``breakdown/``, ``idle/`` and ``launch/`` scalars (names and units in ``KernelShare``'s docstring)."""
+    if t.span_us <= 0:
+        return {}
+    out = {"breakdown/span_ms_per_step": t.span_us / 1e3}
+    for kind in (*KINDS, "idle"):
+        out[f"breakdown/{kind}_ms_per_step"] = t.kind_us.get(kind, 0.0) / 1e3
+        out[f"breakdown/{kind}_share"] = t.share(kind)
+        for phase, values in t.by_phase.items():
+            if values.get(kind, 0.0) > 0:
+                out[f"breakdown/{_key(phase)}_{kind}_ms_per_step"] = values[kind] / 1e3
+    if t.overlap_share is not None:
+        out["breakdown/comm_overlap_share"] = t.overlap_share
+    idle = sum(t.idle_us.values())
+    for name, us in t.idle_us.items():
+        out[f"idle/{name}_ms_per_step"] = us / 1e3
+        if idle > 0:
+            out[f"idle/{name}_share"] = us / idle
+    out.update({"launch/kernels_per_step": launch.kernels_per_step, "launch/short_kernels_per_step":
+                launch.short_per_step, "launch/short_kernel_share": launch.short_share,
+                "launch/host_wait_share": launch.host_wait_share, "launch/bound": float(launch.launch_bound)})
+    for q, name in ((0.5, "median"), (0.9, "p90")):
+        value = launch.delay(q)
+        if value is not None:
+            out[f"launch/delay_{name}_us"] = value
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def temporal_text(t: Temporal, launch: LaunchStats, what: str = "GPU") -> str:
+    """Markdown: the breakdown per phase, the idle split, the overlap and the launch statistics."""
+    from lmtrain.analysis.tables import markdown_table
+
+    if t.span_us <= 0:
+        return f"**Temporal breakdown:** no {what} activity in the trace."
+    cols = [*KINDS, "idle"]
+    rows = [[p, *[f"{v.get(k, 0.0) / 1e3:.3f}" for k in cols]] for p, v in sorted(t.by_phase.items())]
+    rows.append(["**window**", *[f"{t.kind_us.get(k, 0.0) / 1e3:.3f} ({_pct(t.share(k))})" for k in cols]])
+    idle = sum(t.idle_us.values())
+    split = ", ".join(f"{k.replace('_', ' ')} {_pct(v / idle if idle else None)}" for k, v in t.idle_us.items())
+    median, p90 = launch.delay(0.5), launch.delay(0.9)
+    lines = [f"**Temporal breakdown** ({what} timeline, ms per step; span {t.span_us / 1e3:.3f} ms):", "",
+             markdown_table(["phase", *cols], rows), "",
+             f"**Idle split** ({idle / 1e3:.3f} ms per step): {split}.",
+             f"**Communication hidden behind compute:** {_pct(t.overlap_share)}"
+             + ("" if t.overlap_share is not None else " (no communication)") + ".",
+             f"**Launches:** {launch.kernels_per_step:g} kernels per step, {launch.short_per_step:g} under "
+             f"{SHORT_KERNEL_US:g} µs ({_pct(launch.short_share)}); launch delay median "
+             + ("-" if median is None else f"{median:.1f} µs") + ", p90 " + ("-" if p90 is None else f"{p90:.1f} µs")
+             + f"; the {what} waited for the host {_pct(launch.host_wait_share)} of the span: "
+             + ("**launch-bound**" if launch.launch_bound else "not launch-bound")
+             + f" (threshold {_pct(LAUNCH_BOUND_SHARE)})."]
+    return "\n".join(lines)
+

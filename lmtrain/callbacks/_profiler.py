@@ -1,0 +1,81 @@
+"""The torch.profiler session behind KernelShare: start on a schedule, phase ranges, export, stop and clean up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import torch
+
+from lmtrain.annotate import disable_ranges, enable_ranges
+from lmtrain.callbacks._common import request_cupti_teardown
+
+
+class ProfilerSession:
+    """One ``torch.profiler.profile`` run over ``warmup`` + ``active`` steps, exporting its Chrome trace to a
+    temporary folder (:attr:`trace_path` once the active steps are done), with ``lmtrain.annotate``'s profiler
+    ranges on while it runs and one phase ``record_function`` range open at a time.
+
+    Args:
+        cuda: record CUDA activities too (else CPU operators only).
+        warmup: profiled steps discarded before the active ones.
+        active: steps recorded in the trace.
+        record_shapes: record operator input shapes.
+        release_cupti: tear CUPTI down when the trace stops (``request_cupti_teardown``).
+        device: the CUDA device to synchronise before the first recorded step when there is no warm-up.
+    """
+
+    def __init__(self, cuda: bool, warmup: int, active: int, record_shapes: bool, release_cupti: bool,
+                 device: torch.device | None = None) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.trace_path: str | None = None
+        self._open: list[torch.profiler.record_function] = []
+        self._tmpdir: str | None = tempfile.mkdtemp(prefix="lmtrain_kernels_")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda and release_cupti:
+            request_cupti_teardown()
+        if cuda and warmup == 0:
+            torch.cuda.synchronize(device)
+        enable_ranges(nvtx=False, profiler=True)
+        self._ranges_on = True
+        self.prof: torch.profiler.profile | None = profile(
+            activities=activities, on_trace_ready=self._export, record_shapes=record_shapes,
+            schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1))
+        self.prof.start()
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        path = os.path.join(self._tmpdir, "trace.json")
+        prof.export_chrome_trace(path)
+        self.trace_path = path
+
+    def open_range(self, name: str) -> None:
+        """Open phase range ``name`` (closing the one open)."""
+        self.close_ranges()
+        self._open.append(torch.profiler.record_function(name))
+        self._open[-1].__enter__()
+
+    def close_ranges(self) -> None:
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def finish(self) -> str | None:
+        """Stop the profiler (exporting the trace when the schedule is complete); returns the trace's path."""
+        self.close_ranges()
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            with contextlib.suppress(Exception):  # stopping a profiler that already stopped itself
+                prof.stop()
+        return self.trace_path
+
+    def close(self) -> None:
+        """Stop everything and delete the temporary trace (safe to call more than once)."""
+        self.finish()
+        if self._ranges_on:
+            disable_ranges(nvtx=False, profiler=True)
+            self._ranges_on = False
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
