@@ -31,10 +31,10 @@ def test_real_names_cover_every_category() -> None:
 def test_every_own_kernel_is_named_by_the_registry() -> None:
     """lmtrain's kernels get their category from the exported names, not from a pattern over names."""
     registry = {name for names in kernel_names().values() for name in names}
-    assert registry >= {"_bwd_atomic_kernel", "_delta_kernel", "_dq_convert_kernel", "_fwd_kernel"}
+    assert registry >= {"_flash_fused_bwd_atomic", "_flash_bwd_delta", "_flash_bwd_dq_convert", "_flash_ptr_fwd"}
     assert own_kernels() == {**{n: "attention" for n in registry}, **{n: "optimizer" for n in KERNEL_NAMES}}
     assert all(categorize(n) == "attention" for n in registry)
-    assert categorize("_fwd_kernel_other") == "other"  # exact names: no near misses
+    assert categorize("_ptr_fwd") == "other"  # exact names: no near misses
 
 
 @pytest.mark.parametrize(("name", "category"), [
@@ -56,7 +56,7 @@ def test_inductor_kernels_by_what_they_fuse(name: str, category: str | None) -> 
 def test_graph_replayed_kernels_keep_their_own_categories() -> None:
     """A whole step replayed from a CUDA graph launches inside ``Optimizer.step``: its kernels are still GEMMs and
     attention, not optimizer work (the category follows the name; the phase is the range the replay ran in)."""
-    gemm, attn = "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "_bwd_atomic_kernel"
+    gemm, attn = "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "_flash_fused_bwd_atomic"
     assert categorize(gemm) == "gemm"
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 100, "tid": 1},

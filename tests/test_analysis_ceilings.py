@@ -26,7 +26,7 @@ def _trace() -> dict:
          "args": {"External id": 3, "correlation": 2}},
         {**x, "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 200, "dur": 40,
          "args": {"bytes": 80e6, "correlation": 4}},
-        {**x, "cat": "kernel", "name": "_bwd_atomic_kernel", "ts": 300, "dur": 50, "args": {"correlation": 5}},
+        {**x, "cat": "kernel", "name": "_flash_fused_bwd_atomic", "ts": 300, "dur": 50, "args": {"correlation": 5}},
     ]}
 
 
