@@ -29,7 +29,7 @@ from lmtrain.errors import LmtrainError
 #: ``bench`` subcommands and the modules that implement them. Each module provides
 #: ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's first line is its help.
 BENCH_COMMANDS: dict[str, str] = {
-    "model": "lmtrain.bench.sweep",
+    "model": "lmtrain.bench.model",
     "attention": "lmtrain.bench.attention",
     "precision": "lmtrain.bench.precision",
     "report": "lmtrain.bench.report",

@@ -150,11 +150,22 @@ def _check_field(f: Field, annotation: Any, value: Any) -> None:
                            meta.get("fix") or f"use one of {', '.join(map(str, choices))}.")
 
 
+def check_option(config_class: type, name: str, value: Any) -> None:
+    """Check one value of field ``name`` of a schema alone: type, range and choices (not the combinations).
+
+    Raises:
+        LmtrainError: the value is not allowed (the field is ``model.<name>``).
+    """
+    f = next(f for f in fields(config_class) if f.name == name)
+    _check_field(f, _hints(config_class)[name], value)
+
+
 @dataclass(frozen=True)
 class OptionGroup:
     """Base of the option groups: ``__post_init__`` normalises, checks every field, then each group's rules.
 
-    A group may define ``_normalize`` (turn accepted spellings into the one the field holds) and ``_check``
+    A group may define ``_prepare`` (turn accepted spellings into the one the field holds, or refuse a value whose
+    generic error would mislead) and ``_check``
     (rules between its own fields; in ``ModelConfig``, the combinations across groups). Each class's own
     methods run once, base groups first.
     """
@@ -162,8 +173,8 @@ class OptionGroup:
     def __post_init__(self) -> None:
         own = [cls.__dict__ for cls in reversed(type(self).__mro__)]
         for methods in own:
-            if "_normalize" in methods:
-                methods["_normalize"](self)
+            if "_prepare" in methods:
+                methods["_prepare"](self)
         hints = _hints(type(self))
         for f in fields(self):
             _check_field(f, hints[f.name], getattr(self, f.name))
@@ -224,7 +235,7 @@ class OptimizerOptions(OptionGroup):
     fused_adamw: bool = option(True, "use the fused CUDA AdamW kernel when the parameters are on a GPU.",
                                short="fused")
 
-    def _normalize(self) -> None:
+    def _prepare(self) -> None:
         if isinstance(self.betas, list):  # YAML and the command line give lists; the field holds a tuple
             object.__setattr__(self, "betas", tuple(self.betas))
 
@@ -247,6 +258,18 @@ class MemoryOptions(OptionGroup):
         "kept in pinned host memory and copied back for the backward pass). true and false are accepted as full "
         "and none; the field always holds the name.", short="ac", choices=CHECKPOINTING_POLICIES, kind="policy",
         fix=f"use one of {', '.join(CHECKPOINTING_POLICIES)} (true = full, false = none).")
+    optimizer_in_backward: bool = option(
+        False, "update each parameter with its own AdamW inside the backward pass, as soon as its gradient is "
+        "complete, and free the gradient at once (lmtrain.optim.InBackwardAdamW): no full set of gradients ever "
+        "exists (saves the gradient bytes, 4 per parameter in fp32 and *-mixed). Same updates, schedule and "
+        "weight-decay groups as the ordinary step. Refused with trainer.accumulate_grad_batches > 1, "
+        "trainer.gradient_clip_val, trainer.precision: 16-mixed, step modes other than train and DDP on several "
+        "ranks (the update would come before the gradient's all-reduce). Under FSDP2 each update follows its "
+        "gradient's reduce-scatter.", short="ib")
+    loss_chunk_tokens: int = option(
+        0, "compute the output head and the cross-entropy over this many tokens at a time, in the forward and the "
+        "backward pass, so that the (tokens x vocabulary) logits never exist whole (same loss and gradients); 0 "
+        "computes them whole.", short="chunk", fix="use 0 (logits computed whole) or a token count such as 4096.")
     checkpoint_layers: int | None = option(
         None, "how many blocks, counted from the first, activation_checkpointing applies to; the remaining (last) "
         "blocks keep everything for the backward pass, as with none. The last blocks are the first the backward "
@@ -258,20 +281,8 @@ class MemoryOptions(OptionGroup):
         "attention outputs: about 2.5x less memory per block than none at the 2.7B model's shapes, for nearly the "
         "same saving of recomputation).", short="rest", choices=("none", "selective"), kind="policy",
         fix="use none or selective.")
-    loss_chunk_tokens: int = option(
-        0, "compute the output head and the cross-entropy over this many tokens at a time, in the forward and the "
-        "backward pass, so that the (tokens x vocabulary) logits never exist whole (same loss and gradients); 0 "
-        "computes them whole.", short="chunk", fix="use 0 (logits computed whole) or a token count such as 4096.")
-    optimizer_in_backward: bool = option(
-        False, "update each parameter with its own AdamW inside the backward pass, as soon as its gradient is "
-        "complete, and free the gradient at once (lmtrain.optim.InBackwardAdamW): no full set of gradients ever "
-        "exists (saves the gradient bytes, 4 per parameter in fp32 and *-mixed). Same updates, schedule and "
-        "weight-decay groups as the ordinary step. Refused with trainer.accumulate_grad_batches > 1, "
-        "trainer.gradient_clip_val, trainer.precision: 16-mixed, step modes other than train and DDP on several "
-        "ranks (the update would come before the gradient's all-reduce). Under FSDP2 each update follows its "
-        "gradient's reduce-scatter.", short="ib")
 
-    def _normalize(self) -> None:
+    def _prepare(self) -> None:
         # Booleans are the older spelling of the two ends (``true`` = ``full``); the field always holds the name
         # so that everything downstream compares strings. Frozen dataclass: set through object.__setattr__.
         checkpointing = self.activation_checkpointing
@@ -290,11 +301,6 @@ class SpeedOptions(OptionGroup):
         "(PyTorch's fused kernels), flash_pytorch (tiled reference), flash_triton (Triton kernels, GPU).")
     compile: bool = option(False, "compile the model with torch.compile, in place (nn.Module.compile: checkpoint "
                            "keys stay those of the eager model).")
-    compile_mode: str = option(
-        "default", "torch.compile's mode with compile: default, or max-autotune-no-cudagraphs (inductor benchmarks "
-        "Triton matrix-product templates against cuBLAS for each shape and keeps the fastest; the first steps take "
-        "minutes longer). The modes that add CUDA graphs (reduce-overhead, max-autotune) are refused: cuda_graphs "
-        "captures the whole step, the optimizer included.", short="cm")
     step_mode: str = option(
         "train", "train (forward, backward, AdamW step), forward_backward (no optimizer step) or forward (no "
         "gradients at all), for benchmarks that time part of a step with the same loop.", choices=STEP_MODES,
@@ -307,10 +313,6 @@ class SpeedOptions(OptionGroup):
         "trainer.gradient_clip_val, 16-mixed, several devices and activation_checkpointing: offload. The optimizer "
         "is AdamW with capturable=True and the learning rate a device tensor; checkpoints are those of an eager "
         "run. Callbacks see a replayed step as one phase, cuda graph.", short="graphs")
-    cuda_graph_warmup: int = option(3, "eager steps of each fit before the capture (compilation, autotuning, "
-                                    "optimizer state).", minimum=1, short="gw",
-                                    fix="use 3 (compilation, autotuning and the optimizer state need eager steps "
-                                    "first).")
     optimizer_overlap: bool = option(
         False, "with optimizer_in_backward, run the per-parameter updates on a second CUDA stream so that they "
         "overlap with the rest of the backward pass (the same updates; no effect on a CPU).", short="ovl")
@@ -322,6 +324,11 @@ class SpeedOptions(OptionGroup):
         "trainer.precision: bf16-mixed; refused with gradient accumulation, gradient clipping, "
         "optimizer_in_backward, FSDP2 and several ranks. The fp32 masters are in the optimizer state of a "
         "checkpoint (a resumed fit continues exactly).", short="mw")
+    compile_mode: str = option(
+        "default", "torch.compile's mode with compile: default, or max-autotune-no-cudagraphs (inductor benchmarks "
+        "Triton matrix-product templates against cuBLAS for each shape and keeps the fastest; the first steps take "
+        "minutes longer). The modes that add CUDA graphs (reduce-overhead, max-autotune) are refused: cuda_graphs "
+        "captures the whole step, the optimizer included.", short="cm", choices=COMPILE_MODES, kind="mode")
     optimizer_state_dtype: str = option(
         "float32", "the optimizer state of those bf16 weights under master_weights: float32 (fp32 masters and "
         "moments; the update is AdamW's) or bfloat16, the compact state: each fp32 master stored split into the "
@@ -329,17 +336,20 @@ class SpeedOptions(OptionGroup):
         "unbiased (18 instead of 28 bytes of memory traffic per parameter and step, 6 fewer bytes of memory). "
         "The embedding and norm gains keep an fp32 state. Needs master_weights: true.", short="state",
         choices=OPTIMIZER_STATES, kind="dtype")
+    cuda_graph_warmup: int = option(3, "eager steps of each fit before the capture (compilation, autotuning, "
+                                    "optimizer state).", minimum=1, short="gw",
+                                    fix="use 3 (compilation, autotuning and the optimizer state need eager steps "
+                                    "first).")
+
+    def _prepare(self) -> None:
+        if self.compile_mode in ("reduce-overhead", "max-autotune"):  # known modes, refused for a reason
+            raise LmtrainError("model.compile_mode", f"{self.compile_mode!r} adds torch.compile's own CUDA graphs of "
+                               "the forward and backward passes.", "use model.cuda_graphs: true (the whole step, "
+                               "optimizer included, as one graph) with model.compile_mode: default or "
+                               "max-autotune-no-cudagraphs.")
 
     def _check(self) -> None:
         mode = self.compile_mode
-        if mode in ("reduce-overhead", "max-autotune"):
-            raise LmtrainError("model.compile_mode", f"{mode!r} adds torch.compile's own CUDA graphs of the forward "
-                               "and backward passes.", "use model.cuda_graphs: true (the whole step, optimizer "
-                               "included, as one graph) with model.compile_mode: default or "
-                               "max-autotune-no-cudagraphs.")
-        if mode not in COMPILE_MODES:
-            raise LmtrainError("model.compile_mode", f"unknown mode {mode!r}.",
-                               f"use one of {', '.join(COMPILE_MODES)}.")
         if mode != "default" and not self.compile:
             raise LmtrainError("model.compile_mode", f"{mode!r} is torch.compile's mode, but model.compile is false.",
                                "set model.compile: true, or leave model.compile_mode: default.")

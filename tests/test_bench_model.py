@@ -13,7 +13,7 @@ import bench_faults
 import lightning.pytorch as pl
 import pytest
 
-from lmtrain.bench import sweep as bench
+from lmtrain.bench import model as bench
 from lmtrain.bench import tables
 from lmtrain.cli import main
 from lmtrain.errors import LmtrainError

@@ -7,17 +7,18 @@ import argparse
 import json
 import math
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lmtrain.bench import sweep as bench
+from lmtrain.bench import model as bench
 from lmtrain.bench.reference import train_plain
 from lmtrain.bench.studies import render_speed, variant_name
 from lmtrain.cli import main
-from lmtrain.config import STUDY_SIZES, ModelConfig
+from lmtrain.config import STUDY_SIZES, ModelConfig, doc_of
 from lmtrain.errors import LmtrainError
 
 VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "compile+graphs+master",
@@ -95,10 +96,12 @@ def test_speed_flags_reach_the_module_and_overlap_implies_in_backward() -> None:
     for flag in ("--cuda-graphs", "--optimizer-overlap", "--runner"):
         with pytest.raises(LmtrainError, match=flag):
             plan("--sizes", "small", flag, "maybe")
-    parser = argparse.ArgumentParser()
+    # One line per help text: argparse would otherwise wrap at the hyphens of option names.
+    parser = argparse.ArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100_000))
     bench.add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert "--cuda-graphs CUDA_GRAPHS forward, backward and optimizer step captured as one CUDA graph" in text
+    doc = " ".join(doc_of(next(f for f in fields(ModelConfig) if f.name == "cuda_graphs")).split())
+    assert f"--cuda-graphs CUDA_GRAPHS {doc} (model.cuda_graphs) In a sweep: off, on or off,on" in text
     assert "on implies --optimizer-in-backward on" in text
 
 
