@@ -11,7 +11,7 @@ allocator's fragmentation (``lmtrain.memory_plan.device_capacity_bytes``). Under
 FSDP2 (``ModelParallelStrategy``) the plan is per GPU, with ``--trainer.devices`` x ``--trainer.num_nodes`` GPUs
 (``data.batch_size`` is per GPU).
 
-The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.configuration``): the same
+The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.cli_config``): the same
 sections, links, defaults and dotted overrides, so any option of ``fit`` is accepted here. The formula is in
 ``lmtrain.memory_plan``; no model is built and no GPU is needed.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmtrain.configuration import ResolvedConfig, resolve_args
+from lmtrain.cli_config import ResolvedConfig, resolve_args
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import (

@@ -93,7 +93,11 @@ class LMModule(pl.LightningModule):
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
-        self.save_hyperparameters({**known, "size": size, **options})
+        # Under LightningCLI, Lightning records the options as the command line gave them (lists stay lists, as in
+        # the saved config.yaml); called from Python, the arguments as given with the defaults filled in.
+        self.save_hyperparameters()
+        if not self.hparams:
+            self.save_hyperparameters({**known, "size": size, **options})
         # Every option checked once, by the schema (a combination that cannot work is refused there).
         self.config = self.config_class.from_module_kwargs(self.hparams)
         config = self.config

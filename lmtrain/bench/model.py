@@ -16,7 +16,7 @@ everything; ``--launcher spawn`` starts a fresh interpreter instead (used automa
 already initialised here, since a forked child must never inherit a CUDA context). Both are
 ``lmtrain.bench.runner``'s. Results come back as a JSON file per cell; a cell's stdout and stderr go to
 ``<out>_cells/<cell>.log``. A cell given as a config YAML is resolved by the ``fit`` parser
-(``lmtrain.configuration``), with the cell's context, attention, compile flag and step mode as overrides.
+(``lmtrain.cli_config``), with the cell's context, attention, compile flag and step mode as overrides.
 
 A cell is a difference from a config: its option fields, flags (``--cuda-graphs off,on``), key, name and CSV columns
 are the step options of the schema (``lmtrain.config.step_fields``: the memory and speed groups), read from
@@ -178,7 +178,7 @@ def module_kwargs(cell: Cell) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _resolved_model(path: str, overrides: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     # Cached: a sweep asks for the same cell's arguments several times (plan, row, time estimate).
-    from lmtrain.configuration import resolve_config
+    from lmtrain.cli_config import resolve_config
 
     resolved = resolve_config(path, {f"model.{k}": v for k, v in overrides})
     return tuple(resolved.model.items())

@@ -1,4 +1,5 @@
-"""One configuration path: the LightningCLI parser of ``python -m lmtrain fit``, for every command.
+"""The command-line configuration (``lmtrain.cli_config``): the LightningCLI parser of ``python -m lmtrain fit``,
+used by every command. The option schema itself is ``lmtrain.config``.
 
 ``fit``, ``validate`` and ``test`` run :class:`LMCli`; ``estimate`` and every ``bench`` command resolve their
 YAML and dotted overrides with :func:`resolve_config`, which parses them with the same class and the same

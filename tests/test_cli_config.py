@@ -14,8 +14,8 @@ import yaml
 from lmtrain.bench import callbacks, overhead
 from lmtrain.bench import model as bench_model
 from lmtrain.cli import main
+from lmtrain.cli_config import resolve_args, resolve_config
 from lmtrain.config import ModelConfig
-from lmtrain.configuration import resolve_args, resolve_config
 from lmtrain.errors import LmtrainError
 from lmtrain.estimate import resolve as estimate_resolve
 from lmtrain.module import LMModule
