@@ -430,7 +430,8 @@ STEP_GROUPS: tuple[type, ...] = (MemoryOptions, SpeedOptions)
 def step_fields(config_class: type = ModelConfig) -> tuple[Field, ...]:
     """The step options of a schema: the fields of ``config_class`` that come from a step group (``STEP_GROUPS``,
     or a group derived from one), in declaration order."""
-    step = [c for c in config_class.__mro__ if any(issubclass(c, g) for g in STEP_GROUPS)]
+    step = [c for c in config_class.__mro__ if any(issubclass(c, g) for g in STEP_GROUPS)
+            and not issubclass(c, ModelConfig)]  # a schema's own fields belong to no group
     names = {name for c in step for name in c.__dict__.get("__annotations__", {})}
     return tuple(f for f in fields(config_class) if f.name in names)
 
