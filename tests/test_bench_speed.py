@@ -49,9 +49,10 @@ def test_speed_study_cells_variants_order_and_keys() -> None:
     expected = [(s, t) for variant in STUDIES["speed"].preset["variants"][::len(variants)]
                 for s in variant["sizes"] for t in variant["contexts"]]
     assert cells == per_study["speed"] and len(cells) == len(expected) * len(variants)
-    assert sorted(dict.fromkeys(points)) == sorted(expected) and len(dict.fromkeys(points)) * len(variants) == len(cells)
+    unique = list(dict.fromkeys(points))
+    assert sorted(unique) == sorted(expected) and len(unique) * len(variants) == len(cells)
     sizes = list(dict.fromkeys(s for s, _ in points))  # the cells of one size, then of one context, are adjacent
-    assert list(dict.fromkeys(points)) == sorted(dict.fromkeys(points), key=lambda p: (sizes.index(p[0]), p[1]))
+    assert unique == sorted(unique, key=lambda p: (sizes.index(p[0]), p[1]))
     n = len(variants)
     for i in range(0, len(cells), n):  # each point: its variants together, in the preset's order, each named apart
         group = cells[i:i + n]
