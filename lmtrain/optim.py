@@ -1,4 +1,8 @@
-"""AdamW over fp32 master weights for a model whose matrix weights are stored in bf16.
+"""lmtrain's optimizers: AdamW over fp32 master weights for bf16 matrix weights, and AdamW inside the backward pass.
+
+:class:`InBackwardAdamW` (``model.optimizer_in_backward``) updates each parameter as soon as its gradient is complete
+(see its docstring); :func:`check_in_backward_trainer` and :func:`check_master_weights_trainer` refuse the trainer
+settings each cannot work with. The rest of this docstring is about :class:`MasterWeightAdamW`.
 
 Under ``bf16-mixed`` (autocast to bf16) the weights are fp32 and every step moves, per matrix parameter:
 
