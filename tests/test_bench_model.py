@@ -314,3 +314,16 @@ def test_skip_unfit_records_cells_the_plan_rules_out_and_a_later_run_runs_them(
     assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true") == 0  # without the flag
     assert launched == [16, 4096]
     assert {r["status"] for r in read_csv(out)} == {"ok"}
+
+
+def test_every_step_option_reaches_the_table_and_the_csv_columns() -> None:
+    from lmtrain.bench.tables import options_text
+    from lmtrain.config import step_fields
+
+    options = [f.name for f in step_fields() if f.name not in bench.AXIS_FIELDS.values()]
+    assert [c for c in bench.CSV_COLUMNS if c in options] == options
+    cell = bench.Cell("tiny", 64, 2, "32-true", "sdpa", False, "train", 1, 2, activation_checkpointing="full",
+                      checkpoint_layers=2)
+    row = bench.base_row(cell)
+    assert options_text(row) == "checkpointing full, checkpoint layers 2"
+    assert cell.slug.endswith("_acfull_cl2")
