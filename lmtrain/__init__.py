@@ -12,6 +12,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ModelConfig": "lmtrain.config",
+    "ShapeOptions": "lmtrain.config",
+    "OptimizerOptions": "lmtrain.config",
+    "MemoryOptions": "lmtrain.config",
+    "SpeedOptions": "lmtrain.config",
+    "option": "lmtrain.config",
     "SIZES": "lmtrain.config",
     "LmtrainError": "lmtrain.errors",
     "TransformerLM": "lmtrain.model",

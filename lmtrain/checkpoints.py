@@ -35,7 +35,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from lmtrain.config import weight_fields
 from lmtrain.errors import LmtrainError
+
+#: ModelConfig fields that fix the weights (their shapes or what they compute; ``option(weights=True)``). A
+#: checkpoint must agree on all of them; context_length, attention, activation_checkpointing, compile and the other
+#: step options may change between runs.
+ARCHITECTURE_FIELDS: tuple[str, ...] = weight_fields()
 
 LAST = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # "last.ckpt"
 _VERSION = re.compile(r"version_(\d+)")
@@ -256,12 +262,11 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
         model: the requested ``model`` section (namespace or dict of LMModule arguments).
 
     Raises:
-        LmtrainError: the architectures differ (see ``lmtrain.module.check_architecture``).
+        LmtrainError: the architectures differ (see :func:`check_architecture`).
     """
     import torch
 
     from lmtrain.config import ModelConfig
-    from lmtrain.module import ARCHITECTURE_FIELDS, check_architecture
 
     if model is None:
         return
@@ -307,3 +312,51 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
     if version is not None:
         _set(init_args, "version", version)
         rank_zero_info(f"Resuming {ckpt_path}: logging on in {Path(save_dir) / name / f'version_{version}'}.")
+
+
+def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: Any) -> None:
+    """Compare a checkpoint's hyperparameters with the requested model's resolved configuration.
+
+    Args:
+        saved: the checkpoint's ``hyper_parameters`` (an LMModule's ``__init__`` arguments).
+        requested: the requested module's hyperparameters.
+        config: the requested module's resolved ``ModelConfig``.
+
+    Raises:
+        LmtrainError: a field of ``ARCHITECTURE_FIELDS`` differs.
+    """
+    from lmtrain.config import SIZES, ModelConfig
+
+    if saved.get("size") not in SIZES:
+        return  # not an LMModule checkpoint's hyperparameters: Lightning's state-dict check still applies
+    overrides = {k: saved.get(k) for k in ARCHITECTURE_FIELDS + ("context_length",) if k in saved}
+    theirs = ModelConfig.from_size(saved["size"], **overrides)
+    differing = [k for k in ARCHITECTURE_FIELDS if getattr(theirs, k) != getattr(config, k)]
+    if not differing:
+        return
+    problem = "the checkpoint holds another model: " + ", ".join(
+        f"{k} {getattr(theirs, k)} in the checkpoint, {getattr(config, k)} requested" for k in differing) + "."
+    # The fix names the checkpoint's own options (size first: it sets four fields at once).
+    options = [k for k in ("size",) + ARCHITECTURE_FIELDS if saved.get(k) != requested.get(k)]
+    values = {k: saved["size"] if k == "size" else getattr(theirs, k) for k in options}  # resolved, never null
+    fix = ("request the checkpoint's model (" + " ".join(f"--model.{k} {v}" for k, v in values.items())
+           + "), or start a new run without --ckpt_path.")
+    raise LmtrainError(", ".join(f"model.{k}" for k in differing), problem, fix)
+
+
+def check_shapes(saved: dict[str, Any], requested: dict[str, Any]) -> None:
+    """Compare a checkpoint's weight shapes with the requested model's.
+
+    Raises:
+        LmtrainError: a weight is missing on either side or has another shape.
+    """
+    differing = [k for k in saved.keys() | requested.keys()
+                 if k not in saved or k not in requested or tuple(saved[k].shape) != tuple(requested[k].shape)]
+    if not differing:
+        return
+    first = sorted(differing)[0]
+    shapes = [tuple(d[first].shape) if first in d else "absent" for d in (saved, requested)]
+    raise LmtrainError("model", f"the checkpoint holds another model: {len(differing)} weights differ, e.g. {first} "
+                       f"{shapes[0]} in the checkpoint, {shapes[1]} requested.",
+                       "build the model with the checkpoint's own hyperparameters (no overrides of size, "
+                       "vocab_size, d_model, num_layers, num_heads or d_ff).")

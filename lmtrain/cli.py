@@ -2,7 +2,7 @@
 
 ``fit``, ``validate`` and ``test`` are LightningCLI subcommands over ``LMModule`` and ``LMDataModule``
 (``--config``, ``--print_config``, dotted overrides such as ``--model.context_length 1024``), built in
-``lmtrain.configuration``, which also resolves the configs of ``estimate`` and every ``bench`` command.
+``lmtrain.cli_config``, which also resolves the configs of ``estimate`` and every ``bench`` command.
 ``bench NAME`` runs one of the benchmarks in ``lmtrain.bench``; ``estimate`` prints the memory plan of a
 config; ``analyze`` reads saved profiling records.
 
@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lmtrain import __version__
-from lmtrain.configuration import PROG, SUBCOMMANDS
+from lmtrain.cli_config import PROG, SUBCOMMANDS
 from lmtrain.errors import LmtrainError
 
 #: ``bench`` subcommands and the modules that implement them. Each module provides
 #: ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's first line is its help.
 BENCH_COMMANDS: dict[str, str] = {
-    "model": "lmtrain.bench.sweep",
+    "model": "lmtrain.bench.model",
     "attention": "lmtrain.bench.attention",
     "precision": "lmtrain.bench.precision",
     "report": "lmtrain.bench.report",
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LmtrainError("command", f"there is no command {args[0]!r}.",
                                f"use one of {', '.join([*SUBCOMMANDS, 'bench', *TOOL_COMMANDS])} "
                                f"(`{PROG} --help`).")
-        from lmtrain.configuration import run_lightning
+        from lmtrain.cli_config import run_lightning
 
         run_lightning(args)
         return 0

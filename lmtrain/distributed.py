@@ -22,7 +22,8 @@ fp32 (the loss already is). The residual stream is then bf16 (the embedding's ou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -181,3 +182,31 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def build_sharded_model(module: Any) -> nn.Module:
+    """The model of ``module``, built on its device and sharded over ``module.device_mesh`` with FSDP2.
+
+    ``ModelParallelStrategy`` does not place the tensors that ``configure_model`` creates (its init context
+    sets no device), so the model is built on the rank's device explicitly: the same device and seed as a
+    single-device or DDP run, hence the same initial weights. Activation checkpointing and compile are
+    applied per block by ``lmtrain.distributed.shard_model``, so the model itself is built without its own
+    checkpointing (that would checkpoint each block twice).
+    """
+    from lmtrain.model import TransformerLM
+
+    precision = str(module.trainer.precision)
+    check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
+    policy = module.config.activation_checkpointing
+    if module.config.checkpoint_layers is not None:  # (and so checkpoint_rest)
+        raise LmtrainError("model.checkpoint_layers", "is not available under FSDP2 (ModelParallelStrategy), which "
+                           "checkpoints every sharded block.", "leave model.checkpoint_layers null with this strategy.")
+    if policy not in ("none", "full"):
+        raise LmtrainError("model.activation_checkpointing",
+                           f"policy {policy!r} is not available under FSDP2 (ModelParallelStrategy); each sharded "
+                           "block is checkpointed whole.",
+                           "use model.activation_checkpointing: full (or none) with this strategy.")
+    with torch.device(module.trainer.strategy.root_device):
+        model = TransformerLM(replace(module.config, activation_checkpointing="none"))
+    return shard_model(model, module.device_mesh, precision, activation_checkpointing=policy == "full",
+                       compile=module.config.compile, compile_mode=module.config.compile_mode)

@@ -11,7 +11,7 @@ allocator's fragmentation (``lmtrain.memory_plan.device_capacity_bytes``). Under
 FSDP2 (``ModelParallelStrategy``) the plan is per GPU, with ``--trainer.devices`` x ``--trainer.num_nodes`` GPUs
 (``data.batch_size`` is per GPU).
 
-The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.configuration``): the same
+The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.cli_config``): the same
 sections, links, defaults and dotted overrides, so any option of ``fit`` is accepted here. The formula is in
 ``lmtrain.memory_plan``; no model is built and no GPU is needed.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmtrain.configuration import ResolvedConfig, resolve_args
+from lmtrain.cli_config import ResolvedConfig, resolve_args
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import (
@@ -28,10 +28,8 @@ from lmtrain.memory_plan import (
     PRECISIONS,
     device_capacity_bytes,
     estimate_memory,
-    estimate_memory_distributed,
     fits,
     max_fitting,
-    max_fitting_distributed,
     strategy_kind,
 )
 
@@ -104,17 +102,13 @@ def run(args: argparse.Namespace) -> int:
     batch = int(resolved.data["batch_size"])
     precision = resolved.precision
     strategy, world = strategy_of(resolved.trainer), world_size(resolved.trainer)
-    if strategy == "single" or world == 1 and strategy == "ddp":
-        plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode)
+    if world == 1 and strategy == "ddp":
+        strategy = "single"  # DDP on one device is the single-device step
+    parallel = {"strategy": strategy, "world_size": world}
+    plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode, **parallel)
 
-        def largest(budget: int, **kw: int | None) -> int:
-            return max_fitting(cfg, budget, precision=precision, mode=mode, **kw)
-    else:
-        plan = estimate_memory_distributed(cfg, batch, cfg.context_length, precision, strategy, world, mode)
-
-        def largest(budget: int, **kw: int | None) -> int:
-            return max_fitting_distributed(cfg, budget, precision=precision, strategy=strategy, world_size=world,
-                                           mode=mode, **kw)
+    def largest(budget: int, **kw: int | None) -> int:
+        return max_fitting(cfg, budget, precision=precision, mode=mode, **kw, **parallel)
     capacity = device_capacity_bytes(args.gpu_memory_gib)
     options = [f"activation checkpointing {cfg.activation_checkpointing}"]
     if cfg.checkpoint_layers is not None:

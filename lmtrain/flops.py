@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from lmtrain.config import ModelConfig
+from lmtrain.config import STEP_MODES, ModelConfig
 
-#: Step modes: what one step does.
-STEP_MODES = ("train", "forward", "forward_backward")
+__all__ = ["STEP_MODES", "flops_per_step", "mfu", "parameter_count", "peak_flops"]
 
 #: Dense peak FLOP/s by device-name substring and compute dtype, from the vendors' datasheets (no
 #: sparsity). ``fp32`` is plain fp32 (no tensor cores); ``tf32`` applies when

@@ -7,8 +7,9 @@ sooner. Captured as a CUDA graph, the step is one launch (``cudaGraphLaunch``) w
 :class:`WholeStepGraph` captures a step function (``loss = step(batch)``, the whole training step with the
 optimizer update inside it) on a static input buffer and replays it on new batches; :class:`GraphedOptimizer`
 is the optimizer Lightning sees, so that a replayed step still counts as an optimizer step (``global_step``,
-the LR schedule, checkpoints) without updating the parameters a second time. ``lmtrain.module.LMModule`` uses
-both when ``cuda_graphs`` is on; ``docs/speed.md`` describes the mode and what the callbacks report under it.
+the LR schedule, checkpoints) without updating the parameters a second time. :class:`GraphedStep` is
+``lmtrain.module.LMModule``'s training step when ``cuda_graphs`` is on (eager warm-up, capture, replays);
+``docs/speed.md`` describes the mode and what the callbacks report under it.
 
 What a captured step needs, and where it comes from:
 
@@ -29,6 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lmtrain.errors import LmtrainError
+from lmtrain.optim import InBackwardAdamW
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -186,3 +190,161 @@ def eager_requested(trainer: Any, step: int) -> bool:
         if callable(needs) and needs(step):
             return True
     return False
+
+
+class GraphedStep:
+    """``LMModule``'s training step under ``cuda_graphs``: eager warm-up steps, one capture, then replays.
+
+    The module's ``training_step`` hands each batch to :meth:`training_step`, which runs it eagerly (warm-up,
+    a step a callback asks to see eagerly, a batch of another shape) or as a replay of the captured step. The
+    module's ``replays_graph`` and ``in_window`` (asked by the callbacks) are :meth:`replays` and
+    :meth:`in_window`.
+
+    Args:
+        graph_class: how the step is captured and replayed (``WholeStepGraph``; tests use ``EmulatedStepGraph``).
+        warmup: eager steps of each fit before the capture (``cuda_graph_warmup``).
+    """
+
+    def __init__(self, graph_class: type[WholeStepGraph], warmup: int) -> None:
+        self.graph_class = graph_class
+        self.warmup = warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a fit: it captures its own graph after its own warm-up (compilation and autotuning are per
+        process)."""
+        self.graph: WholeStepGraph | None = None
+        self.eager_steps = 0
+        self.capture_step: int | None = None
+
+    def replays(self, trainer: Any, step: int) -> bool:
+        """Step ``step`` runs as a replay (the capture step included): not during the warm-up, nor when a callback
+        asks for an eager step (``needs_eager_step``)."""
+        if self.eager_steps < self.warmup:
+            return False
+        return trainer is None or not eager_requested(trainer, step)
+
+    def in_window(self, step: int) -> bool:
+        """Step ``step`` is an eager warm-up step or the step that captured the graph."""
+        return self.capture_step is None or step <= self.capture_step
+
+    def training_step(self, module: Any, batch: torch.Tensor) -> torch.Tensor:
+        """One training step of ``module`` (an ``LMModule``): eager or a replay. Returns the detached loss."""
+        optimizer = module.optimizers()
+        schedule = module.lr_schedulers()
+        graphed: GraphedOptimizer = optimizer.optimizer
+        trainer = module.trainer
+        step = trainer.global_step
+        # The rate this step's update uses, from the schedule on the host (the groups' ``lr`` is a device tensor
+        # here: reading it would wait for the GPU).
+        module.log("train/lr", torch.tensor(float(module.config.lr * schedule.lr_lambdas[0](schedule.last_epoch))))
+        if self.graph is None:
+            self.graph = self.graph_class()
+        graph = self.graph
+        wanted = self.replays(trainer, step)
+        replay = wanted and (not graph.ready or graph.matches(batch))
+        if wanted and not replay:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"model.cuda_graphs: a batch of shape {tuple(batch.shape)} differs from the captured "
+                           f"{tuple(graph.static_batch.shape)}; such batches run eagerly.")
+        if replay:
+            if not graph.ready:
+                self._capture(module, graph, graphed.inner, batch)
+            module.note_batch(batch)
+            graphed.replaying = True
+            try:
+                optimizer.step(closure=lambda: graph.replay(batch))
+            finally:
+                graphed.replaying = False
+            graphed.inner.zero_grad(set_to_none=True)  # as after an eager step (a host-side no-op after a replay)
+            loss = graph.static_loss.clone()  # the next replay overwrites the static output
+        else:
+            def forward_backward() -> torch.Tensor:
+                loss = module.loss(batch)
+                module.manual_backward(loss)
+                return loss
+
+            if isinstance(graphed.inner, InBackwardAdamW):
+                loss = optimizer.step(closure=forward_backward)
+            else:
+                loss = forward_backward()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.eager_steps += 1
+            loss = loss.detach()
+        schedule.step()
+        return loss
+
+    def _capture(self, module: Any, graph: WholeStepGraph, inner: torch.optim.Optimizer,
+                 batch: torch.Tensor) -> None:
+        """Capture the whole step: forward, backward and ``inner``'s update (inside the backward pass for an
+        in-backward optimizer), with autocast's weight cache off (each cast is a kernel of the graph)."""
+        import contextlib
+
+        def forward_backward(b: torch.Tensor) -> torch.Tensor:
+            loss = module.loss(b)
+            loss.backward()
+            return loss
+
+        def whole_step(b: torch.Tensor) -> torch.Tensor:
+            # Host work: at the capture, the backward pass then writes fresh gradient buffers (no accumulation),
+            # which is what every replay does.
+            inner.zero_grad(set_to_none=True)
+            if isinstance(inner, InBackwardAdamW):
+                return inner.step(closure=lambda: forward_backward(b))
+            loss = forward_backward(b)
+            inner.step()
+            return loss
+
+        def prepare(b: torch.Tensor) -> None:  # a forward and backward pass without an update
+            forward_backward(b)
+            inner.zero_grad(set_to_none=True)
+
+        inner.zero_grad(set_to_none=True)
+        device = batch.device.type
+        context = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
+                   if torch.is_autocast_enabled(device) else contextlib.nullcontext())
+        with context:
+            graph.capture(whole_step, batch, prepare=prepare)
+        # The graph keeps its gradient buffers in its own pool; eager steps start from no gradients.
+        inner.zero_grad(set_to_none=True)
+        self.capture_step = module.trainer.global_step
+
+
+def check_graph_trainer(trainer: Any, activation_checkpointing: tuple[str, ...], needs_cuda: bool = True) -> None:
+    """Refuse trainer settings a graphed step (``model.cuda_graphs``) cannot work with.
+
+    Args:
+        trainer: the Lightning trainer.
+        activation_checkpointing: the model's checkpointing policies (``activation_checkpointing``,
+            ``checkpoint_rest``).
+        needs_cuda: the graph class needs a CUDA device (the CPU stand-in of the tests does not).
+
+    Raises:
+        LmtrainError: no CUDA device, several devices, accumulation, clipping, ``16-mixed`` or offload.
+    """
+    field, why = "model.cuda_graphs", "replays the whole step as one graph, so"
+    off = "or set model.cuda_graphs: false."
+    device = trainer.strategy.root_device
+    if needs_cuda and device.type != "cuda":
+        raise LmtrainError(field, f"needs a CUDA device; this run trains on {device.type}.",
+                           "train on a GPU (trainer.accelerator: gpu) " + off)
+    if getattr(trainer, "world_size", 1) > 1:
+        raise LmtrainError(field, f"captures the step of one device; this run has {trainer.world_size} "
+                           "devices (their gradient communication is not captured).",
+                           "use trainer.devices: 1 " + off)
+    if trainer.accumulate_grad_batches > 1:
+        raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
+                           f"{trainer.accumulate_grad_batches} batches.",
+                           "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
+    if trainer.gradient_clip_val:
+        raise LmtrainError(field, f"{why} clipping by the gradient norm (trainer.gradient_clip_val="
+                           f"{trainer.gradient_clip_val}) would happen after the update, outside the graph.",
+                           "unset trainer.gradient_clip_val " + off)
+    if str(trainer.precision) == "16-mixed":
+        raise LmtrainError(field, f"{why} the loss scaler's host-side checks (trainer.precision=16-mixed) "
+                           "cannot run inside it.", "use trainer.precision: bf16-mixed " + off)
+    if "offload" in activation_checkpointing:
+        raise LmtrainError(field, f"{why} it cannot copy saved tensors to freshly pinned host memory "
+                           "(activation_checkpointing: offload).", "use full or selective checkpointing " + off)

@@ -112,7 +112,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmtrain.config import ModelConfig
+from lmtrain.config import ModelConfig, step_fields
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import STEP_MODES, parameter_count
 
@@ -479,17 +479,48 @@ def estimate_memory(
     precision: str = "32-true",
     mode: str = "train",
     device_type: str = "cuda",
+    *,
+    strategy: str = "single",
+    world_size: int = 1,
+    gradient_as_bucket_view: bool = False,
 ) -> MemoryEstimate:
-    """Predicted peak memory of one step (see the module docstring for every term).
+    """Predicted peak memory of one step on one GPU (see the module docstring for every term).
 
     Args:
-        cfg: model shape (attention backend and activation checkpointing included).
-        batch_size: sequences per batch.
+        cfg: the options of the run (``ModelConfig``): the shape and every step option (``plan_options``).
+        batch_size: sequences per batch (per GPU under ``ddp`` and ``fsdp``).
         seq_len: tokens per sequence (None: ``cfg.context_length``).
-        precision: Lightning precision string (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``).
+        precision: Lightning precision string (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``); under
+            ``fsdp`` one of ``lmtrain.distributed.FSDP_PRECISIONS``.
         mode: ``train`` (AdamW), ``forward_backward`` or ``forward``.
         device_type: ``cuda`` (adds the workspace term) or ``cpu``.
+        strategy: ``single`` (one device), ``ddp`` or ``fsdp`` (``strategy_kind`` maps Lightning's names); the
+            plan is then rank 0's (see the comment above :func:`strategy_kind`).
+        world_size: GPUs in the data-parallel group (nodes x devices) under ``ddp`` and ``fsdp``.
+        gradient_as_bucket_view: DDP's option of that name (gradients are views into the buckets).
+
+    Returns:
+        The plan; ``details["options"]`` holds the step options it planned (``plan_options``), and under ``ddp`` and
+        ``fsdp`` ``details`` also holds the strategy, the world size and the per-GPU element counts.
     """
+    if strategy == "single":
+        plan = _single_plan(cfg, batch_size, seq_len, precision, mode, device_type)
+    else:
+        plan = _data_parallel_plan(cfg, batch_size, seq_len, precision, strategy, world_size, mode, device_type,
+                                   gradient_as_bucket_view)
+    plan.details["options"] = plan_options(cfg)
+    return plan
+
+
+def plan_options(cfg: ModelConfig) -> dict[str, Any]:
+    """The step options a plan depends on: every step field of the config's schema (``lmtrain.config.step_fields``:
+    the memory and speed groups, and any group derived from them), with its value."""
+    return {f.name: getattr(cfg, f.name) for f in step_fields(type(cfg))}
+
+
+def _single_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, precision: str, mode: str,
+                 device_type: str) -> MemoryEstimate:
+    """``estimate_memory`` on one device."""
     if mode not in STEP_MODES:
         raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
     t = cfg.context_length if seq_len is None else seq_len
@@ -534,18 +565,25 @@ def max_fitting(
     precision: str = "32-true",
     mode: str = "train",
     limit: int = 1 << 20,
+    *,
+    strategy: str = "single",
+    world_size: int = 1,
+    gradient_as_bucket_view: bool = False,
 ) -> int:
-    """Largest context (``seq_len=None``) or batch size (``batch_size=None``) whose estimate fits the budget.
+    """Largest context (``seq_len=None``) or batch size (``batch_size=None``, per GPU under ``ddp``/``fsdp``)
+    whose estimate fits the budget.
 
     Exactly one of ``batch_size`` and ``seq_len`` is None: that one is searched (binary search; the
-    estimate grows with both). Returns 0 when even 1 does not fit.
+    estimate grows with both). Returns 0 when even 1 does not fit. The other arguments are ``estimate_memory``'s.
     """
     if (batch_size is None) == (seq_len is None):
         raise ValueError("give exactly one of batch_size and seq_len; the other is searched")
 
     def fits(x: int) -> bool:
         b, t = (x, seq_len) if batch_size is None else (batch_size, x)
-        return estimate_memory(cfg, b, t, precision, mode).needed <= budget_bytes
+        plan = estimate_memory(cfg, b, t, precision, mode, strategy=strategy, world_size=world_size,
+                               gradient_as_bucket_view=gradient_as_bucket_view)
+        return plan.needed <= budget_bytes
 
     return _largest(fits, limit)
 
@@ -606,7 +644,7 @@ def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstim
 
 # -- many GPUs: DDP and FSDP2 --------------------------------------------------------------------------------
 #
-# Per-GPU plans of ``estimate_memory_distributed``. ``b`` is the batch size *per GPU*, N the world size.
+# Per-GPU plans of ``estimate_memory(strategy="ddp" | "fsdp")``. ``b`` is the batch size *per GPU*, N the world size.
 #
 # **DDP** (``trainer.strategy: ddp``): every GPU holds the single-GPU plan at batch b, plus DDP's gradient
 # buckets. ``bucket_cap_mb`` (25 MB; the first bucket 1 MB) only sets how the parameters are grouped for
@@ -702,38 +740,11 @@ def _cached_after_loss(moments: dict[str, tuple[int, ...]], peak_moment: str, lo
     return needed - totals[peak_moment]
 
 
-def estimate_memory_distributed(
-    cfg: ModelConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    precision: str = "32-true",
-    strategy: str = "ddp",
-    world_size: int = 2,
-    mode: str = "train",
-    device_type: str = "cuda",
-    gradient_as_bucket_view: bool = False,
-) -> MemoryEstimate:
-    """Predicted peak memory of one GPU in a data-parallel step (see the comment above for every term).
-
-    Args:
-        cfg: model shape (attention backend and activation checkpointing included).
-        batch_size: sequences per GPU (the global batch is ``batch_size * world_size``).
-        seq_len: tokens per sequence (None: ``cfg.context_length``).
-        precision: Lightning precision string; under ``fsdp`` one of ``lmtrain.distributed.FSDP_PRECISIONS``.
-        strategy: ``ddp`` or ``fsdp`` (``strategy_kind`` maps Lightning's names); ``single`` gives
-            ``estimate_memory``.
-        world_size: GPUs in the data-parallel group (nodes x devices).
-        mode: ``train`` (AdamW), ``forward_backward`` or ``forward``.
-        device_type: ``cuda`` (adds the workspace term) or ``cpu``.
-        gradient_as_bucket_view: DDP's option of that name (gradients are views into the buckets).
-
-    Returns:
-        The plan of rank 0; ``details`` holds the strategy, the world size and the per-GPU element counts.
-    """
-    if strategy == "single":
-        return estimate_memory(cfg, batch_size, seq_len, precision, mode, device_type)
+def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, precision: str, strategy: str,
+                        world_size: int, mode: str, device_type: str, gradient_as_bucket_view: bool) -> MemoryEstimate:
+    """``estimate_memory`` on rank 0 of ``ddp`` or ``fsdp`` (see the comment above ``strategy_kind``)."""
     if strategy not in DISTRIBUTED_STRATEGIES:
-        raise ValueError(f"strategy must be one of {DISTRIBUTED_STRATEGIES} or 'single', got {strategy!r}")
+        raise ValueError(f"strategy must be 'single' or one of {DISTRIBUTED_STRATEGIES}, got {strategy!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if mode not in STEP_MODES:
@@ -746,13 +757,13 @@ def estimate_memory_distributed(
     if strategy == "ddp":
         buckets = static_bytes(cfg, precision, mode)[1]  # one bucket slot per gradient element, in its dtype
         if mode == "forward":
-            single = estimate_memory(cfg, batch_size, t, precision, mode, device_type)
+            single = _single_plan(cfg, batch_size, t, precision, mode, device_type)
             components = {**single.components, "ddp_buckets": buckets}
             return MemoryEstimate(components, sum(components.values()), single.moment,
                                   {"strategy": "ddp", "world_size": world_size})
         # The single-GPU step (its gradients included: DDP fills param.grad as usual) plus the buckets; with
         # gradient_as_bucket_view the gradients are views into the buckets and take no memory of their own.
-        single = estimate_memory(cfg, batch_size, t, precision, mode, device_type)
+        single = _single_plan(cfg, batch_size, t, precision, mode, device_type)
         components = {**single.components, "ddp_buckets": buckets}
         if gradient_as_bucket_view:
             components["gradients"] = 0
@@ -787,7 +798,7 @@ def estimate_memory_distributed(
                "param_dtype_bytes": gather, "reduce_dtype_bytes": reduce}
     in_flight = 2 * block_full * gather if cfg.num_layers > 1 else block_full * gather
     if mode == "forward":
-        single = estimate_memory(cfg, batch_size, t, act_precision, mode, device_type)
+        single = _single_plan(cfg, batch_size, t, act_precision, mode, device_type)
         components = {**static, "blocks_in_flight": in_flight, "transients": single.components["transients"]}
         return MemoryEstimate(components, sum(components.values()), single.moment, details)
     moments, loss_cache = _activation_moments(cfg, batch_size, t, act_precision, device_type)
@@ -806,29 +817,3 @@ def estimate_memory_distributed(
                   "transients": transients}
     cached = _cached_after_loss(totals, moment, loss_cache)
     return MemoryEstimate(components, sum(components.values()), moment, details, cached=cached)
-
-
-def max_fitting_distributed(
-    cfg: ModelConfig,
-    budget_bytes: int,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    precision: str = "32-true",
-    strategy: str = "ddp",
-    world_size: int = 2,
-    mode: str = "train",
-    limit: int = 1 << 20,
-    gradient_as_bucket_view: bool = False,
-) -> int:
-    """Largest context (``seq_len=None``) or batch size per GPU (``batch_size=None``) whose per-GPU plan
-    fits ``budget_bytes``; 0 when even 1 does not. Arguments as in ``estimate_memory_distributed``."""
-    if (batch_size is None) == (seq_len is None):
-        raise ValueError("give exactly one of batch_size and seq_len; the other is searched")
-
-    def fits(x: int) -> bool:
-        b, t = (x, seq_len) if batch_size is None else (batch_size, x)
-        plan = estimate_memory_distributed(cfg, b, t, precision, strategy, world_size, mode,
-                                           gradient_as_bucket_view=gradient_as_bucket_view)
-        return plan.needed <= budget_bytes
-
-    return _largest(fits, limit)

@@ -1,4 +1,8 @@
-"""AdamW over fp32 master weights for a model whose matrix weights are stored in bf16.
+"""lmtrain's optimizers: AdamW over fp32 master weights for bf16 matrix weights, and AdamW inside the backward pass.
+
+:class:`InBackwardAdamW` (``model.optimizer_in_backward``) updates each parameter as soon as its gradient is complete
+(see its docstring); :func:`check_in_backward_trainer` and :func:`check_master_weights_trainer` refuse the trainer
+settings each cannot work with. The rest of this docstring is about :class:`MasterWeightAdamW`.
 
 Under ``bf16-mixed`` (autocast to bf16) the weights are fp32 and every step moves, per matrix parameter:
 
@@ -58,6 +62,7 @@ from typing import Any
 
 import torch
 
+from lmtrain.errors import LmtrainError
 from lmtrain.kernels import triton_interpreted
 
 __all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "join_master", "linear_weights", "round_bf16_stochastic",
@@ -602,3 +607,185 @@ def _lr_after_load(old: Any, new: Any, device: torch.device) -> Any:
             old.copy_(new) if isinstance(new, torch.Tensor) else old.fill_(new)
         return old
     return new.to(device) if isinstance(new, torch.Tensor) else new
+
+
+class InBackwardAdamW(torch.optim.Optimizer):
+    """AdamW applied inside the backward pass, one parameter at a time, as each gradient is complete.
+
+    Every parameter gets its own ``torch.optim.AdamW`` (the same hyperparameters as its group) and a
+    ``register_post_accumulate_grad_hook``: when the backward pass has accumulated the parameter's gradient,
+    :meth:`_apply_update` steps that AdamW and frees the gradient at once, so a step holds at most the
+    gradients the backward pass is producing, never a full set. Updates happen only inside :meth:`step`,
+    whose closure runs the backward pass; a backward pass outside it (a gradient check, say) leaves ``.grad``
+    as usual.
+
+    To Lightning this is the step's optimizer: its param groups carry ``lr`` and ``weight_decay`` (a
+    ``LambdaLR`` schedules them, an LR monitor reads them), and each update copies its group's current ``lr``
+    into the parameter's AdamW, so the schedule is the ordinary one's. ``state`` shares the per-parameter
+    AdamW states (``exp_avg``, ``exp_avg_sq``, ``step``), so ``state_dict``/``load_state_dict`` save and
+    restore them like ``torch.optim.AdamW``'s.
+
+    With ``overlap`` on a CUDA device the updates run on a second stream, ordered after the gradient they
+    read by an event, and the step's end makes the compute stream wait for that stream, so they overlap with
+    the rest of the backward pass; elsewhere ``overlap`` changes nothing.
+
+    Args:
+        param_groups: groups as for ``torch.optim.AdamW`` (``params``, ``weight_decay``).
+        lr: peak learning rate (the schedule scales the groups' ``lr``).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused: use the fused CUDA AdamW kernel per parameter.
+        overlap: run the updates on a second CUDA stream.
+        capturable: AdamW with ``capturable=True`` (step counts on the device), for a step captured as a CUDA
+            graph; the groups' ``lr`` may then be device tensors.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
+                 fused: bool = False, overlap: bool = False, capturable: bool = False) -> None:
+        super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0))
+        self._fused = fused
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._adamw: dict[torch.Tensor, torch.optim.AdamW] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._group_of[p] = group
+                self._adamw[p] = torch.optim.AdamW([p], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                                   weight_decay=group["weight_decay"], fused=fused,
+                                                   capturable=capturable)
+        self._share_state()
+        self._stepping = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._adamw]
+        cuda = overlap and any(p.is_cuda for p in self._adamw)
+        self._stream = torch.cuda.Stream(device=next(iter(self._adamw)).device) if cuda else None
+        # Gradients the side stream reads while a CUDA graph is being captured, kept until the step's end
+        # (record_stream cannot mark a tensor during a capture).
+        self._held: list[torch.Tensor] = []
+
+    def _share_state(self) -> None:
+        # AdamW fills its state dict in place on the first step, so one dict object serves both optimizers.
+        for p, adamw in self._adamw.items():
+            adamw.state[p] = self.state[p]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._stepping:
+            self._apply_update(param)
+
+    def _apply_update(self, param: torch.Tensor) -> None:
+        """One AdamW update of ``param`` from its accumulated gradient, then free the gradient.
+
+        The one place an update happens: the in-backward hook calls it on the current stream, or, with
+        ``overlap``, on the side stream after an event recorded where the gradient was produced.
+        """
+        adamw = self._adamw[param]
+        adamw.param_groups[0]["lr"] = self._group_of[param]["lr"]
+        if self._stream is None:
+            adamw.step()
+            param.grad = None
+            return
+        ready = torch.cuda.current_stream(param.device).record_event()
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            adamw.step()
+        # The compute stream may reuse the gradient's memory only after the side stream has read it.
+        if torch.cuda.is_current_stream_capturing():
+            self._held.append(param.grad)
+        else:
+            param.grad.record_stream(self._stream)
+        param.grad = None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward pass); parameters are updated while its backward pass runs."""
+        if closure is None:
+            raise RuntimeError("InBackwardAdamW.step needs a closure that runs the backward pass: the updates "
+                               "happen inside it.")
+        self._stepping = True
+        try:
+            loss = closure()
+        finally:
+            self._stepping = False
+        if self._stream is not None:
+            # The next forward pass reads the updated parameters.
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._held.clear()  # after the join: the side stream is done with them
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # load_state_dict replaced self.state's dicts and the param groups' dicts: the schedule now sets ``lr``
+        # in the new groups, which each update must read.
+        self._share_state()
+        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (no more in-backward updates)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
+    """Refuse trainer settings the in-backward optimizer (``model.optimizer_in_backward``) cannot work with.
+
+    Args:
+        trainer: the Lightning trainer.
+        strategy: its strategy kind (``lmtrain.memory_plan.strategy_kind``: ``single``, ``ddp``, ``fsdp``).
+
+    Raises:
+        LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks without FSDP2.
+    """
+    field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
+    if trainer.accumulate_grad_batches > 1:
+        raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
+                           f"{trainer.accumulate_grad_batches} batches.",
+                           "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) or "
+                           "model.optimizer_in_backward: false.")
+    if trainer.gradient_clip_val:
+        raise LmtrainError(field, f"{why} no global gradient norm exists to clip by "
+                           f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                           "unset trainer.gradient_clip_val or set model.optimizer_in_backward: false.")
+    if str(trainer.precision) == "16-mixed":
+        raise LmtrainError(field, f"{why} it would update from loss-scaled fp16 gradients before the "
+                           "scaler could unscale or skip them (trainer.precision=16-mixed).",
+                           "use trainer.precision: bf16-mixed (no loss scaling) or "
+                           "model.optimizer_in_backward: false.")
+    if getattr(trainer, "world_size", 1) > 1 and strategy != "fsdp":
+        raise LmtrainError(field, f"{why} under DDP (any strategy but FSDP2) each rank would update from its "
+                           f"own gradient, before the all-reduce has averaged it over the {trainer.world_size} "
+                           "ranks: the replicas would drift apart.",
+                           "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy, "
+                           "which runs the update after each gradient's reduce-scatter) or "
+                           "model.optimizer_in_backward: false.")
+
+
+def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
+    """Refuse trainer settings the master-weight optimizer (``model.master_weights``) cannot work with.
+
+    Args:
+        trainer: the Lightning trainer.
+        strategy: its strategy kind (``fsdp`` when a device mesh is set).
+
+    Raises:
+        LmtrainError: a precision other than ``bf16-mixed``, FSDP2, several ranks, accumulation or clipping.
+    """
+    field, off = "model.master_weights", "or set model.master_weights: false."
+    if str(trainer.precision) != "bf16-mixed":
+        raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
+                           f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
+                           "use trainer.precision: bf16-mixed " + off)
+    if strategy == "fsdp":
+        raise LmtrainError(field, "is not available under FSDP2 (ModelParallelStrategy), which keeps its own "
+                           "master weights (MixedPrecisionPolicy).", "leave it false with this strategy.")
+    if getattr(trainer, "world_size", 1) > 1:
+        raise LmtrainError(field, "is for one device: its optimizer turns the linear weights bf16 in place "
+                           "after DDP has wrapped the model and bucketed them as fp32, and DDP then stops at the "
+                           f"first step, finding them unused (this run: {trainer.world_size} ranks).",
+                           "train on one device, or use FSDP2 with bf16-mixed (bf16 compute, fp32 master "
+                           "shards) " + off)
+    if trainer.accumulate_grad_batches > 1:
+        raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
+                           f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",
+                           "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
+    if trainer.gradient_clip_val:
+        raise LmtrainError(field, "keeps gradients in bf16, where the clipping norm would be computed "
+                           f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                           "unset trainer.gradient_clip_val " + off)

@@ -1,6 +1,6 @@
 """Failure injection for the benchmark tests: child targets that fail on purpose, then run the real target.
 
-Production code has no failure hooks. A test points a command's child target (``lmtrain.bench.sweep.CELL_TARGET``,
+Production code has no failure hooks. A test points a command's child target (``lmtrain.bench.model.CELL_TARGET``,
 ``lmtrain.bench.callbacks.SETTING_TARGET``, ``lmtrain.bench.overhead.SETTING_TARGET``) at a function here and sets
 ``LMTRAIN_TEST_FAIL``, which only this module reads:
 
@@ -35,7 +35,7 @@ def use(monkeypatch: pytest.MonkeyPatch, module: Any, attribute: str, target: st
 
 
 def sweep_cell(payload: dict[str, Any]) -> dict[str, Any]:
-    from lmtrain.bench.sweep import run_cell_in_child
+    from lmtrain.bench.model import run_cell_in_child
 
     values = {k: str(v) for k, v in payload["cell"].items()}
     for item in filter(None, os.environ.get(FAIL_ENV, "").split(";")):

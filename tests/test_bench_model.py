@@ -13,7 +13,7 @@ import bench_faults
 import lightning.pytorch as pl
 import pytest
 
-from lmtrain.bench import sweep as bench
+from lmtrain.bench import model as bench
 from lmtrain.bench import tables
 from lmtrain.cli import main
 from lmtrain.errors import LmtrainError
@@ -174,16 +174,29 @@ def test_real_timer_and_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_study_presets_and_overrides() -> None:
     import argparse
 
+    from lmtrain.bench.studies import STUDIES
+
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
+    # A study is the product of its preset's lists (the flags' defaults for the rest), each cell once.
+    timing = STUDIES["timing"].preset
     cells, per_study, _ = bench.plan_cells(parser.parse_args(["--study", "timing"]))
-    assert len(cells) == 5 * 4 * 2 and {c.precision for c in cells} == {"32-true"}
+    assert {(c.size, c.context, c.mode, c.precision) for c in cells} == {
+        (s, t, m, p) for s in timing["sizes"] for t in timing["contexts"] for m in timing["mode"]
+        for p in timing["precision"]}
+    assert len(cells) == len(set(cells)) == len(timing["sizes"]) * len(timing["contexts"]) * len(timing["mode"])
+    # Explicit flags replace the preset's values; studies share their common cells.
     cells, per_study, _ = bench.plan_cells(parser.parse_args(["--study", "timing", "--study", "precision",
                                                               "--sizes", "small", "--contexts", "128"]))
-    assert len(per_study["timing"]) == 2 and len(per_study["precision"]) == 4
-    assert len(cells) == 5  # the fp32 forward_backward cell is shared
+    for name in ("timing", "precision"):
+        assert {(c.size, c.context) for c in per_study[name]} == {("small", 128)}
+        assert {c.mode for c in per_study[name]} == set(STUDIES[name].preset["mode"])
+        assert {c.precision for c in per_study[name]} == set(STUDIES[name].preset.get("precision", ["32-true"]))
+    assert cells == list(dict.fromkeys([*per_study["timing"], *per_study["precision"]]))
+    assert len(cells) < len(per_study["timing"]) + len(per_study["precision"])  # a shared cell runs once
     _, per_study, stop = bench.plan_cells(parser.parse_args(["--study", "attention-backends"]))
-    assert stop and {c.attention for c in per_study["attention-backends"]} == {"naive", "sdpa", "flash_triton"}
+    backends = STUDIES["attention-backends"].preset
+    assert stop and {c.attention for c in per_study["attention-backends"]} == set(backends["attention"])
     assert main(["bench", "model", "--sizes", "huge"]) == 2
 
 
@@ -301,3 +314,16 @@ def test_skip_unfit_records_cells_the_plan_rules_out_and_a_later_run_runs_them(
     assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true") == 0  # without the flag
     assert launched == [16, 4096]
     assert {r["status"] for r in read_csv(out)} == {"ok"}
+
+
+def test_every_step_option_reaches_the_table_and_the_csv_columns() -> None:
+    from lmtrain.bench.tables import options_text
+    from lmtrain.config import step_fields
+
+    options = [f.name for f in step_fields() if f.name not in bench.AXIS_FIELDS.values()]
+    assert [c for c in bench.CSV_COLUMNS if c in options] == options
+    cell = bench.Cell("tiny", 64, 2, "32-true", "sdpa", False, "train", 1, 2, activation_checkpointing="full",
+                      checkpoint_layers=2)
+    row = bench.base_row(cell)
+    assert options_text(row) == "checkpointing full, checkpoint layers 2"
+    assert cell.slug.endswith("_acfull_cl2")

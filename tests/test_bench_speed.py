@@ -7,22 +7,19 @@ import argparse
 import json
 import math
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lmtrain.bench import sweep as bench
+from lmtrain.bench import model as bench
 from lmtrain.bench.reference import train_plain
-from lmtrain.bench.studies import render_speed, variant_name
+from lmtrain.bench.studies import STUDIES, render_speed, variant_name
 from lmtrain.cli import main
-from lmtrain.config import STUDY_SIZES, ModelConfig
+from lmtrain.config import ModelConfig, doc_of
 from lmtrain.errors import LmtrainError
-
-VARIANTS = ["eager", "compile", "compile+graphs", "compile+graphs+overlap", "compile+graphs+master",
-            "compile+graphs+master+bf16 state", "plain compile+graphs"]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,42 +35,72 @@ def name(cell: bench.Cell) -> str:
     return variant_name(bench.base_row(cell))
 
 
+def _speed_variants() -> list[dict[str, Any]]:
+    """The speed study's variants, each once (its preset lists every variant at every point)."""
+    options = [{k: v for k, v in variant.items() if k not in ("sizes", "contexts")}
+               for variant in STUDIES["speed"].preset["variants"]]
+    return [json.loads(text) for text in dict.fromkeys(json.dumps(o, sort_keys=True) for o in options)]
+
+
 def test_speed_study_cells_variants_order_and_keys() -> None:
     cells, per_study = plan("--study", "speed")
-    assert cells == per_study["speed"] and len(cells) == 6 * 7
+    variants = _speed_variants()
     points = [(c.size, c.context) for c in cells]
-    assert list(dict.fromkeys(points)) == [("small", 128), ("small", 512)] + [(s, 512) for s in STUDY_SIZES[1:]]
-    for i in range(0, len(cells), 7):  # each point: its seven variants together, the plain reference last
-        group = cells[i:i + 7]
-        assert len(set(points[i:i + 7])) == 1 and [name(c) for c in group] == VARIANTS
+    expected = [(s, t) for variant in STUDIES["speed"].preset["variants"][::len(variants)]
+                for s in variant["sizes"] for t in variant["contexts"]]
+    assert cells == per_study["speed"] and len(cells) == len(expected) * len(variants)
+    unique = list(dict.fromkeys(points))
+    assert sorted(unique) == sorted(expected) and len(unique) * len(variants) == len(cells)
+    sizes = list(dict.fromkeys(s for s, _ in points))  # the cells of one size, then of one context, are adjacent
+    assert unique == sorted(unique, key=lambda p: (sizes.index(p[0]), p[1]))
+    n = len(variants)
+    for i in range(0, len(cells), n):  # each point: its variants together, in the preset's order, each named apart
+        group = cells[i:i + n]
+        assert len(set(points[i:i + n])) == 1 and len({name(c) for c in group}) == n
+        for cell, variant in zip(group, variants, strict=True):
+            assert cell.compile == (variant.get("compile") == ["on"])
+            assert cell.runner == variant.get("runner", ["lightning"])[0]
+            assert cell.cuda_graphs == (variant.get("cuda_graphs") == ["on"])
     assert {(c.precision, c.batch_size, c.mode, c.attention, c.warmup, c.steps) for c in cells} == {
         ("bf16-mixed", 4, "train", "sdpa", 5, 20)}
     overlap = [c for c in cells if c.optimizer_overlap]
-    assert len(overlap) == 6 and all(c.optimizer_in_backward and c.cuda_graphs and c.compile for c in overlap)
+    assert overlap and all(c.optimizer_in_backward and c.cuda_graphs and c.compile for c in overlap)
     plain = [c for c in cells if c.runner == "plain"]
-    assert len(plain) == 6 and all(c.compile and c.cuda_graphs and not c.optimizer_in_backward for c in plain)
-    # A cell without the new fields keeps the key it had before they existed; set fields join the key.
-    eager = cells[7]
+    assert plain and all(c.compile and c.cuda_graphs and not c.optimizer_in_backward for c in plain)
+    # A cell without the new fields keeps the key it had before they existed; set fields join the key and the
+    # name, in the schema's order.
+    axes = ("small", 512, 4, "bf16-mixed", "sdpa", True, "train", 5, 20)
+    eager = bench.Cell("small", 512, 4, "bf16-mixed", "sdpa", False, "train", 5, 20)
     assert eager.key() == json.dumps({"size": "small", "context": 512, "batch_size": 4, "precision": "bf16-mixed",
                                       "attention": "sdpa", "compile": False, "mode": "train", "warmup": 5,
                                       "steps": 20, "vocab_size": 10_000}, sort_keys=True)
-    assert json.loads(cells[13].key())["runner"] == "plain" and json.loads(cells[9].key())["cuda_graphs"] is True
-    assert json.loads(cells[11].key())["master_weights"] is True and "optimizer_state_dtype" not in cells[11].key()
-    assert json.loads(cells[12].key())["optimizer_state_dtype"] == "bfloat16"
-    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in cells[7:14]] == [
-        "eager_train_w5_s20", "compiled_train_w5_s20", "compiled_train_w5_s20_graphs",
-        "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_mw",
-        "compiled_train_w5_s20_graphs_mw_statebfloat16", "compiled_train_w5_s20_graphs_plain"]
+    graphs = bench.Cell(*axes, cuda_graphs=True)
+    assert json.loads(bench.Cell(*axes, runner="plain").key())["runner"] == "plain"
+    assert json.loads(graphs.key())["cuda_graphs"] is True
+    master = bench.Cell(*axes, cuda_graphs=True, master_weights=True)
+    assert json.loads(master.key())["master_weights"] is True and "optimizer_state_dtype" not in master.key()
+    compact = bench.Cell(*axes, cuda_graphs=True, master_weights=True, optimizer_state_dtype="bfloat16")
+    assert json.loads(compact.key())["optimizer_state_dtype"] == "bfloat16"
+    overlap = bench.Cell(*axes, cuda_graphs=True, optimizer_in_backward=True, optimizer_overlap=True)
+    assert [c.slug.removeprefix("small_T512_B4_bf16-mixed_sdpa_") for c in (
+        eager, bench.Cell(*axes), graphs, overlap, master, compact, bench.Cell(*axes, cuda_graphs=True, runner="plain"))
+    ] == ["eager_train_w5_s20", "compiled_train_w5_s20", "compiled_train_w5_s20_graphs",
+          "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_mw",
+          "compiled_train_w5_s20_graphs_mw_statebfloat16", "compiled_train_w5_s20_graphs_plain"]
 
 
 def test_speed_study_overrides_and_other_studies_unchanged() -> None:
+    n = len(_speed_variants())
     cells, _ = plan("--study", "speed", "--sizes", "medium", "--steps", "50")
     assert {(c.size, c.context) for c in cells} == {("medium", 128), ("medium", 512)}
-    assert len(cells) == 14 and {c.steps for c in cells} == {50}
+    assert len(cells) == 2 * n and {c.steps for c in cells} == {50}
     cells, _ = plan("--study", "speed", "--sizes", "small", "--contexts", "256")
-    assert [name(c) for c in cells] == VARIANTS  # the two points collapse into one
+    full, _ = plan("--study", "speed")
+    assert [name(c) for c in cells] == [name(c) for c in full[:n]]  # the two points collapse into one
     cells, per_study = plan("--study", "timing", "--study", "speed", "--sizes", "small")
-    assert len(per_study["timing"]) == 8 and len(cells) == 8 + 14
+    timing = STUDIES["timing"].preset
+    assert len(per_study["timing"]) == len(timing["contexts"]) * len(timing["mode"])
+    assert len(cells) == len(per_study["timing"]) + 2 * n
     assert all(c.runner == "lightning" and not c.cuda_graphs for c in per_study["timing"])
     assert per_study["timing"][0].slug == "small_T128_B4_32-true_sdpa_eager_forward_w3_s10"
 
@@ -95,10 +122,12 @@ def test_speed_flags_reach_the_module_and_overlap_implies_in_backward() -> None:
     for flag in ("--cuda-graphs", "--optimizer-overlap", "--runner"):
         with pytest.raises(LmtrainError, match=flag):
             plan("--sizes", "small", flag, "maybe")
-    parser = argparse.ArgumentParser()
+    # One line per help text: argparse would otherwise wrap at the hyphens of option names.
+    parser = argparse.ArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100_000))
     bench.add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert "--cuda-graphs CUDA_GRAPHS forward, backward and optimizer step captured as one CUDA graph" in text
+    doc = " ".join(doc_of(next(f for f in fields(ModelConfig) if f.name == "cuda_graphs")).split())
+    assert f"--cuda-graphs CUDA_GRAPHS {doc} (model.cuda_graphs) In a sweep: off, on or off,on" in text
     assert "on implies --optimizer-in-backward on" in text
 
 

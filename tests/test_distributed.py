@@ -258,10 +258,10 @@ def test_parameter_shapes_add_up_to_the_parameter_count() -> None:
 
 
 def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
-    from lmtrain.memory_plan import estimate_memory_distributed
+    from lmtrain.memory_plan import estimate_memory
 
     cfg = _tiny()  # 1,115,264 parameters, 31 tensors; every dim 0 even
-    two = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=2, device_type="cpu")
+    two = estimate_memory(cfg, 2, 128, "32-true", strategy="fsdp", world_size=2, device_type="cpu")
     rope = 128 * 32 * 4
     assert two.components["parameters"] == 1_115_264 // 2 * 4 + rope
     assert two.components["optimizer_states"] == 2 * 1_115_264 // 2 * 4 + 31 * 4
@@ -269,7 +269,7 @@ def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
     # per layer 43 + 128*128 + 43*128 + 43 + 171*128 + 43*512 + 171*128 = 87,766, final norm 43.
     sharded = 2 * 86 * 128 + 4 * 87_766 + 43
     assert sharded == 373_123
-    three = estimate_memory_distributed(cfg, 2, 128, "32-true", "fsdp", world_size=3, device_type="cpu")
+    three = estimate_memory(cfg, 2, 128, "32-true", strategy="fsdp", world_size=3, device_type="cpu")
     assert three.details["sharded_numel"] == sharded
     assert three.components["parameters"] == sharded * 4 + rope
     assert three.components["optimizer_states"] == 2 * sharded * 4 + 31 * 4
@@ -277,15 +277,15 @@ def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
     from lmtrain.config import ModelConfig
 
     big = ModelConfig.from_size("2.7B")
-    end = estimate_memory_distributed(big, 1, 16, "32-true", "fsdp", world_size=3, device_type="cpu")
+    end = estimate_memory(big, 1, 16, "32-true", strategy="fsdp", world_size=3, device_type="cpu")
     assert end.moment == "end of backward"
     assert end.components["gradients"] == end.details["sharded_numel"] * 4
 
 
 def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
-    from lmtrain.memory_plan import estimate_memory_distributed
+    from lmtrain.memory_plan import estimate_memory
 
-    plan = estimate_memory_distributed(_tiny(), 2, 128, "bf16-mixed", "fsdp", world_size=2, device_type="cpu")
+    plan = estimate_memory(_tiny(), 2, 128, "bf16-mixed", strategy="fsdp", world_size=2, device_type="cpu")
     # Root (embedding, final norm, head) and two blocks unsharded in bf16; a block is 4 D^2 + 3 D F + 2 D.
     block = 4 * 128**2 + 3 * 128 * 512 + 2 * 128
     assert block == 262_400
@@ -299,33 +299,33 @@ def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
 
 
 def test_ddp_plan_is_the_single_gpu_plan_plus_the_buckets() -> None:
-    from lmtrain.memory_plan import estimate_memory, estimate_memory_distributed
+    from lmtrain.memory_plan import estimate_memory
 
     for precision in ("32-true", "bf16-mixed"):
         for cfg, batch in ((_tiny(), 2), (_tiny(), 64), (_tiny(attention="naive"), 8),
                            (_tiny(activation_checkpointing=True), 16)):
             single = estimate_memory(cfg, batch, 128, precision, device_type="cpu")
-            ddp = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu")
+            ddp = estimate_memory(cfg, batch, 128, precision, strategy="ddp", world_size=4, device_type="cpu")
             # Buckets cover every parameter in its own dtype (fp32 under both precisions here).
             assert ddp.components["ddp_buckets"] == 1_115_264 * 4
             assert ddp.peak == single.peak + 1_115_264 * 4
             assert ddp.moment == single.moment
-            view = estimate_memory_distributed(cfg, batch, 128, precision, "ddp", world_size=4, device_type="cpu",
-                                               gradient_as_bucket_view=True)
+            view = estimate_memory(cfg, batch, 128, precision, strategy="ddp", world_size=4, device_type="cpu",
+                                   gradient_as_bucket_view=True)
             assert view.peak == max(single.peak, single.peak - single.components["gradients"] + 1_115_264 * 4)
 
 
 def test_fsdp_fits_longer_contexts_than_one_gpu() -> None:
     from lmtrain.config import ModelConfig
-    from lmtrain.memory_plan import GIB, estimate_memory_distributed, max_fitting, max_fitting_distributed
+    from lmtrain.memory_plan import GIB, estimate_memory, max_fitting
 
     cfg = ModelConfig.from_size("2.7B", context_length=1 << 17, activation_checkpointing=True)
     budget = 80 * GIB
     one = max_fitting(cfg, budget, batch_size=1, precision="bf16-mixed")
-    two = max_fitting_distributed(cfg, budget, batch_size=1, precision="bf16-mixed", strategy="fsdp", world_size=2)
+    two = max_fitting(cfg, budget, batch_size=1, precision="bf16-mixed", strategy="fsdp", world_size=2)
     assert two > one > 0
-    assert estimate_memory_distributed(cfg, 1, two, "bf16-mixed", "fsdp", 2).needed <= budget
-    assert estimate_memory_distributed(cfg, 1, two + 1, "bf16-mixed", "fsdp", 2).needed > budget
+    assert estimate_memory(cfg, 1, two, "bf16-mixed", strategy="fsdp", world_size=2).needed <= budget
+    assert estimate_memory(cfg, 1, two + 1, "bf16-mixed", strategy="fsdp", world_size=2).needed > budget
 
 
 def test_strategy_kind_maps_lightning_names() -> None:

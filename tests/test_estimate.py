@@ -14,7 +14,6 @@ from lmtrain.memory_plan import (
     GIB,
     MemoryEstimate,
     estimate_memory,
-    estimate_memory_distributed,
     linear_parameter_count,
     max_fitting,
     parameter_tensor_count,
@@ -145,7 +144,7 @@ def test_master_weights_plans_are_refused_where_the_run_is() -> None:
     with pytest.raises(LmtrainError, match="bf16-mixed"):
         estimate_memory(cfg, B, T, "32-true", "train")
     with pytest.raises(LmtrainError, match="FSDP2"):
-        estimate_memory_distributed(cfg, B, T, "bf16-mixed", "fsdp", 2)
+        estimate_memory(cfg, B, T, "bf16-mixed", strategy="fsdp", world_size=2)
     with pytest.raises(LmtrainError, match="model.optimizer_state_dtype"):
         tiny("sdpa").replace(optimizer_state_dtype="bfloat16")
 

@@ -61,7 +61,7 @@ def _pair(**options: Any) -> tuple[LMModule, LMModule, Record, Record]:
 @pytest.mark.parametrize("options", [{}, {"optimizer_in_backward": True}], ids=["adamw", "in-backward"])
 def test_graphed_steps_train_exactly_like_eager_steps(options: dict[str, Any]) -> None:
     eager, graphed, a, b = _pair(**options)
-    assert graphed._graph.captures == 1 and graphed._capture_step == 2
+    assert graphed.graphed_step.graph.captures == 1 and graphed.graphed_step.capture_step == 2
     assert b.steps == a.steps == list(range(1, 9))  # each replay is one optimizer step for Lightning
     assert b.lrs == pytest.approx(a.lrs, rel=1e-12)  # the schedule steps once per step, warm-up and cosine
     assert len(set(a.lrs)) > 4
@@ -103,7 +103,8 @@ def test_precision_inspector_gets_an_eager_step_inside_a_graphed_run() -> None:
     _fit(module, steps=7, callbacks=[inspector])
     assert module.replays_graph(4) and not module.replays_graph(5)
     assert inspector.result is not None and inspector.result.modules  # hooks saw the step's modules
-    assert module._eager_steps == 3 and module._graph.captures == 1  # warm-up 2 + the inspected step
+    step = module.graphed_step
+    assert step.eager_steps == 3 and step.graph.captures == 1  # warm-up 2 + the inspected step
 
 
 @pytest.mark.parametrize("trainer_kwargs, text", [
@@ -129,7 +130,7 @@ def test_graphs_refuse_a_cpu_and_offload_and_other_step_modes() -> None:
 
 def test_in_backward_schedule_survives_load_state_dict() -> None:
     """After a resume the schedule sets lr in the loaded param groups; each update must read those."""
-    from lmtrain.module import InBackwardAdamW
+    from lmtrain.optim import InBackwardAdamW
 
     w = torch.nn.Parameter(torch.randn(4, 3))
     opt = InBackwardAdamW([{"params": [w], "weight_decay": 0.0}], lr=1.0, betas=(0.9, 0.95), eps=1e-8)

@@ -59,7 +59,8 @@ def _run(**options: Any) -> tuple[list[float], LMModule]:
 def test_graphed_training_matches_eager_on_cuda(options: dict[str, Any]) -> None:
     eager, m_eager = _run(**options)
     graphed, m_graphed = _run(cuda_graphs=True, cuda_graph_warmup=3, **options)
-    assert (m_graphed._graph.captures, m_graphed._capture_step, m_graphed.trainer.global_step) == (1, 3, 12)
+    step = m_graphed.graphed_step
+    assert (step.graph.captures, step.capture_step, m_graphed.trainer.global_step) == (1, 3, 12)
     # bf16 kernels: the same arithmetic, up to summation order (capturable AdamW computes its bias correction
     # on the device in fp32, the eager one on the host)
     worst = max(abs(g - e) / abs(e) for g, e in zip(graphed, eager, strict=True))
@@ -94,5 +95,5 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     assert "kernels/forward_ms_per_step" not in logged
     # PrecisionInspector's step ran eagerly and was inspected; the module captured once only
     assert callbacks[3].result is not None and callbacks[3].result.modules
-    assert module._graph.captures == 1
+    assert module.graphed_step.graph.captures == 1
     assert "memory/peak_after_optimizer_gib" in logged

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.model import TransformerLM
-from lmtrain.module import InBackwardAdamW, LMModule
+from lmtrain.module import LMModule
+from lmtrain.optim import InBackwardAdamW
 
 VOCAB, CONTEXT, BATCH = 64, 16, 2
 GRAD_TOL = dict(rtol=1e-6, atol=1e-7)

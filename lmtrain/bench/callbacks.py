@@ -52,7 +52,7 @@ from lmtrain.bench.clock import Clock
 from lmtrain.bench.comparison import baseline, keep_on_device_strategy
 from lmtrain.bench.environment import device_name
 from lmtrain.bench.runner import add_isolation_arguments, args_payload, run_settings
-from lmtrain.configuration import resolve_config
+from lmtrain.cli_config import resolve_config
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"
 STRATEGIES = ("ddp", "fsdp")

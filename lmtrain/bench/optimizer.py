@@ -40,7 +40,7 @@ import torch
 
 from lmtrain.bench.clock import Clock
 from lmtrain.bench.environment import device_name, environment
-from lmtrain.bench.sweep import comma_list
+from lmtrain.bench.model import comma_list
 from lmtrain.bench.tables import markdown_table
 from lmtrain.config import SIZES, ModelConfig
 from lmtrain.errors import LmtrainError

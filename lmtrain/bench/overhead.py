@@ -16,7 +16,7 @@ which the progress bar cannot explain). A run that
 crashes or exceeds ``--timeout`` is recorded as ``error`` or ``timeout`` and the others go on.
 ``--no-isolate`` runs all of them in this process (quicker to start).
 
-The config is resolved like ``python -m lmtrain fit`` resolves it (``lmtrain.configuration``), with
+The config is resolved like ``python -m lmtrain fit`` resolves it (``lmtrain.cli_config``), with
 ``--batch-size``, ``--context-length`` and ``--attention`` as overrides. Both sides build the model and
 optimizer the same way, from the config's ``model`` section: the same
 ``TransformerLM``, attention backend, AdamW (fused on CUDA) and warmup/cosine schedule, the same
@@ -63,7 +63,7 @@ from lmtrain.bench.clock import Clock
 from lmtrain.bench.comparison import baseline, keep_on_device_strategy
 from lmtrain.bench.environment import device_name
 from lmtrain.bench.runner import add_isolation_arguments, args_payload, run_settings
-from lmtrain.configuration import resolve_config
+from lmtrain.cli_config import resolve_config
 from lmtrain.errors import LmtrainError
 
 DEFAULT_CONFIG = "configs/2.7B_bf16.yaml"

@@ -1,6 +1,6 @@
 """The plain-PyTorch reference of ``bench model``: the same model trained by a bare loop, without Lightning.
 
-A ``runner="plain"`` cell of the sweep (``lmtrain.bench.sweep``) runs :func:`train_plain`, which sets the pace
+A ``runner="plain"`` cell of the sweep (``lmtrain.bench.model``) runs :func:`train_plain`, which sets the pace
 a Lightning cell of the same size and context could reach::
 
     model      lmtrain.model.TransformerLM(config) built on the GPU from seed 0; torch.compile(model,

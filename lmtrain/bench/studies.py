@@ -1,6 +1,6 @@
 """Ready-made studies of ``python -m lmtrain bench model --study NAME``: sweep presets and their tables.
 
-Each study is a preset of the sweep flags of ``lmtrain.bench.sweep`` (flags given explicitly override it) and
+Each study is a preset of the sweep flags of ``lmtrain.bench.model`` (flags given explicitly override it) and
 a function that turns the study's rows into the tables of the reference profiling study. A preset may list
 ``variants``: partial presets (flag name -> values, like the preset's own) that each override the preset; the
 study's cells are then the union of the variants' products, the cells of one size and context adjacent, in

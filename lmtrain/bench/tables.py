@@ -47,9 +47,34 @@ def options_text(row: dict[str, Any]) -> str:
         parts.append(f"{row['optimizer_state_dtype']} moments")
     if row.get("compile_mode") not in (None, "", "default"):
         parts.append(f"compile mode {row['compile_mode']}")
+    parts += _other_options(row)
     if row.get("runner") == "plain":
         parts.append("plain loop")
     return ", ".join(parts) or "-"
+
+
+#: Step options that ``options_text`` names in words of its own, or that are columns of their own.
+_DESCRIBED = {"activation_checkpointing", "loss_chunk_tokens", "cuda_graphs", "optimizer_in_backward",
+              "optimizer_overlap", "master_weights", "optimizer_state_dtype", "compile_mode", "attention", "compile",
+              "step_mode"}
+
+
+def _other_options(row: dict[str, Any]) -> list[str]:
+    """Every other step option of the schema that a row sets away from its default, as ``name value``."""
+    from lmtrain.config import step_fields
+
+    parts = []
+    for f in step_fields():
+        value = row.get(f.name)
+        if f.name in _DESCRIBED or value is None or value == "":
+            continue
+        name = f.name.replace("_", " ")
+        if isinstance(f.default, bool):
+            if is_on(value) != f.default:
+                parts.append(name if is_on(value) else f"no {name}")
+        elif str(value) != str(f.default):
+            parts.append(f"{name} {value}")
+    return parts
 
 
 #: How a cell that ``bench model --skip-unfit`` did not run is marked: the start of its ``error``.

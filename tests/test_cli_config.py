@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmtrain.bench import callbacks, overhead, sweep
+from lmtrain.bench import callbacks, overhead
+from lmtrain.bench import model as bench_model
 from lmtrain.cli import main
+from lmtrain.cli_config import resolve_args, resolve_config
 from lmtrain.config import ModelConfig
-from lmtrain.configuration import resolve_args, resolve_config
 from lmtrain.errors import LmtrainError
 from lmtrain.estimate import resolve as estimate_resolve
 from lmtrain.module import LMModule
@@ -57,9 +58,10 @@ def test_every_command_resolves_the_same_arguments(capsys: pytest.CaptureFixture
     assert (data, precision, source) == (reference.data, "32-true", TINY)
 
     # bench model: a cell given as a YAML path
-    cell = sweep.Cell(TINY, 64, 2, "32-true", "sdpa", False, "train", 1, 2)
-    assert sweep.module_kwargs(cell) == {**reference.model, "norm_eps": ModelConfig.norm_eps}
-    assert sweep.cell_config(cell) == resolve_args(["--config", TINY, "--model.context_length", "64"]).model_config()
+    cell = bench_model.Cell(TINY, 64, 2, "32-true", "sdpa", False, "train", 1, 2)
+    assert bench_model.module_kwargs(cell) == {**reference.model, "norm_eps": ModelConfig.norm_eps}
+    resolved = resolve_args(["--config", TINY, "--model.context_length", "64"])
+    assert bench_model.cell_config(cell) == resolved.model_config()
 
 
 def test_mapping_overrides_and_precision_names() -> None:

@@ -1,4 +1,5 @@
-"""One configuration path: the LightningCLI parser of ``python -m lmtrain fit``, for every command.
+"""The command-line configuration (``lmtrain.cli_config``): the LightningCLI parser of ``python -m lmtrain fit``,
+used by every command. The option schema itself is ``lmtrain.config``.
 
 ``fit``, ``validate`` and ``test`` run :class:`LMCli`; ``estimate`` and every ``bench`` command resolve their
 YAML and dotted overrides with :func:`resolve_config`, which parses them with the same class and the same
@@ -61,6 +62,7 @@ class ResolvedConfig:
             ``logger`` and ``callbacks`` as ``class_path`` / ``init_args`` dictionaries).
         seed: ``seed_everything`` of the config (None, True or an integer).
         source: the config file (None: defaults and overrides only).
+        config_class: the option schema of the ``model`` section (the module class's ``config_class``).
     """
 
     model: dict[str, Any]
@@ -68,6 +70,7 @@ class ResolvedConfig:
     trainer: dict[str, Any]
     seed: Any = None
     source: str | None = None
+    config_class: type[ModelConfig] = ModelConfig
 
     @property
     def precision(self) -> str:
@@ -76,7 +79,7 @@ class ResolvedConfig:
 
     def model_config(self) -> ModelConfig:
         """The ``ModelConfig`` that ``LMModule(**self.model)`` builds (validated; no torch model is created)."""
-        return ModelConfig.from_module_kwargs(self.model)
+        return self.config_class.from_module_kwargs(self.model)
 
 
 def normalize_precision(precision: Any) -> str:
@@ -115,7 +118,8 @@ def _lm_cli_class() -> type:
             if subcommand is not None:
                 section = self.config[subcommand]
                 check_runnable(subcommand, section)
-                ModelConfig.from_module_kwargs(section["model"].as_dict())
+                # Every option and the combinations that cannot work, checked by the schema at parse time.
+                self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
@@ -175,12 +179,14 @@ class _Parsed(Exception):
         self.config = config
 
 
-def resolve_args(args: Sequence[str], subcommand: str = "fit") -> ResolvedConfig:
+def resolve_args(args: Sequence[str], subcommand: str = "fit", module_class: type | None = None) -> ResolvedConfig:
     """Resolve ``fit``-style arguments (``--config FILE``, ``--model.X V``, ...) without running anything.
 
     Args:
         args: the arguments after the subcommand, as ``python -m lmtrain fit`` takes them.
         subcommand: whose parser to use (``fit``, ``validate`` or ``test``).
+        module_class: the LightningModule whose options the ``model`` section holds (None: ``LMModule``; an
+            ``LMModule.with_config(schema)`` takes that schema's options).
 
     Raises:
         LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
@@ -200,7 +206,7 @@ def resolve_args(args: Sequence[str], subcommand: str = "fit") -> ResolvedConfig
             raise _Parsed(parser.parse_args(args))
 
     try:
-        _Resolve(LMModule, LMDataModule, args=argv, trainer_defaults=_TRAINER_DEFAULTS,
+        _Resolve(module_class or LMModule, LMDataModule, args=argv, trainer_defaults=_TRAINER_DEFAULTS,
                  parser_kwargs=parser_kwargs())
     except _Parsed as parsed:
         section = parsed.config[subcommand]
@@ -212,6 +218,7 @@ def resolve_args(args: Sequence[str], subcommand: str = "fit") -> ResolvedConfig
     config = as_dict.get("config") or []
     source = str(config[-1]) if config else None
     return ResolvedConfig(model=dict(as_dict["model"]), data=dict(as_dict["data"]),
+                          config_class=(module_class or LMModule).config_class,
                           trainer=dict(as_dict["trainer"]), seed=as_dict.get("seed_everything"), source=source)
 
 
