@@ -58,10 +58,11 @@ import numpy as np
 
 from lmtrain.errors import LmtrainError
 
-#: Bytes read (and handed to the tokenizer) at a time; a chunk ends at a line end when there is one.
-CHUNK_BYTES = 1 << 20
+#: Bytes read (and handed to the tokenizer) at a time; a chunk ends at a line end when there is one. Small enough
+#: that the tokenizer trainer's read-ahead buffer of a few hundred chunks stays at a few MB.
+CHUNK_BYTES = 64 << 10
 #: Chunks encoded per call of the tokenizer's (multi-threaded) batch encoder.
-ENCODE_BATCH = 8
+ENCODE_BATCH = 64
 #: Inputs larger than this get progress lines on stderr.
 PROGRESS_MIN_BYTES = 16 << 20
 #: Seconds between two progress lines.
