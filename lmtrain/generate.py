@@ -286,7 +286,13 @@ def generate(args: argparse.Namespace) -> list[str]:
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     if args.num_samples < 1:
         raise LmtrainError("--num-samples", f"must be a whole number >= 1, got {args.num_samples}.", "use e.g. 3.")
+    if args.threads is not None and args.threads < 1:
+        raise LmtrainError("--threads", f"must be a whole number >= 1, got {args.threads}.", "use e.g. 1.")
     device = _device(args.device)
+    if device.type == "cpu":
+        # Sampling runs one short sequence at a time: its operations are too small to gain from several CPU
+        # threads, and each waits for the slowest thread, which costs 50x on a busy machine.
+        torch.set_num_threads(args.threads or 1)
     path = resolve_ckpt_path(args.ckpt_path, args.log_dir)
     checkpoint = load_checkpoint(path)
     codec = Codec.from_file(args.tokenizer) if args.tokenizer else codec_of_checkpoint(checkpoint)
@@ -337,6 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the draws (default: a fresh one)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json to decode with instead of the run's")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: sampling's operations "
+                        "are small)")
     parser.add_argument("--log-dir", default=LOG_DIR, help=f"where --ckpt_path last looks ({LOG_DIR})")
 
 

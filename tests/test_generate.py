@@ -189,3 +189,13 @@ def test_generate_entry_point_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=own_job_env(), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --ckpt_path: ")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.gpu
+def test_generate_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "m.ckpt"
+    write_checkpoint(ckpt)
+    args = ("--ckpt_path", ckpt, "--prompt", "def ", "--max-new-tokens", "40", "--seed", "1", "--device", "cuda")
+    rc, out, err = generate(capsys, *args)
+    assert rc == 0 and out.startswith("def ") and err.rstrip().endswith("cuda")
+    assert generate(capsys, *args)[1] == out  # a CUDA generator of the same seed: the same draws

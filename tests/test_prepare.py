@@ -153,3 +153,61 @@ def test_prepare_refuses_another_dataset_in_out(tmp_path: Path, capsys: pytest.C
     assert run_prepare(capsys, "--input", tmp_path / "other", "--out", out, "--vocab-size", "300", "--force")[0] == 0
     assert json.loads((out / "dataset.json").read_text())["source"]["input"] == str(tmp_path / "other")
     assert not list(out.glob(".prepare-*"))
+
+
+def test_prepare_fit_generate_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The fast version of the first day: prepare, a few steps of fit on the folder, generate from the checkpoint."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lmtrain.data import LMDataModule
+    from lmtrain.module import LMModule
+
+    write_corpus(tmp_path / "corpus")
+    ds = tmp_path / "ds"
+    assert run_prepare(capsys, "--input", tmp_path / "corpus", "--out", ds, "--vocab-size", "320")[0] == 0
+    torch.manual_seed(0)
+    module = LMModule(size="tiny", vocab_size=320, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    data = LMDataModule(source="tokens", path=str(ds), batch_size=2, train_batches=10, val_batches=1)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         default_root_dir=tmp_path)
+    trainer.fit(module, data)
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["LMDataModule"]["tokenizer"]
+    assert saved["json"] == (ds / "tokenizer.json").read_text(encoding="utf-8")
+    rc = main(["generate", "--ckpt_path", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--seed", "0"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.out.startswith("def ") and str(ds / "tokenizer.json") in captured.err
+
+
+@pytest.mark.slow
+def test_prepare_fit_generate_through_the_command_line(tmp_path: Path) -> None:
+    """prepare on a generated corpus, fit the tiny model on its tokens for 50 steps, generate: as a user types it."""
+    import subprocess
+    import sys
+
+    from subprocs import ROOT, own_job_env
+
+    write_corpus(tmp_path / "corpus", files=4, lines=400)
+
+    def lmtrain(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "lmtrain", *args], capture_output=True, text=True,
+                              env=own_job_env(), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    lmtrain("prepare", "--input", "corpus", "--out", "data/corpus", "--vocab-size", "400")
+    lmtrain("fit", "--config", str(ROOT / "configs" / "tiny_bpe.yaml"), "--data.path", "data/corpus",
+            "--model.vocab_size", "400", "--model.context_length", "32", "--model.d_model", "64",
+            "--model.num_layers", "2", "--model.num_heads", "2", "--model.d_ff", "128", "--data.batch_size", "4",
+            "--data.val_batches", "2", "--trainer.max_steps", "50", "--trainer.val_check_interval", "25",
+            "--trainer.enable_progress_bar", "false")
+    assert (tmp_path / "logs" / "lmtrain" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    out = lmtrain("generate", "--ckpt_path", "last", "--prompt", "def ", "--max-new-tokens", "30", "--seed", "0",
+                  "--num-samples", "2")
+    samples = out.stdout.split("--- sample 2 ---\n")
+    assert len(samples) == 2 and samples[0].startswith("--- sample 1 ---\ndef ") and samples[1].startswith("def ")
+    assert "data/corpus/tokenizer.json" in out.stderr
