@@ -53,16 +53,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lmtrain.errors import LmtrainError
+from lmtrain.prepare import MANIFEST, STDLIB_ALIAS, TOKENIZER_FILE
 
 Source = Literal["synthetic", "tokens", "text"]
 Split = Literal["train", "val", "test"]
-STDLIB_ALIAS = "python-stdlib"
 _TEXT_SUFFIXES_STDLIB = (".py",)
 #: Seed offsets of the validation and test draws, so that no split repeats the training windows.
 _SPLIT_SEED_OFFSET = {"train": 0, "val": 7919, "test": 2 * 7919}
-#: The files of a folder written by ``python -m lmtrain prepare`` (``lmtrain.prepare`` writes them).
-MANIFEST = "dataset.json"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 class SyntheticWindows(Dataset):

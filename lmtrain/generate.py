@@ -195,7 +195,9 @@ def codec_of_checkpoint(checkpoint: dict[str, Any]) -> Codec | None:
         return Codec({"kind": "bytes"})
     if data.get("source") == "tokens" and data.get("path"):
         path = Path(data["path"])
-        candidate = (path if path.is_dir() else path.parent) / "tokenizer.json"
+        from lmtrain.prepare import TOKENIZER_FILE
+
+        candidate = (path if path.is_dir() else path.parent) / TOKENIZER_FILE
         if candidate.is_file():
             return Codec.from_file(candidate)
     return None

@@ -67,11 +67,12 @@ ENCODE_BATCH = 64
 PROGRESS_MIN_BYTES = 16 << 20
 #: Seconds between two progress lines.
 PROGRESS_EVERY_S = 5.0
-#: The manifest's name and format tag; ``lmtrain.data`` reads it.
+#: The manifest's name and format tag, and the tokenizer's file name; ``lmtrain.data`` reads them.
 MANIFEST = "dataset.json"
 FORMAT = "lmtrain-tokens"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val", "test")
+#: ``--input`` (and ``data.path`` of text data) naming the running Python's standard-library source.
 STDLIB_ALIAS = "python-stdlib"
 _SNIFF_BYTES = 64 << 10
 _GLOB_CHARS = set("*?[")
