@@ -38,7 +38,8 @@ BENCH_COMMANDS: dict[str, str] = {
     "optimizer": "lmtrain.bench.optimizer",
 }
 #: Other commands, same protocol. ``analyze`` may be missing from a checkout: help then says so.
-TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.estimate", "analyze": "lmtrain.analysis.cli"}
+TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.estimate", "analyze": "lmtrain.analysis.cli",
+                                 "prepare": "lmtrain.prepare", "generate": "lmtrain.generate"}
 #: One line per Lightning subcommand for the top-level help.
 LIGHTNING_HELP: dict[str, str] = {
     "fit": "train a model from a YAML config (LightningCLI: --config, --model.*, --data.*, --trainer.*)",

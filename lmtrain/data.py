@@ -4,13 +4,17 @@ Each sample is a window of ``context_length + 1`` token ids (int64); the module 
 ``window[:, :-1]`` and targets ``window[:, 1:]``. Sources:
 
     synthetic   uniformly random ids in [0, vocab_size): the course's benchmark input, no I/O.
-    tokens      a pre-tokenised file, memory-mapped: ``.npy`` (any integer dtype) or a raw ``.bin``
-                of ``token_dtype`` (uint16 or uint32) ids.
+    tokens      token ids, memory-mapped: a folder written by ``python -m lmtrain prepare`` (or its
+                ``train.bin``), whose ``dataset.json`` names the train/val/test files, their dtype and the
+                ``tokenizer.json`` beside them; or one pre-tokenised file, ``.npy`` (any integer dtype) or a
+                raw ``.bin`` of ``token_dtype`` (uint16 or uint32) ids, split as below.
     text        UTF-8 text files (a file or a folder, read recursively), one token per byte (vocab 256).
                 ``path: python-stdlib`` reads the running Python's standard library source (``*.py``),
                 a corpus every machine has.
 
-Files are split, in order, into a train part, a validation part (the next ``val_fraction`` of the
+A prepared folder brings its own splits (``val_fraction``/``test_fraction`` were prepare's options and are
+not used here; an empty test split makes ``test`` report the validation part, with a warning). Other files
+are split, in order, into a train part, a validation part (the next ``val_fraction`` of the
 tokens) and a test part (the last ``test_fraction``; with 0, ``test`` reports the validation part and
 says so). Validation and test windows are fixed and evenly spaced.
 
@@ -25,12 +29,17 @@ exactly the batches an uninterrupted run would have read next. (Set the epoch le
 ``train_batches``: a smaller ``trainer.limit_train_batches`` ends epochs early, and a run resumed at
 such an epoch's end would start its next epoch at another point of the order.)
 
+The tokenizer that turns the ids back into text (``tokenizer``: raw bytes for ``text``, the
+``tokenizer.json`` found beside the token files for ``tokens``) is part of the ``state_dict`` too, so that
+``python -m lmtrain generate`` decodes a checkpoint's samples with the run's own tokenizer.
+
 Everything is checked when the module is built (or, when ``vocab_size``/``context_length`` are left
 to the model, in ``setup``), before any training starts.
 """
 
 from __future__ import annotations
 
+import json
 import sysconfig
 import warnings
 from collections.abc import Iterator
@@ -44,10 +53,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lmtrain.errors import LmtrainError
+from lmtrain.prepare import MANIFEST, STDLIB_ALIAS, TOKENIZER_FILE
 
 Source = Literal["synthetic", "tokens", "text"]
 Split = Literal["train", "val", "test"]
-STDLIB_ALIAS = "python-stdlib"
 _TEXT_SUFFIXES_STDLIB = (".py",)
 #: Seed offsets of the validation and test draws, so that no split repeats the training windows.
 _SPLIT_SEED_OFFSET = {"train": 0, "val": 7919, "test": 2 * 7919}
@@ -186,14 +195,16 @@ class LMDataModule(pl.LightningDataModule):
         source: ``synthetic`` (uniformly random ids in [0, vocab_size), no I/O), ``tokens`` (a .npy or raw .bin
             token file at ``path``, memory-mapped) or ``text`` (UTF-8 files at ``path``, one token per byte,
             vocab 256; ``path: python-stdlib`` reads the Python standard library).
-        path: the token file (``tokens``), or a text file / folder / ``python-stdlib`` (``text``).
+        path: a folder written by ``prepare`` or one of its split files, or a token file (``tokens``); a text
+            file / folder / ``python-stdlib`` (``text``).
         batch_size: sequences per batch on each rank (the global batch is ``batch_size * world_size``).
         context_length: tokens per input sequence (windows hold one more, for the targets). Linked to
             ``model.context_length`` by the command line; None takes the model's in ``setup``.
         vocab_size: the model's vocabulary; every id in the data must be below it. Linked to
             ``model.vocab_size`` by the command line; None takes the model's in ``setup``.
-        token_dtype: element type of a raw ``.bin`` token file (``uint16`` or ``uint32``).
-        val_fraction: share of a file's tokens held out for validation (files only).
+        token_dtype: element type of a raw ``.bin`` token file (``uint16`` or ``uint32``); a prepared folder's
+            manifest gives its own.
+        val_fraction: share of a file's tokens held out for validation (files only; not a prepared folder's).
         test_fraction: share of a file's tokens held out for ``test``, after the validation part (files
             only). 0: ``test`` reports the validation part (with a warning saying so).
         train_batches: global batches in one training epoch.
@@ -236,6 +247,8 @@ class LMDataModule(pl.LightningDataModule):
         self.train_tokens: np.ndarray | None = None
         self.val_tokens: np.ndarray | None = None
         self.test_tokens: np.ndarray | None = None
+        #: How ids become text: ``{"kind": "bytes"}``, ``{"kind": "bpe", "path": ..., "json": ...}``, or None.
+        self.tokenizer: dict[str, str] | None = {"kind": "bytes"} if source == "text" else None
         self._prepared = False
         if context_length is not None and vocab_size is not None:
             self._prepare()  # bad data stops here, before a trainer writes anything
@@ -287,6 +300,9 @@ class LMDataModule(pl.LightningDataModule):
                                "set data.path to a token file (tokens) or a text file or folder (text).")
 
     def _load_and_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        folder = self._prepared_folder()
+        if folder is not None:
+            return self._read_prepared(folder)
         tokens = self._read_text() if self.source == "text" else self._read_tokens()
         window = self.context_length + 1
         parts = 3 if self.test_fraction > 0 else 2
@@ -306,8 +322,64 @@ class LMDataModule(pl.LightningDataModule):
         test = tokens[n_train + n_val:] if n_test else None
         return tokens[:n_train], tokens[n_train:n_train + n_val], test
 
+    def _prepared_folder(self) -> Path | None:
+        """The ``prepare`` folder that ``path`` names (the folder or a file in it), or None for other data."""
+        if self.source != "tokens":
+            return None
+        path = Path(self.path)
+        if path.is_dir():
+            folder = path
+        elif path.name in ("train.bin", "val.bin", "test.bin"):
+            folder = path.parent
+        else:
+            return None
+        return folder if (folder / MANIFEST).is_file() else None
+
+    def _read_prepared(self, folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The train/val/test splits of a folder written by ``prepare``, memory-mapped, and its tokenizer."""
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            vocab, dtype, splits = manifest["vocab_size"], manifest["dtype"], manifest["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise LmtrainError("data.path", f"{folder / MANIFEST} is not a readable prepare manifest ({e}).",
+                               "write the folder again with python -m lmtrain prepare.") from None
+        if vocab > self.vocab_size:
+            raise LmtrainError("model.vocab_size", f"the tokenizer of {folder} has {vocab:,} tokens but "
+                               f"vocab_size={self.vocab_size}.", f"set model.vocab_size to at least {vocab}.")
+        window = self.context_length + 1
+        arrays: dict[str, np.ndarray | None] = {}
+        for split in ("train", "val", "test"):
+            entry = splits.get(split) or {"file": f"{split}.bin", "tokens": 0}
+            file = folder / entry["file"]
+            count = int(entry["tokens"])
+            if split == "test" and count == 0:
+                arrays[split] = None
+                continue
+            if not file.is_file() or file.stat().st_size != count * np.dtype(dtype).itemsize:
+                raise LmtrainError("data.path", f"{file} is missing or not the {count:,} {dtype} ids that "
+                                   f"{MANIFEST} lists.", "write the folder again with python -m lmtrain prepare.")
+            if count < window:
+                raise LmtrainError("data.path", f"the {split} split of {folder} holds {count:,} tokens, fewer than "
+                                   f"one window of context_length + 1 = {window}.",
+                                   "prepare more text, or use a smaller model.context_length.")
+            tokens = np.memmap(file, dtype=dtype, mode="r")
+            self._check_ids(tokens, str(file))
+            arrays[split] = tokens
+        self.tokenizer = self._tokenizer_beside(folder / manifest.get("tokenizer", TOKENIZER_FILE))
+        return arrays["train"], arrays["val"], arrays["test"]
+
+    @staticmethod
+    def _tokenizer_beside(path: Path) -> dict[str, str] | None:
+        """The tokenizer at ``path`` (its location and JSON text), or None when there is none."""
+        if not path.is_file():
+            return None
+        return {"kind": "bpe", "path": str(path.resolve()), "json": path.read_text(encoding="utf-8")}
+
     def _read_tokens(self) -> np.ndarray:
         path = Path(self.path)
+        if path.is_dir():
+            raise LmtrainError("data.path", f"{path} is a folder without {MANIFEST}.",
+                               "point data.path at a token file, or at a folder written by python -m lmtrain prepare.")
         if not path.is_file():
             raise LmtrainError("data.path", f"token file {path} does not exist.", "check the path.")
         if path.stat().st_size == 0:
@@ -330,6 +402,7 @@ class LMDataModule(pl.LightningDataModule):
                                    f"{itemsize} ({self.token_dtype}).", "set data.token_dtype to the file's type.")
             tokens = np.memmap(path, dtype=self.token_dtype, mode="r")
         self._check_ids(tokens, str(path))
+        self.tokenizer = self._tokenizer_beside(path.parent / TOKENIZER_FILE)
         return tokens
 
     def _read_text(self) -> np.ndarray:
@@ -417,6 +490,7 @@ class LMDataModule(pl.LightningDataModule):
             "source": self.source,
             "global_batch_size": self.batch_size * self.world_size,
             "train_batches": self.train_batches,
+            "tokenizer": self.tokenizer,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -474,9 +548,12 @@ class LMDataModule(pl.LightningDataModule):
         return self._loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        if self.source != "synthetic" and self.test_fraction == 0:
-            warnings.warn("data.test_fraction is 0, so test reports the validation split (the same windows as "
-                          "validate). Set data.test_fraction (e.g. 0.05) to hold out a test split of its own.",
+        self._prepare()
+        if self.source != "synthetic" and self.test_tokens is None:
+            fix = ("prepare it again with --test-fraction (e.g. 0.05)" if self._prepared_folder() is not None
+                   else "set data.test_fraction (e.g. 0.05)")
+            warnings.warn(f"there is no test split (data.test_fraction is 0), so test reports the validation split "
+                          f"(the same windows as validate). To hold out a test split of its own, {fix}.",
                           stacklevel=2)
             return self._loader("val")
         return self._loader("test")

@@ -305,3 +305,72 @@ def test_shapes_come_from_the_model() -> None:
     with pytest.raises(LmtrainError) as info:
         clash.setup("fit")
     assert info.value.field == "data.vocab_size"
+
+
+def write_prepared(folder: Path, counts: tuple[int, int, int] = (400, 100, 50), vocab: int = 300,
+                   dtype: str = "uint16") -> dict[str, np.ndarray]:
+    """A folder as ``python -m lmtrain prepare`` writes it: split files, a manifest and a tokenizer file."""
+    import json
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, n in zip(("train", "val", "test"), counts, strict=True):
+        arrays[split] = rng.integers(0, vocab, n).astype(dtype)
+        arrays[split].tofile(folder / f"{split}.bin")
+    (folder / "tokenizer.json").write_text('{"model": "stand-in"}')
+    manifest = {"format": "lmtrain-tokens", "version": 1, "vocab_size": vocab, "dtype": dtype,
+                "tokenizer": "tokenizer.json",
+                "splits": {s: {"file": f"{s}.bin", "tokens": n} for s, n in zip(arrays, counts, strict=True)}}
+    (folder / "dataset.json").write_text(json.dumps(manifest))
+    return arrays
+
+
+@pytest.mark.parametrize("target", ["folder", "train.bin"])
+def test_prepared_folder_brings_its_splits_and_tokenizer(target: str, tmp_path: Path) -> None:
+    arrays = write_prepared(tmp_path / "ds", dtype="uint32")
+    path = tmp_path / "ds" if target == "folder" else tmp_path / "ds" / "train.bin"
+    dm = make(source="tokens", path=str(path), val_fraction=0.5, test_fraction=0.3)  # fractions unused
+    for split in ("train", "val", "test"):
+        assert np.array_equal(getattr(dm, f"{split}_tokens"), arrays[split])
+    check_windows(dm, 300)
+    state = dm.state_dict()["tokenizer"]
+    assert state["kind"] == "bpe" and state["json"] == '{"model": "stand-in"}'
+    assert Path(state["path"]) == (tmp_path / "ds" / "tokenizer.json").resolve()
+
+
+def test_prepared_folder_checks(tmp_path: Path) -> None:
+    write_prepared(tmp_path / "ds", vocab=1200)
+    with pytest.raises(LmtrainError, match=r"^model\.vocab_size: the tokenizer of .* has 1,200 tokens"):
+        make(source="tokens", path=str(tmp_path / "ds"))
+    write_prepared(tmp_path / "short", counts=(400, 10, 50))
+    with pytest.raises(LmtrainError, match=r"^data\.path: the val split of .* holds 10 tokens"):
+        make(source="tokens", path=str(tmp_path / "short"))
+    write_prepared(tmp_path / "cut")
+    (tmp_path / "cut" / "val.bin").write_bytes(b"\0" * 7)
+    with pytest.raises(LmtrainError, match=r"^data\.path: .*val\.bin is missing or not the 100 uint16 ids"):
+        make(source="tokens", path=str(tmp_path / "cut"))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(LmtrainError, match=r"^data\.path: .* is a folder without dataset\.json"):
+        make(source="tokens", path=str(tmp_path / "plain"))
+
+
+def test_prepared_folder_without_test_split_tests_on_validation(tmp_path: Path) -> None:
+    arrays = write_prepared(tmp_path / "ds", counts=(400, 100, 0))
+    dm = make(source="tokens", path=str(tmp_path / "ds"))
+    assert dm.test_tokens is None
+    with pytest.warns(UserWarning, match="prepare it again with --test-fraction"):
+        loader = dm.test_dataloader()
+    assert loader.dataset.tokens is dm.val_tokens and len(dm.val_tokens) == len(arrays["val"])
+
+
+def test_tokenizer_state_of_each_source(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 20)
+    assert make(source="text", path=str(text)).state_dict()["tokenizer"] == {"kind": "bytes"}
+    assert make().state_dict()["tokenizer"] is None
+    ids = tmp_path / "ids.bin"
+    np.arange(200, dtype=np.uint16).tofile(ids)
+    assert make(source="tokens", path=str(ids)).state_dict()["tokenizer"] is None
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert make(source="tokens", path=str(ids)).state_dict()["tokenizer"]["json"] == "{}"

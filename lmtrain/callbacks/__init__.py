@@ -18,6 +18,7 @@ _EXPORTS = {
     "MemorySnapshot": "lmtrain.callbacks.memory",
     "KernelShare": "lmtrain.callbacks.kernel_share",
     "PrecisionInspector": "lmtrain.callbacks.precision",
+    "GenerateSamples": "lmtrain.callbacks.samples",
 }
 
 __all__ = sorted(_EXPORTS)
