@@ -1,10 +1,11 @@
-"""Command line: ``python -m lmtrain {fit,validate,test,bench,estimate,analyze} ...``.
+"""Command line: ``python -m lmtrain {fit,validate,test,bench,estimate,analyze,prepare,generate} ...``.
 
 ``fit``, ``validate`` and ``test`` are LightningCLI subcommands over ``LMModule`` and ``LMDataModule``
 (``--config``, ``--print_config``, dotted overrides such as ``--model.context_length 1024``), built in
 ``lmtrain.cli_config``, which also resolves the configs of ``estimate`` and every ``bench`` command.
 ``bench NAME`` runs one of the benchmarks in ``lmtrain.bench``; ``estimate`` prints the memory plan of a
-config; ``analyze`` reads saved profiling records.
+config; ``analyze`` reads saved profiling records; ``prepare`` trains a byte-level BPE tokenizer and writes token
+files; ``generate`` samples text from a checkpoint.
 
 Errors in the arguments, the configuration or the data stop the command with one line,
 ``error: <field>: <problem> Fix: <fix>``, exit status 2, before anything is written. Ctrl-C stops a

@@ -232,7 +232,7 @@ def test_help_lists_every_command_and_version(capsys: pytest.CaptureFixture) -> 
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m lmtrain ") and "__main__" not in out
     commands = [line.split()[0] for line in out.split("commands:")[1].split("options:")[0].splitlines() if line.strip()]
-    assert commands == ["fit", "validate", "test", "bench", "estimate", "analyze"]
+    assert commands == ["fit", "validate", "test", "bench", "estimate", "analyze", "prepare", "generate"]
     assert "predict" not in out
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == "lmtrain 0.1.0"

@@ -166,11 +166,11 @@ def live_at_end(snapshot: dict[str, Any], device: int) -> list[LiveAllocation]:
 
 
 _LIBRARY_PARTS = ("site-packages", "dist-packages", f"{os.sep}lib{os.sep}python")
-_LMTRAIN_DIR = str(Path(__file__).resolve().parents[1])
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def _is_library(filename: str) -> bool:
-    if filename.startswith(_LMTRAIN_DIR):
+    if filename.startswith(_PACKAGE_DIR):
         return False
     return filename.startswith("<") or any(part in filename for part in _LIBRARY_PARTS)
 
