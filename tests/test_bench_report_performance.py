@@ -117,3 +117,13 @@ def test_no_records_and_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureF
     assert "No records with a known kind were found." in out.read_text().splitlines()
     assert main(["bench", "report", "--records", str(tmp_path / "nope"), "--out", str(tmp_path / "p.md")]) == 2
     assert "--records" in capsys.readouterr().err and not (tmp_path / "p.md").exists()
+
+
+def test_flash_dispatcher_record_gives_the_kernel_settings(tmp_path: Path) -> None:
+    """A bench attention record carries the dispatcher's describe() as meta.flash_kernels: the page shows its
+    settings and, per shape, the implementation of the forward, dQ and dK/dV."""
+    flash = {"settings": {"gluon": "auto", "tma": True}, "triton": "3.6",
+             "plans": {"N=1024,d=64": {"fwd": "gluon", "dq": "tma", "dkdv": "gluon", "kernels": ["_flash_gluon_fwd"]}}}
+    attention_record(tmp_path, "2026-11-27-H100-attention", 0.8, {"flash_kernels": flash})
+    (record,) = load_records(tmp_path)
+    assert record.kernels() == "gluon=auto, tma=True, plans (fwd/dq/dkdv)=N=1024,d=64: gluon/tma/gluon"

@@ -19,7 +19,7 @@ listed in the records' index only.
 The newest record of a kind is the one with the latest date (``meta["date"]``, else the ``YYYY-MM-DD`` its name
 starts with); on the same date, the one git added last, then the one with more rows, then the later name. Each
 table states the record's date, commit, device, versions, command and kernel settings (``meta["commit"]``,
-``meta["kernels"]``); a field an older record lacks reads "not recorded".
+``meta["kernels"]``, or the flash dispatcher's settings and plans in ``meta["flash_kernels"]``); a field an older record lacks reads "not recorded".
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class Record:
 
     def kernels(self) -> str:
         given = self.meta.get("kernels")
+        flash = self.meta.get("flash_kernels")  # bench attention's record of the flash dispatcher (describe())
+        if not given and isinstance(flash, dict):
+            plans = "; ".join(f"{shape}: {'/'.join(plan.get(job, '?') for job in ('fwd', 'dq', 'dkdv'))}"
+                              for shape, plan in (flash.get("plans") or {}).items())
+            given = {**(flash.get("settings") or {}), **({"plans (fwd/dq/dkdv)": plans} if plans else {})}
         if not given:
             return NOT_RECORDED
         if isinstance(given, dict):
