@@ -76,7 +76,7 @@ def _flash_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     Called as the custom op, the attention is one operation the policy saves (``_SELECTIVE_SAVE``). The op's
     dispatch costs some host time per call (tens of microseconds), nothing next to a long-context layer.
     """
-    from lmtrain.kernels import flash_triton  # noqa: F401  (registers torch.ops.lmtrain.flash_attn_fwd)
+    from lmtrain.kernels.flash import api  # noqa: F401  (registers torch.ops.lmtrain.flash_attn_fwd)
 
     out, _ = torch.ops.lmtrain.flash_attn_fwd(q, k, v, bool(causal), False)
     return out
@@ -156,7 +156,7 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 def _is_flash_triton_op(op: Any) -> bool:
-    # The custom op exists only once lmtrain.kernels.flash_triton is imported (it needs Triton): look it up by
+    # The custom op exists only once lmtrain.kernels.flash.api is imported (it needs Triton): look it up by
     # its registered name instead of importing Triton here.
     return getattr(op, "_schema", None) is not None and op._schema.name == "lmtrain::flash_attn_fwd"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain.bench import sweep as bench
+from lmtrain.bench import model as bench
 from lmtrain.bench.report import estimate_seconds, with_current_plan, write_report
 from lmtrain.bench.studies import STUDIES
 

@@ -24,7 +24,7 @@ Step time: the median of the synchronised steps after the first 3 (fewer when a 
 tokens/s per GPU = batch x context / step time; scaling efficiency = a 2-GPU cell's tokens/s per GPU over
 the 1-GPU cell's. Peak: the largest ``torch.cuda.max_memory_allocated`` over the ranks, counted from the
 start of training (after the model is built and sharded), next to
-``lmtrain.memory_plan.estimate_memory_distributed``. Losses: the rank-averaged loss of each of the 20 steps
+``lmtrain.memory_plan.estimate_memory`` (with ``strategy`` and ``world_size``). Losses: the rank-averaged loss of each of the 20 steps
 of ``ddp`` and ``fsdp`` (same data order: both read through Lightning's distributed sampler at world size 2).
 Each cell writes ``DIR/<cell>.json``; the table is printed last.
 
@@ -126,11 +126,11 @@ def ddp_kwargs(text: str) -> dict:
 
 def planned_gib(size: str, strategy: str, devices: int, batch: int, context: int, ac: bool) -> float:
     from lmtrain.config import ModelConfig
-    from lmtrain.memory_plan import GIB, estimate_memory_distributed
+    from lmtrain.memory_plan import GIB, estimate_memory
 
     cfg = ModelConfig.from_size(size, vocab_size=10_000, context_length=context, activation_checkpointing=ac)
     kind = {"auto": "single", "ddp": "ddp", "fsdp": "fsdp"}[strategy]
-    return estimate_memory_distributed(cfg, batch, context, PRECISION, kind, devices).peak / GIB
+    return estimate_memory(cfg, batch, context, PRECISION, strategy=kind, world_size=devices).peak / GIB
 
 
 def run_cell(opts: argparse.Namespace, name: str, strategy: str, devices: int, batch: int, context: int,

@@ -63,7 +63,8 @@ import torch
 
 from lmtrain.bench.clock import Clock
 from lmtrain.bench.environment import device_name, environment, flash_kernels
-from lmtrain.bench.sweep import command_line
+from lmtrain.analysis import tables
+from lmtrain.bench.model import command_line
 
 #: Bench-only variants of the registered backends: (what it is, whether it needs CUDA). The registered backends
 #: themselves (``lmtrain.attention``) are always offered; ``sdpa`` itself is left out of the default list because
@@ -561,24 +562,18 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def markdown_table(cells: list[Cell]) -> str:
     """The short table: one row per cell, times in ms, throughput in TFLOP/s, memory in GiB."""
-    lines = [
-        "| backend | B | H | N | d | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s "
-        "| mem before bwd GiB | peak GiB | fwd host us | fwd+bwd host us |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    header = ["backend", "B", "H", "N", "d", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+              "mem before bwd GiB", "peak GiB", "fwd host us", "fwd+bwd host us"]
+    rows = []
     for c in cells:
+        shape = [c.backend, c.batch, c.heads, c.seq_len, c.head_dim]
         if c.status != "ok":
-            status = c.status if c.status == "OOM" else f"{c.status}: {c.reason}"
-            blank = " |" * 8
-            lines.append(f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {status} |{blank}")
+            rows.append([*shape, c.status if c.status == "OOM" else f"{c.status}: {c.reason}", *[""] * 8])
             continue
-        lines.append(
-            f"| {c.backend} | {c.batch} | {c.heads} | {c.seq_len} | {c.head_dim} | {_fmt(c.fwd_ms, 3)} | "
-            f"{_fmt(c.bwd_ms, 3)} | {_fmt(c.fwd_bwd_ms, 3)} | {_fmt(c.fwd_tflops, 1)} | {_fmt(c.fwd_bwd_tflops, 1)} | "
-            f"{_fmt(c.mem_before_bwd_gib, 3)} | {_fmt(c.peak_gib, 3)} | {_fmt(c.fwd_host_us, 1)} | "
-            f"{_fmt(c.fwd_bwd_host_us, 1)} |"
-        )
-    return "\n".join(lines)
+        rows.append([*shape, _fmt(c.fwd_ms, 3), _fmt(c.bwd_ms, 3), _fmt(c.fwd_bwd_ms, 3), _fmt(c.fwd_tflops, 1),
+                     _fmt(c.fwd_bwd_tflops, 1), _fmt(c.mem_before_bwd_gib, 3), _fmt(c.peak_gib, 3),
+                     _fmt(c.fwd_host_us, 1), _fmt(c.fwd_bwd_host_us, 1)])
+    return tables.markdown_table(header, rows)
 
 
 def _row(cell: Cell) -> dict:

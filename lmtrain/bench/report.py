@@ -30,7 +30,7 @@ from typing import Any
 from lmtrain.bench.environment import environment
 from lmtrain.bench.performance import write_performance
 from lmtrain.bench.studies import STUDIES
-from lmtrain.bench.sweep import (
+from lmtrain.bench.model import (
     Cell,
     base_row,
     cell_config,

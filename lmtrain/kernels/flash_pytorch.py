@@ -1,6 +1,6 @@
 """FlashAttention-2 in plain PyTorch: the tiled algorithm, readable, as a teaching aid and a reference.
 
-This is the same algorithm as the Triton kernels in ``flash_triton.py``, written with tensor slices
+This is the same algorithm as the Triton kernels in ``lmtrain.kernels.flash``, written with tensor slices
 so that each step can be read and printed. It is not fast (Python loops over tiles) but it never
 materialises the N_q x N_k score matrix: at most one (TILE_Q x TILE_K) tile per batch element.
 
