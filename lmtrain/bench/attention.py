@@ -61,9 +61,9 @@ from pathlib import Path
 
 import torch
 
+from lmtrain.analysis import tables
 from lmtrain.bench.clock import Clock
 from lmtrain.bench.environment import device_name, environment, flash_kernels
-from lmtrain.analysis import tables
 from lmtrain.bench.model import command_line
 
 #: Bench-only variants of the registered backends: (what it is, whether it needs CUDA). The registered backends

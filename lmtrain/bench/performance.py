@@ -19,7 +19,8 @@ listed in the records' index only.
 The newest record of a kind is the one with the latest date (``meta["date"]``, else the ``YYYY-MM-DD`` its name
 starts with); on the same date, the one git added last, then the one with more rows, then the later name. Each
 table states the record's date, commit, device, versions, command and kernel settings (``meta["commit"]``,
-``meta["kernels"]``, or the flash dispatcher's settings and plans in ``meta["flash_kernels"]``); a field an older record lacks reads "not recorded".
+``meta["kernels"]``, or the flash dispatcher's settings and plans in ``meta["flash_kernels"]``); a field an older
+record lacks reads "not recorded".
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.bench.environment import environment
-from lmtrain.bench.performance import write_performance
-from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.model import (
     Cell,
     base_row,
@@ -42,6 +40,8 @@ from lmtrain.bench.model import (
     run_sweep,
     with_current_plan,
 )
+from lmtrain.bench.performance import write_performance
+from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.tables import markdown_rows
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import flops_per_step
