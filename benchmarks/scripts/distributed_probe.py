@@ -25,7 +25,8 @@ tokens/s per GPU = batch x context / step time; scaling efficiency = a 2-GPU cel
 the 1-GPU cell's. Peak: the largest ``torch.cuda.max_memory_allocated`` over the ranks, counted from the
 start of training (after the model is built and sharded), next to
 ``lmtrain.memory_plan.estimate_memory`` (with ``strategy`` and ``world_size``). Losses: the rank-averaged loss of
-each of the 20 steps of ``ddp`` and ``fsdp`` (same data order: both read through Lightning's distributed sampler at world size 2).
+each of the 20 steps of ``ddp`` and ``fsdp`` (same data order: both read through Lightning's distributed sampler at
+world size 2).
 Each cell writes ``DIR/<cell>.json``; the table is printed last.
 
 NVLink multicast stays off in every process (the variables below are exported before any process starts,
