@@ -301,6 +301,10 @@ class LMModule(pl.LightningModule):
         # under torch.inference_mode); fit validates under no_grad, where updating them in place fails.
         # reset() outside inference mode replaces them with normal tensors.
         self.val_loss.reset()
+        if self.config.attention == "flash_triton":
+            served = flash_kernels_record(self.config, self.device, str(self.trainer.precision))
+            for logger in self.loggers:
+                logger.log_hyperparams({"flash_kernels": served})
 
     def on_validation_start(self) -> None:
         self._warn_if_untrained("validate")
@@ -419,3 +423,12 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
         return min_ratio
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def flash_kernels_record(config: ModelConfig, device: torch.device | str, precision: str) -> dict[str, Any]:
+    """Which flash_triton kernels serve ``config``'s attention on ``device`` at ``precision``, with the kernel
+    settings (``lmtrain.kernels.flash.describe``): what a fit records in its loggers' hyperparameters."""
+    from lmtrain.kernels.flash import describe
+
+    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
+    return describe([(config.context_length, config.head_dim)], device=device, dtype=dtype)

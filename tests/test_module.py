@@ -9,6 +9,7 @@ import pytest
 import torch
 from fitting import cpu_fit
 
+from lmtrain.config import ModelConfig
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import flops_per_step
@@ -338,3 +339,15 @@ def test_compile_mode_reaches_torch_compile_and_bad_modes_are_refused(monkeypatc
         with pytest.raises(LmtrainError) as info:
             small_module(**kwargs)
         assert info.value.field == "model.compile_mode" and words in str(info.value)
+
+
+def test_flash_kernels_record_names_the_served_kernels_and_settings() -> None:
+    """A flash_triton fit records which kernels serve its attention shape, and with which settings."""
+    from lmtrain.module import flash_kernels_record
+
+    cfg = ModelConfig.from_size("2.7B", context_length=512, attention="flash_triton")
+    record = flash_kernels_record(cfg, "sm_90", "bf16-mixed")
+    (plan,) = record["plans"].values()
+    assert list(record["plans"]) == ["N=512,d=80"]
+    assert plan["kernels"] and all(name.startswith("_flash_") for name in plan["kernels"])
+    assert record["settings"]["gluon"] == "auto" and record["device"].startswith("sm_90")

@@ -273,6 +273,10 @@ def _result_row(cell: Cell, timer: Any, module: Any) -> dict[str, Any]:
                                                              if timer.step_times else None)
     row["first_step_ms"] = first
     row.update(_device_columns(cell, module.config, row.get("step_ms_mean")))
+    if module.config.attention == "flash_triton":  # which kernels served it (the JSON row; not a CSV column)
+        from lmtrain.module import flash_kernels_record
+
+        row["flash_kernels"] = flash_kernels_record(module.config, module.device, cell.precision)
     return row
 
 
