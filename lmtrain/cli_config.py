@@ -117,6 +117,7 @@ def _lm_cli_class() -> type:
             subcommand = self.config.get("subcommand")
             if subcommand is not None:
                 section = self.config[subcommand]
+                check_has_config(subcommand, section)
                 check_runnable(subcommand, section)
                 # Every option and the combinations that cannot work, checked by the schema at parse time.
                 self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
@@ -125,6 +126,15 @@ def _lm_cli_class() -> type:
                 from lmtrain.checkpoints import resolve_ckpt_path
 
                 resolve_ckpt_path(section, subcommand)
+
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            # Callback arguments checked now, before fit/validate/test opens the log folder (Lightning creates
+            # it just before the callbacks' setup, where they would otherwise be checked).
+            for callback in self.trainer.callbacks:
+                check = getattr(callback, "check_arguments", None)
+                if callable(check):
+                    check(self.trainer.world_size)
 
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
@@ -292,6 +302,26 @@ def check_config_files(args: Sequence[str]) -> None:
                                "write the config as a mapping with model:, data: and trainer: sections.")
 
 
+def check_has_config(subcommand: str, config: Any) -> None:
+    """Refuse ``fit`` without ``--config`` (and ``validate``/``test`` without a config or a checkpoint).
+
+    The defaults alone build the 128M-parameter ``small`` model and let Lightning train it for 1000 epochs: hours
+    on a CPU, then a 1.4 GiB checkpoint. Nobody means that.
+
+    Raises:
+        LmtrainError: no config file was given.
+    """
+    if config.get("config"):
+        return
+    if subcommand != "fit" and config.get("ckpt_path") is not None:
+        return  # the checkpoint holds the model's options
+    what = "train it for 1000 epochs" if subcommand == "fit" else "evaluate its untrained weights"
+    raise LmtrainError("--config", f"{subcommand} was given no config; the defaults alone would build the "
+                       f"128M-parameter small model and {what}.",
+                       f"start with `{PROG} {subcommand} --config configs/tiny.yaml` (a 1M-parameter model, "
+                       "minutes on a CPU), or give another file of configs/.")
+
+
 def check_runnable(subcommand: str | None, config: Any) -> None:
     """Refuse settings that Lightning would silently change or that would run nothing (before anything is built).
 
@@ -355,6 +385,8 @@ def parser_error(message: str, args: Sequence[str] = ()) -> LmtrainError:
             return LmtrainError(key, f"{given!r} is not a precision Lightning knows.",
                                 f"use one of {', '.join(PRECISION_CHOICES)}.")
         if key.endswith("callbacks") or "class_path" in text:
+            if (argument_error := _callback_argument_error(key, text)) is not None:
+                return argument_error
             path = re.search(r"class_path '([^']+)'", text) or re.search(r"but (\S+) either not", text)
             name = path.group(1) if path else given
             return LmtrainError(key, f"{name} is not an importable Lightning class of the right kind.",
@@ -370,6 +402,46 @@ def parser_error(message: str, args: Sequence[str] = ()) -> LmtrainError:
         return LmtrainError("--config", "the config could not be parsed: " + " ".join(lines[1:] or lines) + ".",
                             "correct the YAML.")
     return LmtrainError("arguments", " ".join(lines) + ("" if text.endswith(".") else "."), f"{help_hint}.")
+
+
+def _callback_argument_error(key: str, text: str) -> LmtrainError | None:
+    """The error of a callback whose class imports but whose arguments do not fit (None: another problem).
+
+    jsonargparse reports every union member it tried; the first block, ``Problem with given class_path 'X':``,
+    holds the real cause: ``Option 'warmup' is not accepted`` or ``Parser key "depth": Expected ... Got value: v``.
+    """
+    import importlib
+    import inspect
+
+    block = re.search(r"Problem with given class_path '([^']+)':\n(.*?)(?=\n\s*- |\Z)", text, re.DOTALL)
+    if block is None:
+        return None
+    class_path, detail = block.group(1), block.group(2)
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    arguments = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                 if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    field = f"{key}.{class_name}"
+    if match := re.search(r"Option '([^']+)' is not accepted", detail):
+        name = match.group(1)
+        close = difflib.get_close_matches(name, arguments, n=1)
+        hint = f"did you mean {close[0]}? Otherwise " if close else ""
+        return LmtrainError(f"{field}.{name}", "no such argument.",
+                            f"{hint}use one of {', '.join(arguments)}.")
+    if match := re.search(r'Parser key "([^"]+)":\s*(.*?)(?:\.\s*Got value: (.*))?$', detail.strip(), re.DOTALL):
+        name, expected, value = match.group(1), " ".join(match.group(2).split()), match.group(3)
+        if literal := re.search(r"Literal\[(.*)\]", expected):
+            allowed = ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
+            fix = f"use one of {allowed}."
+        else:
+            expected = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", expected).rstrip(".")
+            fix = f"give a value of type {re.sub(r'^Expected an? ', '', expected)}."
+        shown = f"{value.strip()!r} " if value else ""
+        return LmtrainError(f"{field}.{name}", f"the value {shown}is not accepted.", fix)
+    return None
 
 
 def _known_options(subcommand: str) -> list[str]:

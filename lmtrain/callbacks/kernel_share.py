@@ -191,15 +191,26 @@ class KernelShare(Callback):
         """Yes inside the window: the profiler records every operator and kernel launch (host time per launch)."""
         return self.in_window(step)
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return  # validate / test after a fit must not clear that fit's summary and report
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run.
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         for name, low in (("wait", 0), ("warmup", 0), ("active", 1), ("top_k", 1)):
             check_int("KernelShare", name, getattr(self, name), low)
         check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
                   fix="leave it unset to take the model's config.head_dim.")
-        check_ranks("KernelShare", self.ranks, trainer.world_size)
+        check_ranks("KernelShare", self.ranks, world_size)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return  # validate / test after a fit must not clear that fit's summary and report
+        self.check_arguments(trainer.world_size)
         self._reset()
         self._window = StepWindow(self.wait, self.warmup + self.active)
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)

@@ -162,15 +162,26 @@ class MemorySnapshot(pl.Callback):
 
     # -- setup / teardown -----------------------------------------------------------------------
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run.
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         check_int("MemorySnapshot", "start_step", self.start_step, 0, allow_none=True,
                   fix="use start_step >= 0, or None for the per-step peaks alone.")
         for name in ("num_steps", "max_entries", "top_n", "log_every_n_steps"):
             check_int("MemorySnapshot", name, getattr(self, name), 1)
-        check_ranks("MemorySnapshot", self.ranks, world_size(trainer))
+        check_ranks("MemorySnapshot", self.ranks, world_size)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_arguments(world_size(trainer))
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
         self._records = trainer.global_rank in self.ranks
         self._rank = "" if world_size(trainer) == 1 else f"rank{trainer.global_rank}_"

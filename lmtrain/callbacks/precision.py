@@ -119,12 +119,23 @@ class PrecisionInspector(Callback):
         (``LMModule(cuda_graphs=True)``) does not run: it runs eagerly."""
         return self.in_window(step)
 
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run (unused here).
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
+        check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
+        check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return  # validate / test after a fit must not clear that fit's result
-        check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
-        check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
+        self.check_arguments()
         self._remove()
         self._clear()
         self._window = StepWindow(self.step, 1)

@@ -1,0 +1,74 @@
+"""Bad input to ``fit``/``validate``/``test`` stops with one line naming the real field, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lmtrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def refused(args: list[str], field: str, capsys: pytest.CaptureFixture, where: Path) -> str:
+    """Run ``python -m lmtrain ARGS`` in-process: exit 2, one ``error: FIELD: ... Fix: ...`` line, nothing written."""
+    before = sorted(where.rglob("*"))
+    assert main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(rf"error: {re.escape(field)}: .+ Fix: .+", errors[0]), errors[0]
+    assert sorted(where.rglob("*")) == before  # no logs/, no version_N
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_no_config_is_refused(command: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused([command], "--config", capsys, in_tmp)
+    assert "small model" in line and "configs/tiny.yaml" in line.split("Fix:")[1]
+
+
+CALLBACK_ARGUMENTS = [
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.warmup", "3"],
+     "trainer.callbacks.CudaSyncTimer.warmup", "did you mean warmup_steps?"),
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.sync", "bogus"],
+     "trainer.callbacks.CudaSyncTimer.sync", "use one of events, synchronize."),
+    (["--trainer.callbacks+=lmtrain.callbacks.NVTXRanges", "--trainer.callbacks.depth", "bogus"],
+     "trainer.callbacks.NVTXRanges.depth", "use one of step, phase, block, module, op."),
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.warmup_steps", "x"],
+     "trainer.callbacks.CudaSyncTimer.warmup_steps", "give a value of type int."),
+]
+
+
+@pytest.mark.parametrize(("args", "field", "fix"), CALLBACK_ARGUMENTS)
+def test_bad_callback_argument_names_the_argument(args: list[str], field: str, fix: str, in_tmp: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    line = refused(["fit", "--config", TINY, *args], field, capsys, in_tmp)
+    assert fix in line.split("Fix:")[1], line
+    assert "importable" not in line
+
+
+def test_bad_callback_argument_in_yaml(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    extra = in_tmp / "callbacks.yaml"
+    extra.write_text("trainer:\n  callbacks:\n    - class_path: lmtrain.callbacks.CudaSyncTimer\n"
+                     "      init_args:\n        warmup: 3\n")
+    line = refused(["fit", "--config", TINY, "--config", str(extra)], "trainer.callbacks.CudaSyncTimer.warmup",
+                   capsys, in_tmp)
+    assert "warmup_steps" in line
+
+
+@pytest.mark.parametrize(("callback", "argument", "value"), [("CudaSyncTimer", "warmup_steps", "-3"),
+                                                             ("MemorySnapshot", "start_step", "-1"),
+                                                             ("KernelShare", "active", "0")])
+def test_callback_argument_checks_write_nothing(callback: str, argument: str, value: str, in_tmp: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    refused(["fit", "--config", TINY, f"--trainer.callbacks+=lmtrain.callbacks.{callback}",
+             f"--trainer.callbacks.{argument}", value], f"callbacks.{callback}.{argument}", capsys, in_tmp)
