@@ -249,6 +249,42 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is not None and Path(ckpt_path).is_file():
         check_checkpoint_model(ckpt_path, _get(config, "model"))
+        if subcommand == "fit":
+            check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
+
+
+def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> None:
+    """Stop when a checkpoint has already trained ``max_steps`` steps: resuming it would train nothing.
+
+    Raises:
+        LmtrainError: the checkpoint's ``global_step`` is >= ``max_steps`` (a positive ``max_steps``).
+    """
+    if max_steps is None or max_steps < 0:
+        return
+    step = read_checkpoint(ckpt_path).get("global_step")
+    if isinstance(step, int) and step >= max_steps:
+        raise LmtrainError("trainer.max_steps", f"the checkpoint {ckpt_path} is at step {step}, so "
+                           f"max_steps {max_steps} leaves nothing to train.",
+                           f"give --trainer.max_steps above {step} to train on, or use validate/test to evaluate it.")
+
+
+def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's contents, memory-mapped (the weights are not read until used).
+
+    Raises:
+        LmtrainError: the file is not a checkpoint (truncated, another format, not a file).
+    """
+    import torch
+
+    try:
+        return torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors alike: the file is no checkpoint
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        if "mmap can only be used" in reason:  # torch's word for "not a zip file": no checkpoint at all
+            reason = "not a file written by torch.save"
+        raise LmtrainError("ckpt_path", f"{ckpt_path} cannot be read as a checkpoint ({reason}).",
+                           "give a checkpoint file that fit wrote completely (e.g. --ckpt_path last); a file cut "
+                           "short by a full disk or a killed copy cannot be resumed.") from None
 
 
 def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
@@ -264,25 +300,27 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
     Raises:
         LmtrainError: the architectures differ (see :func:`check_architecture`).
     """
-    import torch
-
     from lmtrain.config import ModelConfig
 
     if model is None:
         return
+    saved = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
     requested = dict(model) if isinstance(model, dict) else dict(vars(model))
     if requested.get("size") is None:
         return
-    # mmap: only the hyperparameters are read, not gigabytes of weights.
-    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
     fields = ARCHITECTURE_FIELDS + ("context_length",)
     config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
     check_architecture(saved, requested, config)
     replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
-                if saved[k] != requested[k] and not (isinstance(saved[k], tuple) and list(saved[k]) == requested[k])]
+                if _as_tuple(saved[k]) != _as_tuple(requested[k])]
     if replaced:
         warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
                       "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists as tuples: YAML gives ``[0.9, 0.95]`` where Python code and checkpoints hold ``(0.9, 0.95)``."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
@@ -303,6 +341,10 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
                                f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
         ckpt_path = str(found)
         _set(config, "ckpt_path", ckpt_path)
+    elif Path(ckpt_path).is_dir():
+        raise LmtrainError("ckpt_path", f"{ckpt_path} is a folder, not a checkpoint file.",
+                           f"give a file inside it, e.g. {Path(ckpt_path) / 'checkpoints' / LAST} or "
+                           f"{Path(ckpt_path) / LAST}, or use --ckpt_path last.")
     elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).is_file():
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")

@@ -119,6 +119,7 @@ def _lm_cli_class() -> type:
                 section = self.config[subcommand]
                 check_has_config(subcommand, section)
                 check_runnable(subcommand, section)
+                check_log_folder(section)
                 # Every option and the combinations that cannot work, checked by the schema at parse time.
                 self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
@@ -342,6 +343,21 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
     if subcommand == "fit" and trainer.get("max_steps") == 0:
         raise LmtrainError("trainer.max_steps", "0 steps trains nothing.",
                            "give a positive number of steps, or -1 to let trainer.max_epochs end the run.")
+
+
+def check_log_folder(config: Any) -> None:
+    """The logger's ``save_dir`` can be created and written (checked before anything is built).
+
+    Raises:
+        LmtrainError: a part of the path is a file, or the nearest existing folder is read-only.
+    """
+    from lmtrain.errors import check_writable_folder
+
+    logger = config["trainer"].get("logger")
+    init_args = logger.get("init_args") if hasattr(logger, "get") else None
+    save_dir = init_args.get("save_dir") if hasattr(init_args, "get") else None
+    if save_dir is not None:
+        check_writable_folder("trainer.logger.init_args.save_dir", save_dir)
 
 
 def _runs_on_cpu(accelerator: str) -> bool:

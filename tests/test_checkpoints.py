@@ -22,7 +22,7 @@ from tb import scalars
 from lmtrain.checkpoints import CheckpointOnSignal, find_last_checkpoint, resolve_ckpt_path, run_version
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
-from lmtrain.module import LMModule
+from lmtrain.module import LMModule, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -96,6 +96,44 @@ def test_sigterm_at_20_then_resume_to_40_equals_40_steps(source: str, in_tmp: Pa
     assert [s for s, _ in logged["train/loss"]] == list(range(40))
     assert logged["train/loss"] == straight["train/loss"]
     assert logged["train/lr"] == straight["train/lr"]
+
+
+class LrAt(pl.Callback):
+    """Records the learning rate that each training step uses."""
+
+    def __init__(self) -> None:
+        self.lr: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.lr[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_resume_with_more_steps_keeps_the_checkpoints_schedule(in_tmp: Path) -> None:
+    """A run of 20 steps stopped at 8 and resumed with max_steps 40 continues the 20-step cosine decay."""
+    fit(20, {}, extra=[SignalAt(8)])
+    last = find_last_checkpoint("logs", "lmtrain")
+    assert torch.load(last, weights_only=False)["lmtrain_lr_schedule"] == {"decay_steps": 20}
+    resumed = LrAt()
+    trainer = fit(40, {}, ckpt_path=str(last), version=0, extra=[resumed, SignalAt(11)])
+    module = trainer.lightning_module
+    assert module.schedule_decay_steps == 20
+    # The rates the interrupted 20-step run would have used at steps 8..10 (a 40-step decay would be higher).
+    planned = [module.config.lr * lr_factor(s, MODEL["warmup_steps"], 20, module.config.min_lr_ratio)
+               for s in range(8, 11)]
+    assert [resumed.lr[s] for s in range(8, 11)] == pytest.approx(planned, rel=1e-9)
+    assert resumed.lr[8] < module.config.lr * lr_factor(8, MODEL["warmup_steps"], 40, module.config.min_lr_ratio)
+
+
+def test_checkpoint_at_max_steps_is_refused(in_tmp: Path) -> None:
+    fit(9, {})
+    config = {"ckpt_path": "last", "trainer": {"max_steps": 9, "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "logs", "name": "lmtrain", "version": None}}}}
+    with pytest.raises(LmtrainError) as info:
+        resolve_ckpt_path(config, "fit")
+    assert info.value.field == "trainer.max_steps" and "at step 9" in info.value.problem
+    config["trainer"]["max_steps"] = 10
+    resolve_ckpt_path(config, "fit")  # one step left: fine
 
 
 def test_resume_without_the_data_position_would_differ(in_tmp: Path) -> None:

@@ -72,3 +72,45 @@ def test_callback_argument_checks_write_nothing(callback: str, argument: str, va
                                                 capsys: pytest.CaptureFixture) -> None:
     refused(["fit", "--config", TINY, f"--trainer.callbacks+=lmtrain.callbacks.{callback}",
              f"--trainer.callbacks.{argument}", value], f"callbacks.{callback}.{argument}", capsys, in_tmp)
+
+
+def _truncated_checkpoint(path: Path) -> Path:
+    import torch
+
+    torch.save({"state_dict": {"w": torch.zeros(20000)}, "global_step": 3}, path)
+    path.write_bytes(path.read_bytes()[:40000])  # cut short, as by a full disk
+    return path
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "folder"])
+def test_unreadable_checkpoint_is_one_line(command: str, kind: str, in_tmp: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    inputs = in_tmp / "inputs"
+    inputs.mkdir()
+    if kind == "truncated":
+        ckpt = _truncated_checkpoint(inputs / "last.ckpt")
+    elif kind == "garbage":
+        ckpt = inputs / "notes.ckpt"
+        ckpt.write_text("not a checkpoint\n")
+    else:
+        ckpt = inputs / "run"
+        ckpt.mkdir()
+    line = refused([command, "--config", TINY, "--ckpt_path", str(ckpt)], "ckpt_path", capsys, in_tmp)
+    expected = {"truncated": "cannot be read as a checkpoint", "garbage": "cannot be read as a checkpoint",
+                "folder": "is a folder, not a checkpoint file"}[kind]
+    assert expected in line and "does not exist" not in line
+
+
+def test_log_folder_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    (in_tmp / "a_file").write_text("x")  # no user, root included, can create a folder inside a file
+    line = refused(["fit", "--config", TINY, "--trainer.logger.init_args.save_dir", str(in_tmp / "a_file" / "sub")],
+                   "trainer.logger.init_args.save_dir", capsys, in_tmp)
+    assert "is a file" in line
+
+
+def test_analyze_out_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    (in_tmp / "a_file").write_text("x")
+    (in_tmp / "trace.json").write_text("{}")
+    refused(["analyze", "kernels", str(in_tmp / "trace.json"), "--out", str(in_tmp / "a_file" / "out")], "--out",
+            capsys, in_tmp)
