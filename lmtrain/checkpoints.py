@@ -69,7 +69,9 @@ class CheckpointOnSignal(pl.Callback):
     On several ranks they agree on the step to stop at with one boolean all-reduce, which makes the host wait
     for the GPU; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
     ``log_every_n_steps``, where Lightning reads the logged values anyway) and on the last step, not every step.
-    The process then leaves ``fit`` normally: exit status 0.
+    The process then leaves ``fit`` normally; ``python -m lmtrain fit`` exits with 128 + the signal's number
+    (130 for SIGINT, 143 for SIGTERM), as a process killed by it would, so a scheduler can tell it from a finished
+    run (exit status 0).
 
     Args:
         signals: names of the signals to catch.

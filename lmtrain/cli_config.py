@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,8 +158,11 @@ def parser_kwargs() -> dict[str, Any]:
     return {**main, **{name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS}}
 
 
-def run_lightning(args: Sequence[str]) -> None:
-    """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand).
+def run_lightning(args: Sequence[str]) -> int:
+    """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand); returns the exit status.
+
+    0 after a finished run; 128 + the signal's number (130 for SIGINT, 143 for SIGTERM) after a run that a signal
+    stopped once its checkpoint was saved, so that a scheduler can tell an interrupted run from a finished one.
 
     Raises:
         LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
@@ -173,13 +177,15 @@ def run_lightning(args: Sequence[str]) -> None:
     # Callbacks given here are added to those of the config (a fresh instance per run).
     defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal()]}
     try:
-        _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
-                        save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
+        cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
+                              save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None
     from lmtrain.distributed import end_process_group
 
     end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
+    received = [cb.received for cb in cli.trainer.callbacks if isinstance(cb, CheckpointOnSignal) and cb.received]
+    return 128 + int(signal.Signals[received[0]]) if received else 0
 
 
 class _Parsed(Exception):

@@ -170,6 +170,19 @@ def test_last_checkpoint_written_at_the_end_of_training(in_tmp: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_stopped_by_a_signal_exits_128_plus_its_number(signum: int, status: int, tmp_path: Path) -> None:
+    args = ["fit", *SMALL_TINY, "--trainer.max_steps", "20", "--trainer.callbacks+=test_checkpoints.SignalAt",
+            "--trainer.callbacks.step", "3", "--trainer.callbacks.signum", str(int(signum))]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-m", "lmtrain", *args], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == status, result.stderr
+    assert f"{signal.Signals(signum).name}: saved" in result.stderr + result.stdout
+    assert torch.load(tmp_path / "logs/lmtrain/version_0/checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
+
+
+@pytest.mark.slow
 def test_sigterm_in_a_subprocess_saves_and_exits_0(tmp_path: Path) -> None:
     script = tmp_path / "preempted.py"
     script.write_text(textwrap.dedent(f"""
