@@ -36,7 +36,7 @@ PROG = "python -m lmtrain"
 SUBCOMMANDS = ("fit", "validate", "test")
 #: Lightning's short precision names and what they mean.
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-#: Precisions offered in error messages (Lightning accepts a few more: 64-true, transformer-engine).
+#: The precisions lmtrain trains in (Lightning knows a few more, 64-true and transformer-engine: refused).
 PRECISION_CHOICES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 _TRAINER_DEFAULTS: dict[str, Any] = {
@@ -337,11 +337,15 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
         config: that subcommand's parsed namespace (``trainer`` inside).
 
     Raises:
-        LmtrainError: 16-bit float precision without a GPU, or ``trainer.max_steps 0`` for ``fit``.
+        LmtrainError: a precision outside ``PRECISION_CHOICES``, 16-bit float precision without a GPU, or
+            ``trainer.max_steps 0`` for ``fit``.
     """
     trainer = config["trainer"]
     precision = normalize_precision(trainer.get("precision") if hasattr(trainer, "get") else trainer.precision)
     accelerator = str(trainer.get("accelerator") or "auto")
+    if precision not in PRECISION_CHOICES:  # 64-true, transformer-engine: nothing in lmtrain is built for them
+        raise LmtrainError("trainer.precision", f"{precision} is not a precision lmtrain trains in.",
+                           f"use one of {', '.join(PRECISION_CHOICES)}.")
     if precision in ("16-mixed", "16-true") and _runs_on_cpu(accelerator):
         raise LmtrainError("trainer.precision", f"{precision} needs a CUDA GPU; on the CPU Lightning would train in "
                            "bf16 instead, after a warning.",

@@ -114,3 +114,17 @@ def test_analyze_out_that_cannot_be_created(in_tmp: Path, capsys: pytest.Capture
     (in_tmp / "trace.json").write_text("{}")
     refused(["analyze", "kernels", str(in_tmp / "trace.json"), "--out", str(in_tmp / "a_file" / "out")], "--out",
             capsys, in_tmp)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "64"])
+def test_precision_outside_the_five_is_refused(precision: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused(["fit", "--config", TINY, "--trainer.precision", precision], "trainer.precision", capsys, in_tmp)
+    assert line.endswith("Fix: use one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true.")
+
+
+@pytest.mark.parametrize(("gib", "problem"), [("0", "must be > 0, got 0."), ("-5", "must be > 0, got -5."),
+                                              ("0.5", "0.5 GiB leaves nothing to plan for")])
+def test_estimate_gpu_memory_must_leave_something(gib: str, problem: str, in_tmp: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    line = refused(["estimate", "--config", TINY, "--gpu-memory-gib", gib], "--gpu-memory-gib", capsys, in_tmp)
+    assert problem in line
