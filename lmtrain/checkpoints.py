@@ -10,9 +10,10 @@ Three pieces:
   always finds the final weights.
 - ``find_last_checkpoint``: the newest ``<save_dir>/<name>/version_N/checkpoints/last*.ckpt``.
 - ``resolve_ckpt_path``: for the command line, before the trainer is built: turns ``ckpt_path: last`` into
-  that file and, for ``fit``, points the TensorBoard logger at the checkpoint's ``version_N``, so a resumed
-  run goes on writing the same run folder (Lightning alone would open ``version_N+1`` and, looking for
-  ``last`` there, find nothing and start from scratch).
+  that file and points the TensorBoard logger at the checkpoint's ``version_N``, so a resumed run goes on
+  writing the same run folder, and ``validate``/``test`` of a checkpoint log beside its training curves
+  (Lightning alone would open ``version_N+1`` and, looking for ``last`` there, find nothing and start from
+  scratch).
 
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
@@ -140,7 +141,7 @@ class CheckpointOnSignal(pl.Callback):
 
     def _save_last(self, trainer: pl.Trainer, why: str) -> None:
         path = checkpoint_dir(trainer) / LAST
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the full state: resume needs optimizer and loops
         self.saved_path = path
         rank_zero_info(f"{why}: saved {path} at step {trainer.global_step}.")
 
@@ -230,8 +231,9 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     options with the checkpoint's, so the comparison with the requested model must come first.
 
     ``last`` becomes the newest ``last*.ckpt`` of the TensorBoard logger's runs (see
-    ``find_last_checkpoint``). For ``fit``, a checkpoint inside ``<save_dir>/<name>/version_N/checkpoints``
-    sets the logger's ``version`` to N, so the resumed run's scalars and checkpoints stay in that folder.
+    ``find_last_checkpoint``). A checkpoint inside ``<save_dir>/<name>/version_N/checkpoints`` sets the logger's
+    ``version`` to N, so the resumed run's scalars and checkpoints, and the scalars of ``validate``/``test`` of
+    that checkpoint, stay in that folder.
     ``fit`` with ``last`` and no checkpoint yet starts a new run (so a preemptible job can always pass
     ``--ckpt_path last``); ``validate``/``test`` with ``last`` and none stop with an error. Does nothing when
     the logger is not a TensorBoardLogger given by class path.
@@ -350,12 +352,13 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
     elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).is_file():
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
-    if subcommand != "fit" or ckpt_path in ("best", "hpc", "registry"):
+    if ckpt_path in ("best", "hpc", "registry"):
         return
     version = run_version(ckpt_path, save_dir, name)
     if version is not None:
         _set(init_args, "version", version)
-        rank_zero_info(f"Resuming {ckpt_path}: logging on in {Path(save_dir) / name / f'version_{version}'}.")
+        what = "Resuming" if subcommand == "fit" else f"{subcommand.capitalize()} of"
+        rank_zero_info(f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}.")
 
 
 def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: Any) -> None:

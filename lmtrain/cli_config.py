@@ -18,9 +18,12 @@ fix (:func:`parser_error`), which the command line prints as one line, exit stat
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import signal
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,8 +180,9 @@ def run_lightning(args: Sequence[str]) -> int:
     # Callbacks given here are added to those of the config (a fresh instance per run).
     defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal()]}
     try:
-        cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
-                              save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
+        with lightning_notices_off():
+            cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
+                                  save_config_kwargs=_save_config_kwargs(args[0]), parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None
     from lmtrain.distributed import end_process_group
@@ -186,6 +190,42 @@ def run_lightning(args: Sequence[str]) -> int:
     end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
     received = [cb.received for cb in cli.trainer.callbacks if isinstance(cb, CheckpointOnSignal) and cb.received]
     return 128 + int(signal.Signals[received[0]]) if received else 0
+
+
+#: Lightning's loggers whose advertisements (``💡 Tip: ...``) ``lightning_notices_off`` drops.
+_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _DropTips(logging.Filter):
+    """Drops Lightning's product tips (litlogger, litmodels): they say nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+@contextmanager
+def lightning_notices_off() -> Iterator[None]:
+    """While ``fit``/``validate``/``test`` run: no product tips, and no deprecation warning that Lightning's own code
+    triggers in torch (``LeafSpec``), which a user can do nothing about. Everything else is shown as usual."""
+    tips = _DropTips()
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(tips)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(tips)
+
+
+def _save_config_kwargs(subcommand: str) -> dict[str, Any]:
+    """LightningCLI's saved config: ``config.yaml`` for ``fit``; ``validate``/``test``, which log into the run folder
+    of their checkpoint, save theirs beside it (``validate_config.yaml``) instead of replacing the fit's."""
+    name = "config.yaml" if subcommand == "fit" else f"{subcommand}_config.yaml"
+    return {"overwrite": True, "config_filename": name}
 
 
 class _Parsed(Exception):

@@ -284,6 +284,7 @@ def test_cli_validate_and_test_use_the_checkpoint(in_tmp: Path, recwarn: pytest.
     recwarn.clear()
     run_cli(["validate", *SMALL_TINY, "--ckpt_path", "last"])
     run_cli(["test", *SMALL_TINY, "--ckpt_path", "last"])
+    assert [p.name for p in (in_tmp / "logs" / "lmtrain").iterdir()] == ["version_0"]  # logged beside the fit
     assert not [w for w in recwarn if "untrained" in str(w.message)]
     assert not [w for w in recwarn if "test_fraction" in str(w.message)]  # tiny.yaml has a test split
     with pytest.warns(UserWarning, match="validate is measuring untrained weights"):
@@ -319,13 +320,13 @@ def test_resolve_ckpt_path(in_tmp: Path) -> None:
     resolve_ckpt_path(config, "fit")
     assert config["ckpt_path"] == os.path.join("logs", "lmtrain", "version_2", "checkpoints", "last.ckpt")
     assert logger["init_args"]["version"] == 2
-    # validate resolves the file but logs to a new folder of its own.
-    logger["init_args"]["version"] = None
-    config = {"ckpt_path": str(in_tmp / "logs/lmtrain/version_3/checkpoints/last.ckpt"), "trainer": {"logger": logger}}
-    resolve_ckpt_path(config, "validate")
-    assert logger["init_args"]["version"] is None
-    resolve_ckpt_path(config, "fit")  # an absolute path inside the log folder: its version
-    assert logger["init_args"]["version"] == 3
+    # validate and test log into the checkpoint's run folder too (no new version_N).
+    for command in ("validate", "test", "fit"):  # an absolute path inside the log folder: its version
+        logger["init_args"]["version"] = None
+        config = {"ckpt_path": str(in_tmp / "logs/lmtrain/version_3/checkpoints/last.ckpt"),
+                  "trainer": {"logger": logger}}
+        resolve_ckpt_path(config, command)
+        assert logger["init_args"]["version"] == 3
     with pytest.raises(LmtrainError) as info:
         resolve_ckpt_path({"ckpt_path": "nope.ckpt", "trainer": {"logger": logger}}, "fit")
     assert info.value.field == "ckpt_path"
