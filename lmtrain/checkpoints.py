@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 from lmtrain.config import weight_fields
@@ -188,6 +188,35 @@ class CheckpointOnSignal(pl.Callback):
 
 
 # -- resuming ---------------------------------------------------------------------------------------
+
+
+class ResumedProgressBar(pl.Callback):
+    """Give Lightning's progress bar the right total in the epoch where a fit resumes.
+
+    The bar counts the batches of the epoch (``batch_idx + 1``), but after a resume in the middle of an epoch
+    Lightning either sets no total (it skips ``on_train_epoch_start``) or the steps left to ``max_steps``, which
+    the count passes at once, so that tqdm drops the total: the bar shows ``17/?``. At the first batch of a fit
+    this sets the epoch's last batch instead: ``min(batches per epoch, batch_idx + steps left)``.
+    """
+
+    def __init__(self) -> None:
+        self._first = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._first:
+            return
+        self._first = False
+        total = float(trainer.num_training_batches)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            total = min(total, batch_idx + trainer.max_steps - trainer.global_step)
+        for callback in trainer.callbacks:
+            if isinstance(callback, TQDMProgressBar) and callback.is_enabled:
+                callback.train_progress_bar.total = None if total == float("inf") else int(total)
+                callback.train_progress_bar.refresh()
 
 
 def find_last_checkpoint(save_dir: str | os.PathLike = "logs", name: str = "lmtrain") -> Path | None:

@@ -173,12 +173,12 @@ def run_lightning(args: Sequence[str]) -> int:
     from jsonargparse import ArgumentError
 
     check_config_files(args)
-    from lmtrain.checkpoints import CheckpointOnSignal
+    from lmtrain.checkpoints import CheckpointOnSignal, ResumedProgressBar
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
     # Callbacks given here are added to those of the config (a fresh instance per run).
-    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal()]}
+    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal(), ResumedProgressBar()]}
     try:
         with lightning_notices_off():
             cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,

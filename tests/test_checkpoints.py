@@ -14,12 +14,18 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from tb import scalars
 
-from lmtrain.checkpoints import CheckpointOnSignal, find_last_checkpoint, resolve_ckpt_path, run_version
+from lmtrain.checkpoints import (
+    CheckpointOnSignal,
+    ResumedProgressBar,
+    find_last_checkpoint,
+    resolve_ckpt_path,
+    run_version,
+)
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.module import LMModule, lr_factor
@@ -122,6 +128,32 @@ def test_resume_with_more_steps_keeps_the_checkpoints_schedule(in_tmp: Path) -> 
                for s in range(8, 11)]
     assert [resumed.lr[s] for s in range(8, 11)] == pytest.approx(planned, rel=1e-9)
     assert resumed.lr[8] < module.config.lr * lr_factor(8, MODEL["warmup_steps"], 40, module.config.min_lr_ratio)
+
+
+class BarTotal(pl.Callback):
+    """Reads the total of Lightning's progress bar at the first batch of a fit (after every on_train_start)."""
+
+    total: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.total is None:
+            bar = next(c for c in trainer.callbacks if isinstance(c, TQDMProgressBar))
+            self.total = bar.train_progress_bar.total
+
+
+def test_progress_bar_has_its_total_after_a_mid_epoch_resume(in_tmp: Path) -> None:
+    fit(8, {})  # ends at batch 8 of the first 15-batch epoch
+
+    def resume(extra: list[pl.Callback]) -> BarTotal:
+        reader = BarTotal()
+        trainer = pl.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[TQDMProgressBar(), *extra, reader])
+        trainer.fit(LMModule(**MODEL), LMDataModule(batch_size=2, train_batches=15, val_batches=2),
+                    ckpt_path=str(find_last_checkpoint("logs", "lmtrain")))
+        return reader
+
+    assert resume([]).total != 12  # Lightning alone: 4 steps left, passed by the count 9 at once, or none
+    assert resume([ResumedProgressBar()]).total == 12  # the bar counts batches 9..12 of this epoch
 
 
 def test_checkpoint_at_max_steps_is_refused(in_tmp: Path) -> None:
