@@ -140,6 +140,7 @@ class MemorySnapshot(pl.Callback):
         self._device: torch.device | None = None
         self._recording = False
         self._window = StepWindow(start_step, num_steps)
+        self._beyond = False  # the window lies beyond max_steps (warned in setup)
         self._phases = StepPhases()
         self._phase_start_us = 0
         self._measure = False  # this step's peaks are read and logged
@@ -194,6 +195,11 @@ class MemorySnapshot(pl.Callback):
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
             return
+        self._beyond = self._records and self._window.beyond(getattr(trainer, "max_steps", None))
+        if self._beyond:  # said now, once, rather than after the whole run
+            self._warn(f"MemorySnapshot: the snapshot window ({self._window.describe()}) ends after the last step of "
+                       f"max_steps {trainer.max_steps}; no snapshot will be written. Lower start_step or train for "
+                       "more steps.")
         if self.on_oom and self._records:
             rank_zero_info("MemorySnapshot: on_oom records allocation history from the start; every step pays for it "
                            "alike, and CudaSyncTimer's times include that cost.")
@@ -201,7 +207,8 @@ class MemorySnapshot(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._cuda and self._records and self.start_step is not None and not self._window_done:
+        if (stage == "fit" and self._cuda and self._records and self.start_step is not None and not self._window_done
+                and not self._beyond):
             self._warn(f"MemorySnapshot: training stopped after {self._phases.batches_seen} batches, before the end of "
                        f"the snapshot window ({self._window.describe()}; last step run: {self._phases.step}); no "
                        "snapshot was written. Lower start_step or train for more steps.")
