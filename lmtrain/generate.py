@@ -332,7 +332,7 @@ def generate(args: argparse.Namespace) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m lmtrain generate``."""
-    from lmtrain.configuration import LOG_DIR
+    from lmtrain.cli_config import LOG_DIR
 
     parser.add_argument("--ckpt_path", "--ckpt-path", dest="ckpt_path", default="last",
                         help="checkpoint file, or last: the newest last.ckpt under LOG_DIR/lmtrain (default)")
