@@ -10,9 +10,10 @@ Three pieces:
   always finds the final weights.
 - ``find_last_checkpoint``: the newest ``<save_dir>/<name>/version_N/checkpoints/last*.ckpt``.
 - ``resolve_ckpt_path``: for the command line, before the trainer is built: turns ``ckpt_path: last`` into
-  that file and, for ``fit``, points the TensorBoard logger at the checkpoint's ``version_N``, so a resumed
-  run goes on writing the same run folder (Lightning alone would open ``version_N+1`` and, looking for
-  ``last`` there, find nothing and start from scratch).
+  that file and points the TensorBoard logger at the checkpoint's ``version_N``, so a resumed run goes on
+  writing the same run folder, and ``validate``/``test`` of a checkpoint log beside its training curves
+  (Lightning alone would open ``version_N+1`` and, looking for ``last`` there, find nothing and start from
+  scratch).
 
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
@@ -32,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 from lmtrain.config import weight_fields
@@ -69,7 +70,9 @@ class CheckpointOnSignal(pl.Callback):
     On several ranks they agree on the step to stop at with one boolean all-reduce, which makes the host wait
     for the GPU; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
     ``log_every_n_steps``, where Lightning reads the logged values anyway) and on the last step, not every step.
-    The process then leaves ``fit`` normally: exit status 0.
+    The process then leaves ``fit`` normally; ``python -m lmtrain fit`` exits with 128 + the signal's number
+    (130 for SIGINT, 143 for SIGTERM), as a process killed by it would, so a scheduler can tell it from a finished
+    run (exit status 0).
 
     Args:
         signals: names of the signals to catch.
@@ -138,7 +141,7 @@ class CheckpointOnSignal(pl.Callback):
 
     def _save_last(self, trainer: pl.Trainer, why: str) -> None:
         path = checkpoint_dir(trainer) / LAST
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the full state: resume needs optimizer and loops
         self.saved_path = path
         rank_zero_info(f"{why}: saved {path} at step {trainer.global_step}.")
 
@@ -187,6 +190,35 @@ class CheckpointOnSignal(pl.Callback):
 # -- resuming ---------------------------------------------------------------------------------------
 
 
+class ResumedProgressBar(pl.Callback):
+    """Give Lightning's progress bar the right total in the epoch where a fit resumes.
+
+    The bar counts the batches of the epoch (``batch_idx + 1``), but after a resume in the middle of an epoch
+    Lightning either sets no total (it skips ``on_train_epoch_start``) or the steps left to ``max_steps``, which
+    the count passes at once, so that tqdm drops the total: the bar shows ``17/?``. At the first batch of a fit
+    this sets the epoch's last batch instead: ``min(batches per epoch, batch_idx + steps left)``.
+    """
+
+    def __init__(self) -> None:
+        self._first = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._first:
+            return
+        self._first = False
+        total = float(trainer.num_training_batches)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            total = min(total, batch_idx + trainer.max_steps - trainer.global_step)
+        for callback in trainer.callbacks:
+            if isinstance(callback, TQDMProgressBar) and callback.is_enabled:
+                callback.train_progress_bar.total = None if total == float("inf") else int(total)
+                callback.train_progress_bar.refresh()
+
+
 def find_last_checkpoint(save_dir: str | os.PathLike = "logs", name: str = "lmtrain") -> Path | None:
     """The newest (by modification time) ``last*.ckpt`` under ``<save_dir>/<name>/version_*/checkpoints``."""
     root = Path(save_dir) / name
@@ -228,8 +260,9 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     options with the checkpoint's, so the comparison with the requested model must come first.
 
     ``last`` becomes the newest ``last*.ckpt`` of the TensorBoard logger's runs (see
-    ``find_last_checkpoint``). For ``fit``, a checkpoint inside ``<save_dir>/<name>/version_N/checkpoints``
-    sets the logger's ``version`` to N, so the resumed run's scalars and checkpoints stay in that folder.
+    ``find_last_checkpoint``). A checkpoint inside ``<save_dir>/<name>/version_N/checkpoints`` sets the logger's
+    ``version`` to N, so the resumed run's scalars and checkpoints, and the scalars of ``validate``/``test`` of
+    that checkpoint, stay in that folder.
     ``fit`` with ``last`` and no checkpoint yet starts a new run (so a preemptible job can always pass
     ``--ckpt_path last``); ``validate``/``test`` with ``last`` and none stop with an error. Does nothing when
     the logger is not a TensorBoardLogger given by class path.
@@ -249,6 +282,42 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is not None and Path(ckpt_path).is_file():
         check_checkpoint_model(ckpt_path, _get(config, "model"))
+        if subcommand == "fit":
+            check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
+
+
+def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> None:
+    """Stop when a checkpoint has already trained ``max_steps`` steps: resuming it would train nothing.
+
+    Raises:
+        LmtrainError: the checkpoint's ``global_step`` is >= ``max_steps`` (a positive ``max_steps``).
+    """
+    if max_steps is None or max_steps < 0:
+        return
+    step = read_checkpoint(ckpt_path).get("global_step")
+    if isinstance(step, int) and step >= max_steps:
+        raise LmtrainError("trainer.max_steps", f"the checkpoint {ckpt_path} is at step {step}, so "
+                           f"max_steps {max_steps} leaves nothing to train.",
+                           f"give --trainer.max_steps above {step} to train on, or use validate/test to evaluate it.")
+
+
+def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's contents, memory-mapped (the weights are not read until used).
+
+    Raises:
+        LmtrainError: the file is not a checkpoint (truncated, another format, not a file).
+    """
+    import torch
+
+    try:
+        return torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors alike: the file is no checkpoint
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        if "mmap can only be used" in reason:  # torch's word for "not a zip file": no checkpoint at all
+            reason = "not a file written by torch.save"
+        raise LmtrainError("ckpt_path", f"{ckpt_path} cannot be read as a checkpoint ({reason}).",
+                           "give a checkpoint file that fit wrote completely (e.g. --ckpt_path last); a file cut "
+                           "short by a full disk or a killed copy cannot be resumed.") from None
 
 
 def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
@@ -264,25 +333,27 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
     Raises:
         LmtrainError: the architectures differ (see :func:`check_architecture`).
     """
-    import torch
-
     from lmtrain.config import ModelConfig
 
     if model is None:
         return
+    saved = read_checkpoint(ckpt_path).get("hyper_parameters") or {}
     requested = dict(model) if isinstance(model, dict) else dict(vars(model))
     if requested.get("size") is None:
         return
-    # mmap: only the hyperparameters are read, not gigabytes of weights.
-    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
     fields = ARCHITECTURE_FIELDS + ("context_length",)
     config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
     check_architecture(saved, requested, config)
     replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
-                if saved[k] != requested[k] and not (isinstance(saved[k], tuple) and list(saved[k]) == requested[k])]
+                if _as_tuple(saved[k]) != _as_tuple(requested[k])]
     if replaced:
         warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
                       "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists as tuples: YAML gives ``[0.9, 0.95]`` where Python code and checkpoints hold ``(0.9, 0.95)``."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
@@ -303,15 +374,20 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
                                f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
         ckpt_path = str(found)
         _set(config, "ckpt_path", ckpt_path)
+    elif Path(ckpt_path).is_dir():
+        raise LmtrainError("ckpt_path", f"{ckpt_path} is a folder, not a checkpoint file.",
+                           f"give a file inside it, e.g. {Path(ckpt_path) / 'checkpoints' / LAST} or "
+                           f"{Path(ckpt_path) / LAST}, or use --ckpt_path last.")
     elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).is_file():
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
-    if subcommand != "fit" or ckpt_path in ("best", "hpc", "registry"):
+    if ckpt_path in ("best", "hpc", "registry"):
         return
     version = run_version(ckpt_path, save_dir, name)
     if version is not None:
         _set(init_args, "version", version)
-        rank_zero_info(f"Resuming {ckpt_path}: logging on in {Path(save_dir) / name / f'version_{version}'}.")
+        what = "Resuming" if subcommand == "fit" else f"{subcommand.capitalize()} of"
+        rank_zero_info(f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}.")
 
 
 def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: Any) -> None:

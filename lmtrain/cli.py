@@ -9,7 +9,8 @@ files; ``generate`` samples text from a checkpoint.
 
 Errors in the arguments, the configuration or the data stop the command with one line,
 ``error: <field>: <problem> Fix: <fix>``, exit status 2, before anything is written. Ctrl-C stops a
-command with one line and exit status 130; a benchmark keeps the results it has written so far.
+command with one line and exit status 130; a benchmark keeps the results it has written so far. ``fit`` stopped by
+SIGINT or SIGTERM saves ``last.ckpt`` first, then exits 128 + the signal's number (130, 143).
 """
 
 from __future__ import annotations
@@ -158,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                f"(`{PROG} --help`).")
         from lmtrain.cli_config import run_lightning
 
-        run_lightning(args)
-        return 0
+        return run_lightning(args)
     except LmtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,8 +18,12 @@ fix (:func:`parser_error`), which the command line prints as one line, exit stat
 from __future__ import annotations
 
 import difflib
+import logging
 import re
-from collections.abc import Mapping, Sequence
+import signal
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,7 @@ PROG = "python -m lmtrain"
 SUBCOMMANDS = ("fit", "validate", "test")
 #: Lightning's short precision names and what they mean.
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-#: Precisions offered in error messages (Lightning accepts a few more: 64-true, transformer-engine).
+#: The precisions lmtrain trains in (Lightning knows a few more, 64-true and transformer-engine: refused).
 PRECISION_CHOICES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 _TRAINER_DEFAULTS: dict[str, Any] = {
@@ -117,7 +121,9 @@ def _lm_cli_class() -> type:
             subcommand = self.config.get("subcommand")
             if subcommand is not None:
                 section = self.config[subcommand]
+                check_has_config(subcommand, section)
                 check_runnable(subcommand, section)
+                check_log_folder(section)
                 # Every option and the combinations that cannot work, checked by the schema at parse time.
                 self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
@@ -125,6 +131,15 @@ def _lm_cli_class() -> type:
                 from lmtrain.checkpoints import resolve_ckpt_path
 
                 resolve_ckpt_path(section, subcommand)
+
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            # Callback arguments checked now, before fit/validate/test opens the log folder (Lightning creates
+            # it just before the callbacks' setup, where they would otherwise be checked).
+            for callback in self.trainer.callbacks:
+                check = getattr(callback, "check_arguments", None)
+                if callable(check):
+                    check(self.trainer.world_size)
 
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
@@ -146,8 +161,11 @@ def parser_kwargs() -> dict[str, Any]:
     return {**main, **{name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS}}
 
 
-def run_lightning(args: Sequence[str]) -> None:
-    """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand).
+def run_lightning(args: Sequence[str]) -> int:
+    """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand); returns the exit status.
+
+    0 after a finished run; 128 + the signal's number (130 for SIGINT, 143 for SIGTERM) after a run that a signal
+    stopped once its checkpoint was saved, so that a scheduler can tell an interrupted run from a finished one.
 
     Raises:
         LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
@@ -155,20 +173,59 @@ def run_lightning(args: Sequence[str]) -> None:
     from jsonargparse import ArgumentError
 
     check_config_files(args)
-    from lmtrain.checkpoints import CheckpointOnSignal
+    from lmtrain.checkpoints import CheckpointOnSignal, ResumedProgressBar
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
     # Callbacks given here are added to those of the config (a fresh instance per run).
-    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal()]}
+    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal(), ResumedProgressBar()]}
     try:
-        _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
-                        save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs())
+        with lightning_notices_off():
+            cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
+                                  save_config_kwargs=_save_config_kwargs(args[0]), parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None
     from lmtrain.distributed import end_process_group
 
     end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
+    received = [cb.received for cb in cli.trainer.callbacks if isinstance(cb, CheckpointOnSignal) and cb.received]
+    return 128 + int(signal.Signals[received[0]]) if received else 0
+
+
+#: Lightning's loggers whose advertisements (``💡 Tip: ...``) ``lightning_notices_off`` drops.
+_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _DropTips(logging.Filter):
+    """Drops Lightning's product tips (litlogger, litmodels): they say nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+@contextmanager
+def lightning_notices_off() -> Iterator[None]:
+    """While ``fit``/``validate``/``test`` run: no product tips, and no deprecation warning that Lightning's own code
+    triggers in torch (``LeafSpec``), which a user can do nothing about. Everything else is shown as usual."""
+    tips = _DropTips()
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(tips)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(tips)
+
+
+def _save_config_kwargs(subcommand: str) -> dict[str, Any]:
+    """LightningCLI's saved config: ``config.yaml`` for ``fit``; ``validate``/``test``, which log into the run folder
+    of their checkpoint, save theirs beside it (``validate_config.yaml``) instead of replacing the fit's."""
+    name = "config.yaml" if subcommand == "fit" else f"{subcommand}_config.yaml"
+    return {"overwrite": True, "config_filename": name}
 
 
 class _Parsed(Exception):
@@ -292,6 +349,26 @@ def check_config_files(args: Sequence[str]) -> None:
                                "write the config as a mapping with model:, data: and trainer: sections.")
 
 
+def check_has_config(subcommand: str, config: Any) -> None:
+    """Refuse ``fit`` without ``--config`` (and ``validate``/``test`` without a config or a checkpoint).
+
+    The defaults alone build the 128M-parameter ``small`` model and let Lightning train it for 1000 epochs: hours
+    on a CPU, then a 1.4 GiB checkpoint. Nobody means that.
+
+    Raises:
+        LmtrainError: no config file was given.
+    """
+    if config.get("config"):
+        return
+    if subcommand != "fit" and config.get("ckpt_path") is not None:
+        return  # the checkpoint holds the model's options
+    what = "train it for 1000 epochs" if subcommand == "fit" else "evaluate its untrained weights"
+    raise LmtrainError("--config", f"{subcommand} was given no config; the defaults alone would build the "
+                       f"128M-parameter small model and {what}.",
+                       f"start with `{PROG} {subcommand} --config configs/tiny.yaml` (a 1M-parameter model, "
+                       "minutes on a CPU), or give another file of configs/.")
+
+
 def check_runnable(subcommand: str | None, config: Any) -> None:
     """Refuse settings that Lightning would silently change or that would run nothing (before anything is built).
 
@@ -300,11 +377,15 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
         config: that subcommand's parsed namespace (``trainer`` inside).
 
     Raises:
-        LmtrainError: 16-bit float precision without a GPU, or ``trainer.max_steps 0`` for ``fit``.
+        LmtrainError: a precision outside ``PRECISION_CHOICES``, 16-bit float precision without a GPU, or
+            ``trainer.max_steps 0`` for ``fit``.
     """
     trainer = config["trainer"]
     precision = normalize_precision(trainer.get("precision") if hasattr(trainer, "get") else trainer.precision)
     accelerator = str(trainer.get("accelerator") or "auto")
+    if precision not in PRECISION_CHOICES:  # 64-true, transformer-engine: nothing in lmtrain is built for them
+        raise LmtrainError("trainer.precision", f"{precision} is not a precision lmtrain trains in.",
+                           f"use one of {', '.join(PRECISION_CHOICES)}.")
     if precision in ("16-mixed", "16-true") and _runs_on_cpu(accelerator):
         raise LmtrainError("trainer.precision", f"{precision} needs a CUDA GPU; on the CPU Lightning would train in "
                            "bf16 instead, after a warning.",
@@ -312,6 +393,21 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
     if subcommand == "fit" and trainer.get("max_steps") == 0:
         raise LmtrainError("trainer.max_steps", "0 steps trains nothing.",
                            "give a positive number of steps, or -1 to let trainer.max_epochs end the run.")
+
+
+def check_log_folder(config: Any) -> None:
+    """The logger's ``save_dir`` can be created and written (checked before anything is built).
+
+    Raises:
+        LmtrainError: a part of the path is a file, or the nearest existing folder is read-only.
+    """
+    from lmtrain.errors import check_writable_folder
+
+    logger = config["trainer"].get("logger")
+    init_args = logger.get("init_args") if hasattr(logger, "get") else None
+    save_dir = init_args.get("save_dir") if hasattr(init_args, "get") else None
+    if save_dir is not None:
+        check_writable_folder("trainer.logger.init_args.save_dir", save_dir)
 
 
 def _runs_on_cpu(accelerator: str) -> bool:
@@ -355,6 +451,8 @@ def parser_error(message: str, args: Sequence[str] = ()) -> LmtrainError:
             return LmtrainError(key, f"{given!r} is not a precision Lightning knows.",
                                 f"use one of {', '.join(PRECISION_CHOICES)}.")
         if key.endswith("callbacks") or "class_path" in text:
+            if (argument_error := _callback_argument_error(key, text)) is not None:
+                return argument_error
             path = re.search(r"class_path '([^']+)'", text) or re.search(r"but (\S+) either not", text)
             name = path.group(1) if path else given
             return LmtrainError(key, f"{name} is not an importable Lightning class of the right kind.",
@@ -370,6 +468,46 @@ def parser_error(message: str, args: Sequence[str] = ()) -> LmtrainError:
         return LmtrainError("--config", "the config could not be parsed: " + " ".join(lines[1:] or lines) + ".",
                             "correct the YAML.")
     return LmtrainError("arguments", " ".join(lines) + ("" if text.endswith(".") else "."), f"{help_hint}.")
+
+
+def _callback_argument_error(key: str, text: str) -> LmtrainError | None:
+    """The error of a callback whose class imports but whose arguments do not fit (None: another problem).
+
+    jsonargparse reports every union member it tried; the first block, ``Problem with given class_path 'X':``,
+    holds the real cause: ``Option 'warmup' is not accepted`` or ``Parser key "depth": Expected ... Got value: v``.
+    """
+    import importlib
+    import inspect
+
+    block = re.search(r"Problem with given class_path '([^']+)':\n(.*?)(?=\n\s*- |\Z)", text, re.DOTALL)
+    if block is None:
+        return None
+    class_path, detail = block.group(1), block.group(2)
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    arguments = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                 if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    field = f"{key}.{class_name}"
+    if match := re.search(r"Option '([^']+)' is not accepted", detail):
+        name = match.group(1)
+        close = difflib.get_close_matches(name, arguments, n=1)
+        hint = f"did you mean {close[0]}? Otherwise " if close else ""
+        return LmtrainError(f"{field}.{name}", "no such argument.",
+                            f"{hint}use one of {', '.join(arguments)}.")
+    if match := re.search(r'Parser key "([^"]+)":\s*(.*?)(?:\.\s*Got value: (.*))?$', detail.strip(), re.DOTALL):
+        name, expected, value = match.group(1), " ".join(match.group(2).split()), match.group(3)
+        if literal := re.search(r"Literal\[(.*)\]", expected):
+            allowed = ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
+            fix = f"use one of {allowed}."
+        else:
+            expected = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", expected).rstrip(".")
+            fix = f"give a value of type {re.sub(r'^Expected an? ', '', expected)}."
+        shown = f"{value.strip()!r} " if value else ""
+        return LmtrainError(f"{field}.{name}", f"the value {shown}is not accepted.", fix)
+    return None
 
 
 def _known_options(subcommand: str) -> list[str]:

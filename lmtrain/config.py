@@ -227,7 +227,8 @@ class OptimizerOptions(OptionGroup):
     min_lr_ratio: float = option(0.1, "the cosine schedule decays to lr * min_lr_ratio.")
     warmup_steps: int = option(100, "linear warmup from 0 to lr.",
                                fix="use lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0.")
-    decay_steps: int | None = option(None, "end of the cosine decay (None: the trainer's total number of steps).",
+    decay_steps: int | None = option(None, "end of the cosine decay (None: the trainer's total number of "
+                                     "steps); a resumed run keeps its checkpoint's.",
                                      minimum=1)
     weight_decay: float = option(0.1, "AdamW decoupled weight decay, applied to matrices only (not to norm gains).")
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas.")

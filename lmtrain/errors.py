@@ -6,6 +6,9 @@ field at fault and says how to fix it.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 class LmtrainError(ValueError):
     """A user-facing error: bad configuration, bad data, or a request this machine cannot serve.
@@ -21,3 +24,27 @@ class LmtrainError(ValueError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{field}: {problem} Fix: {fix}")
+
+
+def check_writable_folder(field: str, folder: str | os.PathLike) -> None:
+    """Stop, before anything is written, when ``folder`` could not be created or written to.
+
+    The first part of the path that exists decides: it must be a folder that this user may write into.
+
+    Args:
+        field: the option that names the folder, e.g. ``"trainer.logger.init_args.save_dir"``.
+        folder: the folder, which may not exist yet.
+
+    Raises:
+        LmtrainError: a part of the path is a file, or the nearest existing folder is not writable.
+    """
+    path = Path(folder)
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LmtrainError(field, f"{existing} is a file, so the folder {path} cannot be created.",
+                           "give a folder path whose parts are folders (or do not exist yet).")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LmtrainError(field, f"the folder {existing} is not writable, so {path} cannot be written.",
+                           "give a folder you can write to, or change its permissions.")

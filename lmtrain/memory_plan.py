@@ -328,14 +328,23 @@ def device_capacity_bytes(gpu_memory_gib: float | None = None, device: Any = Non
         total - ``CUDA_CONTEXT_BYTES`` - ``FRAGMENTATION_FRACTION`` * total.
 
     Raises:
-        LmtrainError: no CUDA device and no ``gpu_memory_gib``.
+        LmtrainError: ``gpu_memory_gib`` is not positive, or leaves nothing usable; or no CUDA device and no
+            ``gpu_memory_gib``.
     """
     import torch
 
+    if gpu_memory_gib is not None and not gpu_memory_gib > 0:
+        raise LmtrainError("--gpu-memory-gib", f"must be > 0, got {gpu_memory_gib:g}.",
+                           "give the device's memory in GiB, e.g. --gpu-memory-gib 80 for an 80 GB H100.")
     if torch.cuda.is_available():
         total = torch.cuda.mem_get_info(device)[1]
-    elif gpu_memory_gib is not None and gpu_memory_gib > 0:
+    elif gpu_memory_gib is not None:
         total = int(gpu_memory_gib * GIB)
+        if usable_bytes(total) <= 0:
+            floor = (CUDA_CONTEXT_BYTES / (1 - FRAGMENTATION_FRACTION)) / GIB
+            raise LmtrainError("--gpu-memory-gib", f"{gpu_memory_gib:g} GiB leaves nothing to plan for after the "
+                               f"CUDA context ({CUDA_CONTEXT_BYTES / GIB:g} GiB) and {FRAGMENTATION_FRACTION:.0%} for "
+                               "fragmentation.", f"give the device's real memory, more than {floor:.2f} GiB.")
     else:
         raise LmtrainError("--gpu-memory-gib", "no CUDA device is visible to read its memory size from.",
                            "give the device's memory in GiB, e.g. --gpu-memory-gib 80 for an 80 GB H100.")

@@ -37,6 +37,9 @@ from lmtrain.optim import (
     weight_decay_groups,
 )
 
+#: Checkpoint key of the learning-rate schedule's length (``{"decay_steps": N}``), kept on resume.
+SCHEDULE_KEY = "lmtrain_lr_schedule"
+
 __all__ = ["ARCHITECTURE_FIELDS", "InBackwardAdamW", "LMModule", "lr_factor", "schema_init"]
 
 
@@ -123,6 +126,9 @@ class LMModule(pl.LightningModule):
         self.graphed_step = GraphedStep(self.graph_class, config.cuda_graph_warmup) if self.cuda_graphs else None
         # Whether the weights came from training or a checkpoint; validate/test warn when neither.
         self._weights_known = False
+        # The cosine decay's length: set by configure_optimizers; a resumed checkpoint's own length wins.
+        self._decay_steps: int | None = None
+        self._checkpoint_decay_steps: int | None = None
         self.register_load_state_dict_post_hook(LMModule._mark_weights_loaded)
 
     # -- model --------------------------------------------------------------------------------
@@ -343,6 +349,17 @@ class LMModule(pl.LightningModule):
     def _mark_weights_loaded(module: torch.nn.Module, incompatible_keys: Any) -> None:
         module._weights_known = True
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the length of the cosine decay, so that a resumed run keeps the schedule it started with."""
+        if self._decay_steps is not None:
+            checkpoint[SCHEDULE_KEY] = {"decay_steps": self.schedule_decay_steps}
+
+    @property
+    def schedule_decay_steps(self) -> int | None:
+        """The step where the cosine decay ends: the resumed checkpoint's, else ``decay_steps`` or the trainer's
+        total (None before ``configure_optimizers``)."""
+        return self._checkpoint_decay_steps or self._decay_steps
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another architecture with one line, before its weights are loaded.
 
@@ -351,6 +368,8 @@ class LMModule(pl.LightningModule):
                 names each field with both values and says how to request the checkpoint's model).
         """
         check_architecture(checkpoint.get("hyper_parameters") or {}, dict(self.hparams), self.config)
+        # Resume on the checkpoint's schedule: a new max_steps would stretch the decay and make the rate jump.
+        self._checkpoint_decay_steps = (checkpoint.get(SCHEDULE_KEY) or {}).get("decay_steps")
         if self.model is not None and "state_dict" in checkpoint:
             # LMModule.load_from_checkpoint(path, **overrides) writes the overrides into the checkpoint's
             # hyperparameters before this hook runs, so compare the weights' shapes too.
@@ -385,9 +404,11 @@ class LMModule(pl.LightningModule):
             lr_as_tensors(optimizer, self.device)
         if self.cuda_graphs:
             optimizer = GraphedOptimizer(optimizer)
-        total = cfg.decay_steps or self._total_steps()
+        self._decay_steps = int(cfg.decay_steps or self._total_steps())
+        # The length is read at every step: a checkpoint loaded after this call (FSDP restores late) still counts.
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, cfg.warmup_steps, int(total), cfg.min_lr_ratio)
+            optimizer, lambda step: lr_factor(step, cfg.warmup_steps, int(self.schedule_decay_steps or 1),
+                                              cfg.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -123,7 +123,7 @@ def test_fp32_everything_fp32(tmp_path: Path) -> None:
 
 def test_step_not_reached_and_bad_step(tmp_path: Path) -> None:
     cb = PrecisionInspector(step=50)
-    with pytest.warns(UserWarning, match="nothing was inspected"):
+    with pytest.warns(UserWarning, match="lies beyond the last step of max_steps"):
         _fit(tmp_path, "32-true", cb)
     assert cb.result is None and cb.hooks_installed == 0
     with pytest.raises(LmtrainError, match="PrecisionInspector.step"):

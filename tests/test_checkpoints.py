@@ -14,15 +14,21 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from tb import scalars
 
-from lmtrain.checkpoints import CheckpointOnSignal, find_last_checkpoint, resolve_ckpt_path, run_version
+from lmtrain.checkpoints import (
+    CheckpointOnSignal,
+    ResumedProgressBar,
+    find_last_checkpoint,
+    resolve_ckpt_path,
+    run_version,
+)
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
-from lmtrain.module import LMModule
+from lmtrain.module import LMModule, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -98,6 +104,70 @@ def test_sigterm_at_20_then_resume_to_40_equals_40_steps(source: str, in_tmp: Pa
     assert logged["train/lr"] == straight["train/lr"]
 
 
+class LrAt(pl.Callback):
+    """Records the learning rate that each training step uses."""
+
+    def __init__(self) -> None:
+        self.lr: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.lr[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_resume_with_more_steps_keeps_the_checkpoints_schedule(in_tmp: Path) -> None:
+    """A run of 20 steps stopped at 8 and resumed with max_steps 40 continues the 20-step cosine decay."""
+    fit(20, {}, extra=[SignalAt(8)])
+    last = find_last_checkpoint("logs", "lmtrain")
+    assert torch.load(last, weights_only=False)["lmtrain_lr_schedule"] == {"decay_steps": 20}
+    resumed = LrAt()
+    trainer = fit(40, {}, ckpt_path=str(last), version=0, extra=[resumed, SignalAt(11)])
+    module = trainer.lightning_module
+    assert module.schedule_decay_steps == 20
+    # The rates the interrupted 20-step run would have used at steps 8..10 (a 40-step decay would be higher).
+    planned = [module.config.lr * lr_factor(s, MODEL["warmup_steps"], 20, module.config.min_lr_ratio)
+               for s in range(8, 11)]
+    assert [resumed.lr[s] for s in range(8, 11)] == pytest.approx(planned, rel=1e-9)
+    assert resumed.lr[8] < module.config.lr * lr_factor(8, MODEL["warmup_steps"], 40, module.config.min_lr_ratio)
+
+
+class BarTotal(pl.Callback):
+    """Reads the total of Lightning's progress bar at the first batch of a fit (after every on_train_start)."""
+
+    total: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.total is None:
+            bar = next(c for c in trainer.callbacks if isinstance(c, TQDMProgressBar))
+            self.total = bar.train_progress_bar.total
+
+
+def test_progress_bar_has_its_total_after_a_mid_epoch_resume(in_tmp: Path) -> None:
+    fit(8, {})  # ends at batch 8 of the first 15-batch epoch
+
+    def resume(extra: list[pl.Callback]) -> BarTotal:
+        reader = BarTotal()
+        trainer = pl.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[TQDMProgressBar(), *extra, reader])
+        trainer.fit(LMModule(**MODEL), LMDataModule(batch_size=2, train_batches=15, val_batches=2),
+                    ckpt_path=str(find_last_checkpoint("logs", "lmtrain")))
+        return reader
+
+    assert resume([]).total != 12  # Lightning alone: 4 steps left, passed by the count 9 at once, or none
+    assert resume([ResumedProgressBar()]).total == 12  # the bar counts batches 9..12 of this epoch
+
+
+def test_checkpoint_at_max_steps_is_refused(in_tmp: Path) -> None:
+    fit(9, {})
+    config = {"ckpt_path": "last", "trainer": {"max_steps": 9, "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "logs", "name": "lmtrain", "version": None}}}}
+    with pytest.raises(LmtrainError) as info:
+        resolve_ckpt_path(config, "fit")
+    assert info.value.field == "trainer.max_steps" and "at step 9" in info.value.problem
+    config["trainer"]["max_steps"] = 10
+    resolve_ckpt_path(config, "fit")  # one step left: fine
+
+
 def test_resume_without_the_data_position_would_differ(in_tmp: Path) -> None:
     """The data position is what makes resume exact: drop it and the losses after step 20 change."""
     straight = scalars(fit(30, {}).log_dir)
@@ -129,6 +199,19 @@ def test_last_checkpoint_written_at_the_end_of_training(in_tmp: Path) -> None:
     checkpoint = torch.load(Path(trainer.log_dir) / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 9
     assert checkpoint["lmtrain"]["version"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_stopped_by_a_signal_exits_128_plus_its_number(signum: int, status: int, tmp_path: Path) -> None:
+    args = ["fit", *SMALL_TINY, "--trainer.max_steps", "20", "--trainer.callbacks+=test_checkpoints.SignalAt",
+            "--trainer.callbacks.step", "3", "--trainer.callbacks.signum", str(int(signum))]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-m", "lmtrain", *args], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == status, result.stderr
+    assert f"{signal.Signals(signum).name}: saved" in result.stderr + result.stdout
+    assert torch.load(tmp_path / "logs/lmtrain/version_0/checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
 
 
 @pytest.mark.slow
@@ -233,6 +316,7 @@ def test_cli_validate_and_test_use_the_checkpoint(in_tmp: Path, recwarn: pytest.
     recwarn.clear()
     run_cli(["validate", *SMALL_TINY, "--ckpt_path", "last"])
     run_cli(["test", *SMALL_TINY, "--ckpt_path", "last"])
+    assert [p.name for p in (in_tmp / "logs" / "lmtrain").iterdir()] == ["version_0"]  # logged beside the fit
     assert not [w for w in recwarn if "untrained" in str(w.message)]
     assert not [w for w in recwarn if "test_fraction" in str(w.message)]  # tiny.yaml has a test split
     with pytest.warns(UserWarning, match="validate is measuring untrained weights"):
@@ -268,13 +352,13 @@ def test_resolve_ckpt_path(in_tmp: Path) -> None:
     resolve_ckpt_path(config, "fit")
     assert config["ckpt_path"] == os.path.join("logs", "lmtrain", "version_2", "checkpoints", "last.ckpt")
     assert logger["init_args"]["version"] == 2
-    # validate resolves the file but logs to a new folder of its own.
-    logger["init_args"]["version"] = None
-    config = {"ckpt_path": str(in_tmp / "logs/lmtrain/version_3/checkpoints/last.ckpt"), "trainer": {"logger": logger}}
-    resolve_ckpt_path(config, "validate")
-    assert logger["init_args"]["version"] is None
-    resolve_ckpt_path(config, "fit")  # an absolute path inside the log folder: its version
-    assert logger["init_args"]["version"] == 3
+    # validate and test log into the checkpoint's run folder too (no new version_N).
+    for command in ("validate", "test", "fit"):  # an absolute path inside the log folder: its version
+        logger["init_args"]["version"] = None
+        config = {"ckpt_path": str(in_tmp / "logs/lmtrain/version_3/checkpoints/last.ckpt"),
+                  "trainer": {"logger": logger}}
+        resolve_ckpt_path(config, command)
+        assert logger["init_args"]["version"] == 3
     with pytest.raises(LmtrainError) as info:
         resolve_ckpt_path({"ckpt_path": "nope.ckpt", "trainer": {"logger": logger}}, "fit")
     assert info.value.field == "ckpt_path"

@@ -196,7 +196,7 @@ def test_warn_if_too_large_is_silent_without_cuda() -> None:
 
 def test_estimate_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--config", "configs/tiny.yaml", "--model.context_length", "256",
-                 "--trainer.precision", "bf16-mixed", "--gpu-memory-gib", "1"]) == 0
+                 "--trainer.precision", "bf16-mixed", "--gpu-memory-gib", "2"]) == 0
     out = capsys.readouterr().out
     assert "| optimizer_states |" in out and "**peak**" in out
     assert "batch 16 x context 256, bf16-mixed" in out

@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import LmtrainError, check_writable_folder
 
 __all__ = ["add_arguments", "run"]
 
@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sub-command; prints the report, writes the files, returns the exit status."""
     try:
+        if args.out is not None:
+            check_writable_folder("--out", args.out)
         return _kernels(args) if args.what == "kernels" else _memory(args)
     except LmtrainError as e:
         print(f"error: {e}", file=sys.stderr)

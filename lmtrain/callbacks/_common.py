@@ -191,6 +191,12 @@ class StepWindow:
             return None
         return self.start_step + self.num_steps - 1
 
+    def beyond(self, max_steps: int | None) -> bool:
+        """The window cannot end within a fit of ``max_steps`` steps (steps 0..max_steps-1; None or -1: no bound)."""
+        if self.start_step is None or max_steps is None or max_steps < 0:
+            return False
+        return (self.start_step if self.last_step is None else self.last_step) >= max_steps
+
     def describe(self) -> str:
         """``steps a-b`` (``steps a-`` without an end), for messages and reports."""
         if self.start_step is None:

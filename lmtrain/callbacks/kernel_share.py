@@ -172,6 +172,7 @@ class KernelShare(Callback):
         self._warn = WarnOnce()
         self._prof: ProfilerSession | None = None  # on the profiling ranks, while the window runs
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
+        self._beyond = False  # the window lies beyond max_steps (warned in setup)
         self._phases = StepPhases()
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
@@ -191,17 +192,34 @@ class KernelShare(Callback):
         """Yes inside the window: the profiler records every operator and kernel launch (host time per launch)."""
         return self.in_window(step)
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return  # validate / test after a fit must not clear that fit's summary and report
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run.
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         for name, low in (("wait", 0), ("warmup", 0), ("active", 1), ("top_k", 1)):
             check_int("KernelShare", name, getattr(self, name), low)
         check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
                   fix="leave it unset to take the model's config.head_dim.")
-        check_ranks("KernelShare", self.ranks, trainer.world_size)
+        check_ranks("KernelShare", self.ranks, world_size)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return  # validate / test after a fit must not clear that fit's summary and report
+        self.check_arguments(trainer.world_size)
         self._reset()
         self._window = StepWindow(self.wait, self.warmup + self.active)
+        self._beyond = self._window.beyond(getattr(trainer, "max_steps", None))
+        if self._beyond:  # said now, once, rather than after the whole run
+            self._warn(f"KernelShare: the profiling window ({self._window.describe()}: wait={self.wait} + "
+                       f"warmup={self.warmup} + active={self.active}) ends after the last step of max_steps "
+                       f"{trainer.max_steps}; nothing will be reported. Lower wait/warmup/active or train for more "
+                       "steps.")
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info("KernelShare: a step replayed as a CUDA graph is one phase, 'cuda graph'; its kernels keep "
@@ -209,7 +227,7 @@ class KernelShare(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not self._done:  # the window was cut short, or never reached
+        if stage == "fit" and not self._done and not self._beyond:  # cut short, or never reached
             self._warn(f"KernelShare: training stopped after {self._phases.batches_seen} batches, before the profiling "
                        f"window (wait={self.wait} + warmup={self.warmup} + active={self.active}: "
                        f"{self._window.describe()}; last step run: {self._phases.step}) was complete; nothing was "

@@ -140,6 +140,7 @@ class MemorySnapshot(pl.Callback):
         self._device: torch.device | None = None
         self._recording = False
         self._window = StepWindow(start_step, num_steps)
+        self._beyond = False  # the window lies beyond max_steps (warned in setup)
         self._phases = StepPhases()
         self._phase_start_us = 0
         self._measure = False  # this step's peaks are read and logged
@@ -162,15 +163,26 @@ class MemorySnapshot(pl.Callback):
 
     # -- setup / teardown -----------------------------------------------------------------------
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run.
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         check_int("MemorySnapshot", "start_step", self.start_step, 0, allow_none=True,
                   fix="use start_step >= 0, or None for the per-step peaks alone.")
         for name in ("num_steps", "max_entries", "top_n", "log_every_n_steps"):
             check_int("MemorySnapshot", name, getattr(self, name), 1)
-        check_ranks("MemorySnapshot", self.ranks, world_size(trainer))
+        check_ranks("MemorySnapshot", self.ranks, world_size)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_arguments(world_size(trainer))
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
         self._records = trainer.global_rank in self.ranks
         self._rank = "" if world_size(trainer) == 1 else f"rank{trainer.global_rank}_"
@@ -183,6 +195,11 @@ class MemorySnapshot(pl.Callback):
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
             return
+        self._beyond = self._records and self._window.beyond(getattr(trainer, "max_steps", None))
+        if self._beyond:  # said now, once, rather than after the whole run
+            self._warn(f"MemorySnapshot: the snapshot window ({self._window.describe()}) ends after the last step of "
+                       f"max_steps {trainer.max_steps}; no snapshot will be written. Lower start_step or train for "
+                       "more steps.")
         if self.on_oom and self._records:
             rank_zero_info("MemorySnapshot: on_oom records allocation history from the start; every step pays for it "
                            "alike, and CudaSyncTimer's times include that cost.")
@@ -190,7 +207,8 @@ class MemorySnapshot(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._cuda and self._records and self.start_step is not None and not self._window_done:
+        if (stage == "fit" and self._cuda and self._records and self.start_step is not None and not self._window_done
+                and not self._beyond):
             self._warn(f"MemorySnapshot: training stopped after {self._phases.batches_seen} batches, before the end of "
                        f"the snapshot window ({self._window.describe()}; last step run: {self._phases.step}); no "
                        "snapshot was written. Lower start_step or train for more steps.")

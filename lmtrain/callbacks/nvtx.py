@@ -134,15 +134,26 @@ class NVTXRanges(pl.Callback):
 
     # -- setup / teardown -----------------------------------------------------------------------
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run (unused here).
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         if self.depth not in DEPTHS:
             raise LmtrainError("callbacks.NVTXRanges.depth", f"unknown depth {self.depth!r}.", f"use one of {DEPTHS}.")
         check_int("NVTXRanges", "start_step", self.start_step, 0)
         check_int("NVTXRanges", "num_steps", self.num_steps, 1, allow_none=True,
                   fix="use num_steps >= 1, or None for every batch from start_step on.")
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_arguments()
         self._use_nvtx = self.nvtx and _nvtx_available()
         if self.nvtx and not self._use_nvtx:
             self._warn("NVTXRanges: NVTX needs CUDA and none is available; emitting only record_function ranges.")

@@ -96,6 +96,7 @@ class PrecisionInspector(Callback):
         self._warn = WarnOnce()
         self._recorder: DtypeRecorder | None = None
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
+        self._beyond = False  # the step lies beyond max_steps (warned in setup)
         self._phases = StepPhases()
         self._batch: Any = None
         self._loss_dtype: torch.dtype | None = None
@@ -119,22 +120,37 @@ class PrecisionInspector(Callback):
         (``LMModule(cuda_graphs=True)``) does not run: it runs eagerly."""
         return self.in_window(step)
 
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run (unused here).
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
+        check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
+        check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return  # validate / test after a fit must not clear that fit's result
-        check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
-        check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
+        self.check_arguments()
         self._remove()
         self._clear()
         self._window = StepWindow(self.step, 1)
+        self._beyond = self._window.beyond(getattr(trainer, "max_steps", None))
+        if self._beyond:  # said now, once, rather than after the whole run
+            self._warn(f"PrecisionInspector: step {self.step} lies beyond the last step of max_steps "
+                       f"{trainer.max_steps}; nothing will be inspected. Lower step or train for more steps.")
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info(f"PrecisionInspector: step {self.step} runs eagerly (a CUDA graph replay runs no module "
                            "hooks); the steps around it replay the graph.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not self._done:
+        if stage == "fit" and not self._done and not self._beyond:
             self._warn(f"PrecisionInspector: step {self.step} did not run in this fit (its steps: "
                        f"{self._phases.steps_started} up to step {self._phases.step}); nothing was inspected.")
         self._remove()

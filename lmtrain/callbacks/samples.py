@@ -52,14 +52,25 @@ class GenerateSamples(pl.Callback):
         self._last_step: int | None = None
         self._warn = WarnOnce()
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run (unused here).
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         check_int(_OWNER, "every_n_steps", self.every_n_steps, 1)
         check_int(_OWNER, "seed", self.seed, 0)
         check_sampling(self.temperature, self.top_k, self.top_p, self.max_new_tokens, prefix=f"callbacks.{_OWNER}.")
         if isinstance(self.prompts, str) or not self.prompts or not all(isinstance(p, str) for p in self.prompts):
             raise LmtrainError(f"callbacks.{_OWNER}.prompts", f"must be a non-empty list of strings, got "
                                f"{self.prompts!r}.", 'use e.g. ["def ", "class "].')
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.check_arguments()
         if not hasattr(pl_module, "model"):
             raise LmtrainError(f"callbacks.{_OWNER}", f"{type(pl_module).__name__} has no `model` attribute to "
                                "sample from.", "use it with lmtrain.LMModule.")

@@ -143,10 +143,15 @@ class CudaSyncTimer(pl.Callback):
 
     # -- setup / teardown -----------------------------------------------------------------------
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def check_arguments(self, world_size: int = 1) -> None:
+        """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
+
+        Args:
+            world_size: the number of processes of the run (unused here).
+
+        Raises:
+            LmtrainError: an argument is out of range, naming it.
+        """
         if self.sync not in ("events", "synchronize"):
             raise LmtrainError("callbacks.CudaSyncTimer.sync", f"unknown mode {self.sync!r}.",
                                "use events or synchronize.")
@@ -156,6 +161,13 @@ class CudaSyncTimer(pl.Callback):
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
             raise LmtrainError("callbacks.CudaSyncTimer.peak_flops", f"{self.peak_flops!r} is not a positive number.",
                                "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_arguments()
+        peak = self.peak_flops
         self.step_times, self.excluded_steps, self.warmup_times, self._summarised = [], {}, [], False
         self._pending, self._current, self._batch = [], None, None
         self._phases.reset()

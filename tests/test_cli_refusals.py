@@ -1,0 +1,130 @@
+"""Bad input to ``fit``/``validate``/``test`` stops with one line naming the real field, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lmtrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def refused(args: list[str], field: str, capsys: pytest.CaptureFixture, where: Path) -> str:
+    """Run ``python -m lmtrain ARGS`` in-process: exit 2, one ``error: FIELD: ... Fix: ...`` line, nothing written."""
+    before = sorted(where.rglob("*"))
+    assert main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(rf"error: {re.escape(field)}: .+ Fix: .+", errors[0]), errors[0]
+    assert sorted(where.rglob("*")) == before  # no logs/, no version_N
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_no_config_is_refused(command: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused([command], "--config", capsys, in_tmp)
+    assert "small model" in line and "configs/tiny.yaml" in line.split("Fix:")[1]
+
+
+CALLBACK_ARGUMENTS = [
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.warmup", "3"],
+     "trainer.callbacks.CudaSyncTimer.warmup", "did you mean warmup_steps?"),
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.sync", "bogus"],
+     "trainer.callbacks.CudaSyncTimer.sync", "use one of events, synchronize."),
+    (["--trainer.callbacks+=lmtrain.callbacks.NVTXRanges", "--trainer.callbacks.depth", "bogus"],
+     "trainer.callbacks.NVTXRanges.depth", "use one of step, phase, block, module, op."),
+    (["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks.warmup_steps", "x"],
+     "trainer.callbacks.CudaSyncTimer.warmup_steps", "give a value of type int."),
+]
+
+
+@pytest.mark.parametrize(("args", "field", "fix"), CALLBACK_ARGUMENTS)
+def test_bad_callback_argument_names_the_argument(args: list[str], field: str, fix: str, in_tmp: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    line = refused(["fit", "--config", TINY, *args], field, capsys, in_tmp)
+    assert fix in line.split("Fix:")[1], line
+    assert "importable" not in line
+
+
+def test_bad_callback_argument_in_yaml(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    extra = in_tmp / "callbacks.yaml"
+    extra.write_text("trainer:\n  callbacks:\n    - class_path: lmtrain.callbacks.CudaSyncTimer\n"
+                     "      init_args:\n        warmup: 3\n")
+    line = refused(["fit", "--config", TINY, "--config", str(extra)], "trainer.callbacks.CudaSyncTimer.warmup",
+                   capsys, in_tmp)
+    assert "warmup_steps" in line
+
+
+@pytest.mark.parametrize(("callback", "argument", "value"), [("CudaSyncTimer", "warmup_steps", "-3"),
+                                                             ("MemorySnapshot", "start_step", "-1"),
+                                                             ("KernelShare", "active", "0")])
+def test_callback_argument_checks_write_nothing(callback: str, argument: str, value: str, in_tmp: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    refused(["fit", "--config", TINY, f"--trainer.callbacks+=lmtrain.callbacks.{callback}",
+             f"--trainer.callbacks.{argument}", value], f"callbacks.{callback}.{argument}", capsys, in_tmp)
+
+
+def _truncated_checkpoint(path: Path) -> Path:
+    import torch
+
+    torch.save({"state_dict": {"w": torch.zeros(20000)}, "global_step": 3}, path)
+    path.write_bytes(path.read_bytes()[:40000])  # cut short, as by a full disk
+    return path
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "folder"])
+def test_unreadable_checkpoint_is_one_line(command: str, kind: str, in_tmp: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    inputs = in_tmp / "inputs"
+    inputs.mkdir()
+    if kind == "truncated":
+        ckpt = _truncated_checkpoint(inputs / "last.ckpt")
+    elif kind == "garbage":
+        ckpt = inputs / "notes.ckpt"
+        ckpt.write_text("not a checkpoint\n")
+    else:
+        ckpt = inputs / "run"
+        ckpt.mkdir()
+    line = refused([command, "--config", TINY, "--ckpt_path", str(ckpt)], "ckpt_path", capsys, in_tmp)
+    expected = {"truncated": "cannot be read as a checkpoint", "garbage": "cannot be read as a checkpoint",
+                "folder": "is a folder, not a checkpoint file"}[kind]
+    assert expected in line and "does not exist" not in line
+
+
+def test_log_folder_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    (in_tmp / "a_file").write_text("x")  # no user, root included, can create a folder inside a file
+    line = refused(["fit", "--config", TINY, "--trainer.logger.init_args.save_dir", str(in_tmp / "a_file" / "sub")],
+                   "trainer.logger.init_args.save_dir", capsys, in_tmp)
+    assert "is a file" in line
+
+
+def test_analyze_out_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    (in_tmp / "a_file").write_text("x")
+    (in_tmp / "trace.json").write_text("{}")
+    refused(["analyze", "kernels", str(in_tmp / "trace.json"), "--out", str(in_tmp / "a_file" / "out")], "--out",
+            capsys, in_tmp)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "64"])
+def test_precision_outside_the_five_is_refused(precision: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused(["fit", "--config", TINY, "--trainer.precision", precision], "trainer.precision", capsys, in_tmp)
+    assert line.endswith("Fix: use one of 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true.")
+
+
+@pytest.mark.parametrize(("gib", "problem"), [("0", "must be > 0, got 0."), ("-5", "must be > 0, got -5."),
+                                              ("0.5", "0.5 GiB leaves nothing to plan for")])
+def test_estimate_gpu_memory_must_leave_something(gib: str, problem: str, in_tmp: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    line = refused(["estimate", "--config", TINY, "--gpu-memory-gib", gib], "--gpu-memory-gib", capsys, in_tmp)
+    assert problem in line
