@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 from lmtrain.config import weight_fields
@@ -185,6 +185,42 @@ class CheckpointOnSignal(pl.Callback):
         if (self.save_on_train_end and trainer.checkpoint_callback is not None
                 and self._saved_step != trainer.global_step and trainer.global_step > 0):
             self._save_last(trainer, "training ended")
+
+
+# -- the model summary ------------------------------------------------------------------------------
+
+
+class StepFlopsSummary(ModelSummary):
+    """Lightning's model summary, its "Total Flops" line giving the model FLOPs of one training step.
+
+    Lightning counts FLOPs by running ``example_input_array`` through the model and prints 0 without one; lmtrain
+    knows them from the shapes: ``lmtrain.flops.flops_per_step`` at the model's config, the data module's batch size
+    and context length, and the module's step mode (matrix products and attention, forward and backward).
+    """
+
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth, **summarize_kwargs)
+        self._step_flops = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_flops = step_flops(trainer, pl_module)
+        super().on_fit_start(trainer, pl_module)
+
+    def summarize(self, summary_data: list, total_parameters: int, trainable_parameters: int, model_size: float,
+                  total_training_modes: dict[str, int], total_flops: int, **summarize_kwargs: Any) -> None:
+        super().summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                          total_flops=self._step_flops or total_flops, **summarize_kwargs)
+
+
+def step_flops(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """Model FLOPs of one step of ``pl_module`` on ``trainer``'s data (0 where either is not lmtrain's)."""
+    from lmtrain.flops import flops_per_step
+
+    config, data = getattr(pl_module, "config", None), getattr(trainer, "datamodule", None)
+    batch, context = getattr(data, "batch_size", None), getattr(data, "context_length", None)
+    if config is None or not batch or not context:
+        return 0
+    return int(flops_per_step(config, batch, context, getattr(config, "step_mode", "train")))
 
 
 # -- resuming ---------------------------------------------------------------------------------------

@@ -173,12 +173,12 @@ def run_lightning(args: Sequence[str]) -> int:
     from jsonargparse import ArgumentError
 
     check_config_files(args)
-    from lmtrain.checkpoints import CheckpointOnSignal, ResumedProgressBar
+    from lmtrain.checkpoints import CheckpointOnSignal, ResumedProgressBar, StepFlopsSummary
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
     # Callbacks given here are added to those of the config (a fresh instance per run).
-    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal(), ResumedProgressBar()]}
+    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal(), ResumedProgressBar(), StepFlopsSummary()]}
     try:
         with lightning_notices_off():
             cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
@@ -197,10 +197,12 @@ _LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric
 
 
 class _DropTips(logging.Filter):
-    """Drops Lightning's product tips (litlogger, litmodels): they say nothing about the run."""
+    """Drops Lightning's product tips (litlogger, litmodels) and its note that the command line's own model summary
+    (``StepFlopsSummary``) replaces the default one: they say nothing about the run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
+        text = str(record.msg)
+        return not (text.startswith("💡 Tip:") or text.startswith("Trainer already configured with model summary"))
 
 
 @contextmanager

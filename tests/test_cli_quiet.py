@@ -43,3 +43,26 @@ def test_betas_as_list_or_tuple_are_the_same(saved: object, requested: object, t
     assert not [w for w in caught if "replace" in str(w.message)]
     with pytest.warns(UserWarning, match=r"lr=0.003 \(requested 0.001\)"):  # a real difference is still reported
         check_checkpoint_model(path, {**hparams, "betas": requested, "lr": 0.001})
+
+
+def test_model_summary_gives_the_step_flops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The command line's model summary says the model FLOPs of one step (lmtrain.flops), not Lightning's 0, and
+    Lightning's note that it replaces the default summary is not shown."""
+    from lmtrain.cli_config import run_lightning
+    from lmtrain.config import ModelConfig
+    from lmtrain.flops import flops_per_step
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    status = run_lightning(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"),
+                            "--trainer.max_steps", "1", "--data.max_bytes", "60000", "--data.batch_size", "2",
+                            "--model.context_length", "32", "--trainer.enable_progress_bar", "false"])
+    assert status == 0
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    flops = flops_per_step(ModelConfig.from_size("tiny", vocab_size=256, context_length=32), 2, 32)
+    (line,) = [ln for ln in text.splitlines() if ln.endswith("Total Flops")]
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+    assert flops > 0 and line.split("Total Flops")[0].strip() == get_human_readable_count(int(flops))
+    assert "Trainer already configured with model summary" not in text
