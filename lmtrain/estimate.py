@@ -22,7 +22,7 @@ import argparse
 
 from lmtrain.cli_config import ResolvedConfig, resolve_args
 from lmtrain.errors import LmtrainError
-from lmtrain.flops import STEP_MODES, parameter_count
+from lmtrain.flops import STEP_MODES, compute_dtype, parameter_count
 from lmtrain.memory_plan import (
     GIB,
     PRECISIONS,
@@ -149,6 +149,6 @@ def flash_kernel_lines(seq_len: int, head_dim: int, precision: str) -> str:
 
     from lmtrain.kernels.flash import explain
 
-    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+    dtype = compute_dtype(precision)
     here = explain([(seq_len, head_dim)], dtype=dtype)
     return here if torch.cuda.is_available() else here + "\n" + explain([(seq_len, head_dim)], "sm_90", dtype)

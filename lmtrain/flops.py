@@ -71,6 +71,12 @@ def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = 
     return forward if mode == "forward" else 3.0 * forward
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matrix products run in under a Lightning precision (``bf16-mixed`` -> bfloat16, ``16-true`` ->
+    float16, anything else float32)."""
+    return {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0], torch.float32)
+
+
 def compute_dtype_key(precision: str | torch.dtype) -> str:
     """Peak-table key for a Lightning precision string (``bf16-mixed``, ``32-true`` ...) or a dtype."""
     text = str(precision).lower()

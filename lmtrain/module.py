@@ -23,7 +23,7 @@ from lmtrain.attention import needs_gpu
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kwargs
 from lmtrain.errors import LmtrainError
-from lmtrain.flops import flops_per_step
+from lmtrain.flops import compute_dtype, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
@@ -451,5 +451,4 @@ def flash_kernels_record(config: ModelConfig, device: torch.device | str, precis
     settings (``lmtrain.kernels.flash.describe``): what a fit records in its loggers' hyperparameters."""
     from lmtrain.kernels.flash import describe
 
-    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
-    return describe([(config.context_length, config.head_dim)], device=device, dtype=dtype)
+    return describe([(config.context_length, config.head_dim)], device=device, dtype=compute_dtype(precision))
