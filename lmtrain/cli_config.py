@@ -112,6 +112,14 @@ def _lm_cli_class() -> type:
             # One source of truth for the shapes that the data must match.
             parser.link_arguments("model.context_length", "data.context_length")
             parser.link_arguments("model.vocab_size", "data.vocab_size")
+            # Where compiled kernels are kept between runs: a property of the machine, not of the model, so not a
+            # model option (those go into the checkpoint and the bench cells).
+            parser.add_argument("--compile_cache", type=str | None, default=None,
+                                help="folder of torch.compile's and Triton's caches when the model compiles or "
+                                "runs lmtrain's Triton kernels (lmtrain.compile_cache), so that the second run of a "
+                                "config loads its kernels instead of compiling them; null: compile_cache under the "
+                                "logger's save_dir (logs/compile_cache), shared by the runs logged there; off: "
+                                "torch's own per-user temporary folder.")
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
             # As LightningCLI's, without its warning about args given next to sys.argv: lmtrain's commands
@@ -124,6 +132,7 @@ def _lm_cli_class() -> type:
                 check_has_config(subcommand, section)
                 check_runnable(subcommand, section)
                 check_log_folder(section)
+                check_compile_cache(section)
                 # Every option and the combinations that cannot work, checked by the schema at parse time.
                 self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
@@ -140,6 +149,9 @@ def _lm_cli_class() -> type:
                 check = getattr(callback, "check_arguments", None)
                 if callable(check):
                     check(self.trainer.world_size)
+            cache = compile_cache_callback(self.config[self.subcommand])
+            if cache is not None:
+                self.trainer.callbacks.append(cache)
 
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
@@ -410,6 +422,32 @@ def check_log_folder(config: Any) -> None:
     save_dir = init_args.get("save_dir") if hasattr(init_args, "get") else None
     if save_dir is not None:
         check_writable_folder("trainer.logger.init_args.save_dir", save_dir)
+
+
+def check_compile_cache(config: Any) -> None:
+    """``compile_cache``, when it names a folder, can be created and written (checked before anything is built).
+
+    Raises:
+        LmtrainError: a part of the path is a file, or the nearest existing folder is read-only.
+    """
+    from lmtrain.compile_cache import OFF
+    from lmtrain.errors import check_writable_folder
+
+    folder = config.get("compile_cache")
+    if folder is not None and folder != OFF:
+        check_writable_folder("compile_cache", folder)
+
+
+def compile_cache_callback(config: Any) -> Any:
+    """The ``CompileCache`` callback of a parsed subcommand: when the model compiles or runs lmtrain's Triton kernels
+    and ``compile_cache`` is not ``off`` (None otherwise)."""
+    from lmtrain.attention import needs_gpu
+    from lmtrain.compile_cache import OFF, CompileCache
+
+    folder, model = config.get("compile_cache"), config["model"]
+    if folder == OFF or not (model.get("compile") or needs_gpu(model.get("attention") or "sdpa")):
+        return None
+    return CompileCache(folder)
 
 
 def _runs_on_cpu(accelerator: str) -> bool:
