@@ -5,12 +5,61 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 
 import torch
 
 from lmtrain.annotate import disable_ranges, enable_ranges
 from lmtrain.callbacks._common import request_cupti_teardown
+
+
+@contextlib.contextmanager
+def kineto_markers_dropped() -> Iterator[None]:
+    """Drop the ``USDT: ... profiler_start`` / ``profiler_stop`` lines that the profiler's C++ library (Kineto)
+    writes to standard error whenever a trace starts or stops, whatever its log level: markers for tracing tools,
+    meaningless in a training log. Everything else written to standard error meanwhile is passed on afterwards.
+
+    Works on file descriptor 2 (Kineto writes there directly, past ``sys.stderr``) and only for the length of the
+    block. Kineto's own setting for it (``KINETO_LOG_LEVEL`` above 5) would also silence its errors, and is read
+    once per process.
+    """
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no standard error to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+class _Profile(torch.profiler.profile):
+    """``torch.profiler.profile`` whose start, steps (where its schedule starts and stops the trace) and stop leave
+    out Kineto's ``USDT`` marker lines (:func:`kineto_markers_dropped`)."""
+
+    def start(self) -> None:
+        with kineto_markers_dropped():
+            super().start()
+
+    def step(self) -> None:
+        with kineto_markers_dropped():
+            super().step()
+
+    def stop(self) -> None:
+        with kineto_markers_dropped():
+            super().stop()
 
 
 class ProfilerSession:
@@ -29,7 +78,7 @@ class ProfilerSession:
 
     def __init__(self, cuda: bool, warmup: int, active: int, record_shapes: bool, release_cupti: bool,
                  device: torch.device | None = None) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
+        from torch.profiler import ProfilerActivity, schedule
 
         self.trace_path: str | None = None
         self._open: list[torch.profiler.record_function] = []
@@ -41,7 +90,7 @@ class ProfilerSession:
             torch.cuda.synchronize(device)
         enable_ranges(nvtx=False, profiler=True)
         self._ranges_on = True
-        self.prof: torch.profiler.profile | None = profile(
+        self.prof: torch.profiler.profile | None = _Profile(
             activities=activities, on_trace_ready=self._export, record_shapes=record_shapes,
             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1))
         self.prof.start()
