@@ -109,11 +109,37 @@ def test_log_folder_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureF
     assert "is a file" in line
 
 
-def test_analyze_out_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_log_folder_that_cannot_be_written(command: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    # A chmod'ed folder is writable for root; nobody, root included, creates a folder under /proc/1.
+    if not Path("/proc/1").is_dir():
+        pytest.skip("no /proc on this system")
+    line = refused([command, "--config", TINY, "--trainer.logger.init_args.save_dir", "/proc/1/lmtrain-logs"],
+                   "trainer.logger.init_args.save_dir", capsys, in_tmp)
+    assert "/proc/1/lmtrain-logs cannot be written" in line
+    assert not Path("/proc/1/lmtrain-logs").exists()
+
+
+@pytest.mark.parametrize("out", ["a_file/out", "/proc/1/lmtrain-analysis"])
+def test_analyze_out_that_cannot_be_created(out: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    if out.startswith("/proc") and not Path("/proc/1").is_dir():
+        pytest.skip("no /proc on this system")
     (in_tmp / "a_file").write_text("x")
     (in_tmp / "trace.json").write_text("{}")
-    refused(["analyze", "kernels", str(in_tmp / "trace.json"), "--out", str(in_tmp / "a_file" / "out")], "--out",
-            capsys, in_tmp)
+    refused(["analyze", "kernels", str(in_tmp / "trace.json"), "--out", out], "--out", capsys, in_tmp)
+
+
+def test_checkpoint_at_or_beyond_max_steps_is_refused(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    inputs = in_tmp / "inputs"
+    inputs.mkdir()
+    ckpt = inputs / "step90.ckpt"
+    torch.save({"hyper_parameters": {"size": "tiny", "vocab_size": 256, "context_length": 128}, "global_step": 90},
+               ckpt)
+    line = refused(["fit", "--config", TINY, "--ckpt_path", str(ckpt), "--trainer.max_steps", "1"],
+                   "trainer.max_steps", capsys, in_tmp)
+    assert "at step 90" in line and "above 90" in line.split("Fix:")[1]
 
 
 @pytest.mark.parametrize("precision", ["64-true", "64"])

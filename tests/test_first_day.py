@@ -80,3 +80,38 @@ def test_no_weights_only_notice_on_save_resume_or_validate(tmp_path: Path, monke
     out, err = capfd.readouterr()
     assert "Restoring states from the checkpoint path" in logged + out + err  # the resume and the validation ran
     assert "weights_only" not in logged + out + err
+
+
+def test_analyze_without_out_writes_nothing_beside_its_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lmtrain.cli import main
+
+    trace = tmp_path / "trace.json.gz"
+    trace.write_bytes((ROOT / "tests" / "data" / "kernel_trace_cpu_tiny.json.gz").read_bytes())
+    assert main(["analyze", "kernels", str(trace)]) == 0
+    assert "Where the CPU time goes" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["trace.json.gz"]
+
+
+@pytest.mark.slow
+def test_five_callbacks_on_cpu_say_once_what_they_skip(tmp_path: Path) -> None:
+    """Each callback says what it cannot do on a CPU in its own words, once; no CUDA warning of torch's gets out."""
+    import warnings
+
+    from lmtrain.callbacks import CudaSyncTimer, MemorySnapshot, NVTXRanges, PrecisionInspector
+
+    five = [CudaSyncTimer(print_summary=False), NVTXRanges(), MemorySnapshot(), KernelShare(wait=1, active=1),
+            PrecisionInspector()]
+    pl.seed_everything(0, verbose=False)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=12,
+                        val_batches=1)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=TensorBoardLogger(str(tmp_path)),
+                         callbacks=five, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    names = tuple(f"{type(cb).__name__}:" for cb in five)
+    about_cuda = [str(w.message) for w in caught if "cuda" in str(w.message).lower()]
+    assert about_cuda and all(text.startswith(names) for text in about_cuda), about_cuda
+    assert len(about_cuda) == len(set(about_cuda))  # each said once
