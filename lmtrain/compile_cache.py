@@ -13,8 +13,8 @@ Dynamo's tracing, the loading and the CUDA graph capture remain.
 (``--compile_cache FOLDER`` names another folder, ``--compile_cache off`` leaves torch's own); in a script of your
 own, add it to the trainer's callbacks. It prints two lines::
 
-    compile cache: logs/compile_cache (412 files from earlier runs)
-    first step: 6.3 s (compile cache: hit, 3 of 3 compiled graphs loaded)
+    compile cache: logs/compile_cache (N files from earlier runs)
+    first step: X s (compile cache: hit, G of G compiled graphs loaded)
 
 ``hit``: every graph compiled in this fit so far came from the cache; ``miss``: none did (the first run of a
 config, or after a change of torch, Triton, the model or the options); ``partial``: some did. A graph that the
