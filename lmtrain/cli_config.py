@@ -151,7 +151,8 @@ def _lm_cli_class() -> type:
                     check(self.trainer.world_size)
             cache = compile_cache_callback(self.config[self.subcommand])
             if cache is not None:
-                self.trainer.callbacks.append(cache)
+                # First, so that its clock brackets the first step and not the other callbacks' work around it.
+                self.trainer.callbacks.insert(0, cache)
 
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
