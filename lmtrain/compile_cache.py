@@ -43,13 +43,13 @@ _CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "
 
 
 def cache_counts() -> dict[str, int]:
-    """How many compiled graphs this process has loaded from the caches (``hit``), compiled and stored (``miss``)
-    or compiled without them (``bypass``), counting AOTAutograd's and inductor's lookups together."""
+    """How many graphs (a forward, a backward, an inference graph) inductor has, in this process, loaded from its
+    FX graph cache (``hit``), compiled and stored (``miss``) or compiled without the cache (``bypass``). An
+    AOTAutograd cache hit loads its graphs through that cache too, so they count here."""
     from torch._dynamo.utils import counters
 
-    aot, inductor = counters["aot_autograd"], counters["inductor"]
-    return {outcome: aot[f"autograd_cache_{outcome}"] + inductor[f"fxgraph_cache_{outcome}"]
-            for outcome in ("hit", "miss", "bypass")}
+    inductor = counters["inductor"]
+    return {outcome: inductor[f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss", "bypass")}
 
 
 def describe_outcome(before: dict[str, int], after: dict[str, int]) -> str | None:
