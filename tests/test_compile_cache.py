@@ -52,6 +52,27 @@ def test_second_compiled_fit_loads_from_the_cache_under_the_log_root(tmp_path: P
     assert re.fullmatch(r"first step: \d+\.\d s \(compile cache: hit, (\d+) of \1 compiled graphs loaded\)", line)
 
 
+#: The fast configs' recipe (compile, CUDA graphs, master weights, compact state) at a size that compiles quickly.
+GPU_CONFIG = """seed_everything: 0
+model: {size: tiny, vocab_size: 256, context_length: 128, compile: true, cuda_graphs: true, master_weights: true,
+        optimizer_state_dtype: bfloat16}
+data: {source: synthetic, batch_size: 4, train_batches: 20, val_batches: 1}
+trainer: {max_steps: 6, precision: bf16-mixed, limit_val_batches: 0, enable_checkpointing: false,
+          enable_progress_bar: false}
+"""
+
+
+@pytest.mark.gpu
+def test_second_compiled_gpu_fit_with_cuda_graphs_loads_its_kernels(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(GPU_CONFIG)
+    first = _fit(tmp_path, "--compile_cache", "cache")
+    assert "(compile cache: miss, " in first
+    assert any(p.is_file() for p in (tmp_path / "cache" / "triton").rglob("*"))  # Triton's kernels are there too
+    second = _fit(tmp_path, "--compile_cache", "cache")
+    line = next(ln for ln in second.splitlines() if ln.startswith("first step: "))
+    assert "(compile cache: hit, " in line, second[-3000:]
+
+
 def test_outcome_of_the_lookups() -> None:
     zero = {"hit": 0, "miss": 0, "bypass": 0}
     assert describe_outcome(zero, zero) is None
