@@ -112,6 +112,8 @@ def test_ddp_two_ranks_all_five_callbacks(tmp_path: Path) -> None:
     assert sc["kernels/communication_share_step"][0][1] > 0
     assert sc["kernels/communication_ms_step"][0][0] == 3  # the window's last step
     assert sc["kernels/communication_ms_step"][0][1] > 0
+    # ... next to the timer's median unprofiled step (rank 0's), at the fit's end
+    assert sc["kernels/timer_step_ms"][0][0] == STEPS - 1 and sc["kernels/busy_to_timer_step"][0][1] > 0
     # MemorySnapshot measures nothing on CPU; PrecisionInspector ran on both ranks.
     assert not any(tag.startswith("memory/") for tag in sc)
     assert "precision/flagged_modules" in sc
