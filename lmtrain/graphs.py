@@ -91,7 +91,7 @@ class WholeStepGraph:
 
     With ``timed`` (the default), the step function calls :meth:`mark` at its phase boundaries; the step is
     captured into two graphs sharing one memory pool, each recording its own events there, and replays alternate
-    between them, so a replay's marks stay unread-safe until the replay after next (see the module docstring).
+    between them, so a replay's marks stay valid until the replay after next (see the module docstring).
     Sharing the pool is safe because the two graphs never run at once and a step keeps nothing in the pool from one
     replay to the next (gradients are written afresh, not accumulated) except its loss, which the caller clones.
 
