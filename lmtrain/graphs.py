@@ -22,19 +22,60 @@ What a captured step needs, and where it comes from:
 - warm caches: cuBLAS workspaces, Triton autotuning, ``torch.compile`` and the optimizer state exist before the
   capture; the module runs ordinary eager steps first (``cuda_graph_warmup``) and one forward and backward pass
   without an update on the capture stream itself (:meth:`WholeStepGraph.capture`).
+
+Phases inside the graph: the captured step records timing events (``torch.cuda.Event(enable_timing=True,
+external=True)``: each becomes an event-record node that fires on every replay) at its forward / backward /
+optimizer boundaries, under the mark names of ``lmtrain.analysis.timing.MARKS``. ``CudaSyncTimer`` reads a step's
+marks one step later, after the next replay has been launched; so that a replay never re-records events not read
+yet, the step is captured twice, into two graphs sharing one memory pool, each with its own events, and replays
+alternate between them (:attr:`WholeStepGraph.phase_marks`: the marks of the last replay). Where this torch or
+driver cannot time events inside a graph (:func:`graph_timing_problem`), the step is captured once, without
+marks, and one line says so at the start of the fit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
 
+from lmtrain.analysis.timing import MARKS
 from lmtrain.errors import LmtrainError
 from lmtrain.optim import InBackwardAdamW
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]
+
+_START, _BEFORE_BWD, _AFTER_BWD, _BEFORE_OPT, _END = MARKS
+
+
+def graph_timing_problem(device: torch.device) -> str | None:
+    """Why timing events cannot be recorded inside a CUDA graph on ``device`` with this torch, or None if they can.
+
+    Captures a one-kernel graph between two external timing events, replays it and reads the elapsed time: the
+    whole mechanism :class:`WholeStepGraph` uses for the phases, on a graph too small to cost anything.
+    """
+    try:
+        start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+    except TypeError:
+        return f"torch {torch.__version__} has no external CUDA events (torch.cuda.Event(external=True))"
+    try:
+        x = torch.zeros(1, device=device)
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            start.record()
+            x.add_(1)
+            end.record()
+        graph.replay()
+        end.synchronize()
+        start.elapsed_time(end)
+    except RuntimeError as error:
+        return f"recording timing events in a CUDA graph failed on torch {torch.__version__}: " + \
+            (str(error).splitlines() or ["?"])[0]
+    return None
 
 
 class WholeStepGraph:
@@ -47,16 +88,39 @@ class WholeStepGraph:
         loss = graph.replay(batch)                     # copies batch in, launches the graph
 
     ``loss`` is the graph's static output: the next replay overwrites it, so a caller that keeps it clones it.
+
+    With ``timed`` (the default), the step function calls :meth:`mark` at its phase boundaries; the step is
+    captured into two graphs sharing one memory pool, each recording its own events there, and replays alternate
+    between them, so a replay's marks stay valid until the replay after next (see the module docstring).
+    Sharing the pool is safe because the two graphs never run at once and a step keeps nothing in the pool from one
+    replay to the next (gradients are written afresh, not accumulated) except its loss, which the caller clones.
+
+    Args:
+        timed: record phase marks inside the graph (the caller checks :func:`graph_timing_problem` first).
     """
 
     #: A real CUDA graph: the module refuses ``cuda_graphs`` on other devices.
     needs_cuda = True
 
-    def __init__(self) -> None:
-        self.graph: Any = None
+    def __init__(self, timed: bool = True) -> None:
+        self.timed = timed
+        self.graphs: list[Any] = []
+        self.losses: list[torch.Tensor] = []
+        self.marks: list[dict[str, Any]] = []  # per graph: mark name -> event recorded inside it
         self.static_batch: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
+        #: The marks of the last replay (mark name -> CUDA event or, for the CPU stand-in, seconds); None before.
+        self.phase_marks: dict[str, Any] | None = None
         self.captures = 0
+        self.replays = 0
+        self._recording: dict[str, Any] | None = None  # the marks being recorded (capture, or an emulated replay)
+
+    def mark(self, name: str) -> None:
+        """Record phase boundary ``name`` (one of ``MARKS``) of the step being captured; nothing otherwise."""
+        if self._recording is not None:
+            event = torch.cuda.Event(enable_timing=True, external=True)
+            event.record()
+            self._recording[name] = event
 
     @property
     def ready(self) -> bool:
@@ -84,16 +148,31 @@ class WholeStepGraph:
             with torch.cuda.stream(stream):
                 prepare(self.static_batch)
             torch.cuda.current_stream(batch.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self.static_loss = step(self.static_batch).detach()
+        self.graphs, self.losses, self.marks = [], [], []
+        pool = None
+        for _ in range(2 if self.timed else 1):
+            graph = torch.cuda.CUDAGraph()
+            self._recording = {} if self.timed else None
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    loss = step(self.static_batch).detach()
+            finally:
+                recorded, self._recording = self._recording, None
+            pool = graph.pool()
+            self.graphs.append(graph)
+            self.losses.append(loss)
+            self.marks.append(recorded or {})
+        self.static_loss = self.losses[0]
         self.captures += 1
 
     def replay(self, batch: torch.Tensor) -> torch.Tensor:
         """Copy ``batch`` into the static buffer and run the captured step; returns the static loss."""
         assert self.static_batch is not None and self.static_loss is not None, "capture() first"
         self.static_batch.copy_(batch, non_blocking=True)
-        self.graph.replay()
+        which = self.replays % len(self.graphs)
+        self.graphs[which].replay()
+        self.replays += 1
+        self.static_loss, self.phase_marks = self.losses[which], self.marks[which] or None
         return self.static_loss
 
 
@@ -102,23 +181,33 @@ class EmulatedStepGraph(WholeStepGraph):
 
     It runs no graph and saves no time; it exists so that everything around the graph (when the module
     captures, how a replayed step reaches Lightning's step count, the schedule and the callbacks) can be tested
-    on a CPU. ``prepare`` runs as with a real capture.
+    on a CPU. ``prepare`` runs as with a real capture. With ``timed``, each replay's :meth:`mark` calls take the
+    host clock (``time.perf_counter``, seconds) into a fresh :attr:`phase_marks`.
     """
 
     needs_cuda = False
+
+    def mark(self, name: str) -> None:
+        if self._recording is not None:
+            self._recording[name] = perf_counter()
 
     def capture(self, step: StepFn, batch: torch.Tensor, prepare: Callable[[torch.Tensor], None] | None = None) -> None:
         self.static_batch = batch.detach().clone()
         if prepare is not None:
             prepare(self.static_batch)
-        self.graph = step
+        self.graphs = [step]
         self.static_loss = torch.zeros((), device=batch.device)
         self.captures += 1
 
     def replay(self, batch: torch.Tensor) -> torch.Tensor:
         assert self.static_batch is not None and self.static_loss is not None, "capture() first"
         self.static_batch.copy_(batch)
-        self.static_loss = self.graph(self.static_batch).detach()
+        self._recording = {} if self.timed else None
+        try:
+            self.static_loss = self.graphs[0](self.static_batch).detach()
+        finally:
+            self.phase_marks, self._recording = self._recording, None
+        self.replays += 1
         return self.static_loss
 
 
@@ -208,14 +297,34 @@ class GraphedStep:
     def __init__(self, graph_class: type[WholeStepGraph], warmup: int) -> None:
         self.graph_class = graph_class
         self.warmup = warmup
+        #: Why timing events cannot be recorded inside the graph ("" until checked, None: they can).
+        self.timing_problem: str | None = ""
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, device: torch.device | None = None) -> None:
         """Start a fit: it captures its own graph after its own warm-up (compilation and autotuning are per
-        process)."""
+        process).
+
+        Args:
+            device: the fit's device. On a CUDA device (with a real graph class) this checks once that timing
+                events can be recorded inside a graph (:func:`graph_timing_problem`) and, where they cannot, says in
+                one line that replayed steps will have no phase split.
+        """
         self.graph: WholeStepGraph | None = None
         self.eager_steps = 0
         self.capture_step: int | None = None
+        if device is not None and device.type == "cuda" and self.graph_class.needs_cuda and self.timing_problem == "":
+            self.timing_problem = graph_timing_problem(device)
+            if self.timing_problem is not None:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(f"model.cuda_graphs: no forward/backward/optimizer split for replayed steps "
+                               f"({self.timing_problem}); they report the whole step only, and the eager warm-up "
+                               "steps (reported apart by CudaSyncTimer) show the split.")
+
+    def phase_marks(self) -> dict[str, Any] | None:
+        """The marks recorded inside the graph by the last replay (see :class:`WholeStepGraph`), or None."""
+        return self.graph.phase_marks if self.graph is not None else None
 
     def replays(self, trainer: Any, step: int) -> bool:
         """Step ``step`` runs as a replay (the capture step included): not during the warm-up, nor when a callback
@@ -239,7 +348,7 @@ class GraphedStep:
         # here: reading it would wait for the GPU).
         module.log("train/lr", torch.tensor(float(module.config.lr * schedule.lr_lambdas[0](schedule.last_epoch))))
         if self.graph is None:
-            self.graph = self.graph_class()
+            self.graph = self.graph_class(timed=self.timing_problem is None or not self.graph_class.needs_cuda)
         graph = self.graph
         wanted = self.replays(trainer, step)
         replay = wanted and (not graph.ready or graph.matches(batch))
@@ -282,19 +391,28 @@ class GraphedStep:
         in-backward optimizer), with autocast's weight cache off (each cast is a kernel of the graph)."""
         import contextlib
 
+        mark = graph.mark  # phase boundaries, as CudaSyncTimer's hooks mark an eager step
+
         def forward_backward(b: torch.Tensor) -> torch.Tensor:
             loss = module.loss(b)
+            mark(_BEFORE_BWD)
             loss.backward()
+            mark(_AFTER_BWD)
+            # The update starts here: after the backward pass (an in-backward optimizer has done most of it inside)
+            mark(_BEFORE_OPT)
             return loss
 
         def whole_step(b: torch.Tensor) -> torch.Tensor:
+            mark(_START)
             # Host work: at the capture, the backward pass then writes fresh gradient buffers (no accumulation),
             # which is what every replay does.
             inner.zero_grad(set_to_none=True)
             if isinstance(inner, InBackwardAdamW):
-                return inner.step(closure=lambda: forward_backward(b))
-            loss = forward_backward(b)
-            inner.step()
+                loss = inner.step(closure=lambda: forward_backward(b))
+            else:
+                loss = forward_backward(b)
+                inner.step()
+            mark(_END)
             return loss
 
         def prepare(b: torch.Tensor) -> None:  # a forward and backward pass without an update

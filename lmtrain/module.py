@@ -249,9 +249,16 @@ class LMModule(pl.LightningModule):
         """
         return self.graphed_step is not None and self.graphed_step.in_window(step)
 
+    def graph_phase_marks(self) -> dict[str, Any] | None:
+        """Under ``cuda_graphs``, the phase marks recorded inside the graph by the last replayed step: mark name
+        (``lmtrain.analysis.timing.MARKS``) -> CUDA timing event, valid until the replay after next
+        (``lmtrain.graphs.WholeStepGraph``). None without ``cuda_graphs``, before the first replay, or where
+        timing events cannot be recorded inside a graph. ``CudaSyncTimer`` reads them for the replayed steps."""
+        return self.graphed_step.phase_marks() if self.graphed_step is not None else None
+
     def on_train_start(self) -> None:
         if self.graphed_step is not None:
-            self.graphed_step.reset()
+            self.graphed_step.reset(self.device)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         self._weights_known = True

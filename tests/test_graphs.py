@@ -17,7 +17,7 @@ from fitting import cpu_fit
 
 from lmtrain.callbacks import CudaSyncTimer, PrecisionInspector
 from lmtrain.errors import LmtrainError
-from lmtrain.graphs import EmulatedStepGraph, GraphedOptimizer
+from lmtrain.graphs import EmulatedStepGraph, GraphedOptimizer, WholeStepGraph
 from lmtrain.module import LMModule
 
 TINY = dict(size="tiny", vocab_size=97, context_length=16, warmup_steps=2, decay_steps=8, lr=3e-3)
@@ -85,16 +85,69 @@ def test_graphed_optimizer_checkpoints_are_the_inner_optimizers() -> None:
     assert wrapped.param_groups[0]["lr"] == state["param_groups"][0]["lr"]
 
 
-def test_timer_reports_replayed_steps_as_whole_steps_only() -> None:
+class Untimed(EmulatedStepGraph):
+    """The stand-in without marks inside the "graph", as where timing events cannot be captured."""
+
+    def __init__(self, timed: bool = True) -> None:
+        super().__init__(timed=False)
+
+
+class EmulatedUntimed(LMModule):
+    graph_class = Untimed
+
+
+def test_timer_reports_the_phases_recorded_inside_replayed_steps() -> None:
     timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
     module = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=3)
     _fit(module, steps=7, callbacks=[timer])
     by_step = {row["step"]: row for row in timer.step_times}
-    assert set(by_step[1]) == {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"}  # eager warm-up
-    assert set(by_step[5]) == {"step", "step_ms"}  # replayed
+    phases = {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"}
+    assert set(by_step[1]) == phases  # eager warm-up: the hooks' marks
+    assert set(by_step[5]) == phases  # replayed: the marks inside the step, the step from the hooks' marks
+    row = by_step[5]
+    assert 0 < row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"] <= row["step_ms"]
     # the eager steps and the capture step are reported apart, as the module's window
     assert {s: w for s, w in timer.excluded_steps.items()} == {s: ["Emulated"] for s in range(4)}
-    assert timer.summary()["step_ms"]["count"] == 3 and "forward_ms" not in timer.summary()
+    assert timer.summary()["step_ms"]["count"] == 3 and timer.summary()["forward_ms"]["count"] == 3
+
+
+def test_timer_reports_whole_steps_where_the_graph_has_no_marks() -> None:
+    timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
+    module = EmulatedUntimed(**TINY, cuda_graphs=True, cuda_graph_warmup=3)
+    _fit(module, steps=6, callbacks=[timer])
+    by_step = {row["step"]: row for row in timer.step_times}
+    assert set(by_step[5]) == {"step", "step_ms"} and module.graph_phase_marks() is None
+    assert "forward_ms" not in timer.summary()
+
+
+class _FakeGraph:
+    def __init__(self, log: list[int], index: int) -> None:
+        self.log, self.index = log, index
+
+    def replay(self) -> None:
+        self.log.append(self.index)
+
+
+def test_timed_replays_alternate_between_two_graphs_and_their_marks() -> None:
+    """The bookkeeping of ``WholeStepGraph.replay`` (no capture on a CPU): graphs, losses and marks by turns."""
+    graph, log = WholeStepGraph(), []
+    graph.static_batch = torch.zeros(2, dtype=torch.long)
+    graph.graphs = [_FakeGraph(log, 0), _FakeGraph(log, 1)]
+    graph.losses = [torch.tensor(0.0), torch.tensor(1.0)]
+    graph.marks = [{"start": "a0", "end": "a1"}, {"start": "b0", "end": "b1"}]
+    graph.static_loss = graph.losses[0]
+    seen = []
+    for _ in range(4):
+        loss = graph.replay(torch.ones(2, dtype=torch.long))
+        seen.append((float(loss), graph.phase_marks["start"]))
+    assert log == [0, 1, 0, 1] and seen == [(0.0, "a0"), (1.0, "b0"), (0.0, "a0"), (1.0, "b0")]
+    assert graph.static_batch.tolist() == [1, 1]
+    untimed = WholeStepGraph(timed=False)
+    untimed.static_batch, untimed.graphs, untimed.losses, untimed.marks = graph.static_batch, [_FakeGraph(log, 7)], \
+        [torch.tensor(2.0)], [{}]
+    untimed.static_loss = untimed.losses[0]
+    untimed.replay(torch.ones(2, dtype=torch.long))
+    assert log[-1] == 7 and untimed.phase_marks is None
 
 
 def test_precision_inspector_gets_an_eager_step_inside_a_graphed_run() -> None:

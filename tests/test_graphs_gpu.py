@@ -86,7 +86,8 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     logged = scalars(trainer.log_dir)
     timer = callbacks[0]
     steps = {row["step"]: row for row in timer.step_times}
-    assert set(steps[6]) == {"step", "step_ms"} and steps[6]["step_ms"] > 0
+    # a replayed step keeps its phases (timing events inside the graph)
+    assert set(steps[6]) == {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"} and steps[6]["step_ms"] > 0
     assert timer.excluded_steps[3] == ["LMModule"]  # the capture step
     assert "time/step_ms" in logged
     # KernelShare: the replayed steps' kernels, under the one phase a replay has
@@ -97,3 +98,30 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     assert callbacks[3].result is not None and callbacks[3].result.modules
     assert module.graphed_step.graph.captures == 1
     assert "memory/peak_after_optimizer_gib" in logged
+
+
+#: ``configs/small_bf16_fast.yaml``'s model.
+FAST = dict(size="small", vocab_size=10000, context_length=512, attention="sdpa", compile=True, cuda_graphs=True,
+            cuda_graph_warmup=3, master_weights=True, optimizer_state_dtype="bfloat16", fused_adamw=True,
+            warmup_steps=10, lr=3e-4)
+
+
+def test_graphed_phases_add_up_to_the_graphed_step_small_bf16_fast() -> None:
+    """The timing events inside the graph: forward + backward + optimizer within 2% of the step (median)."""
+    pl.seed_everything(0)
+    module = LMModule(**FAST)
+    assert module.graphed_step is not None
+    timer = CudaSyncTimer(warmup_steps=3, print_summary=False)
+    data = LMDataModule(source="synthetic", batch_size=4, context_length=512, vocab_size=10000, train_batches=40,
+                        val_batches=1)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=16, logger=False,
+                         callbacks=[timer], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert module.graphed_step.timing_problem is None, module.graphed_step.timing_problem
+    assert len(module.graphed_step.graph.graphs) == 2  # two graphs, one pool, marks by turns
+    replayed = [row for row in timer.step_times if row["step"] > module.graphed_step.capture_step]
+    assert len(replayed) >= 10 and all("forward_ms" in row and "optimizer_ms" in row for row in replayed)
+    ratios = sorted((r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]) / r["step_ms"] for r in replayed)
+    median = ratios[len(ratios) // 2]
+    assert 0.98 <= median <= 1.0 + 1e-6, f"phases / step: {ratios}"

@@ -1,61 +1,284 @@
-"""Check a fit's TensorBoard logs against the instrument acceptance: "other" share, KernelShare busy vs timer step.
+"""The instruments' acceptance on a GPU: runs the fits, compares with HolisticTraceAnalysis, prints one table.
 
 Usage::
 
-    python benchmarks/scripts/instruments_check.py LOG_DIR [LOG_DIR ...]
+    # one H100; each command is planned to stay under 9 minutes (estimates, not measured yet): small in one,
+    # 2.7B in two (its compiled fast config alone compiles for about a minute, twice)
+    python benchmarks/scripts/instruments_check.py run OUT --models small
+    python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only sdpa512 flash512
+    python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only flash4096 fast
+    # FSDP2 on two GPUs (all five callbacks, both ranks profiled)
+    python benchmarks/scripts/instruments_check.py fsdp OUT --size small --devices 2
+    # only read fits made already (a run's version folder, logs/lmtrain/version_N)
+    python benchmarks/scripts/instruments_check.py check LOG_DIR [LOG_DIR ...]
 
-LOG_DIR is a run's version folder (``logs/lmtrain/version_N``) of a fit with CudaSyncTimer and KernelShare attached.
-For each it prints the timer's median ``time/step_ms`` over the steps outside KernelShare's window, KernelShare's
-GPU busy time per step (``kernels/gpu_busy_ms_per_step``: the union of kernel intervals) and GPU span per step, the
-busy / step ratio, the "other" category's share of kernel time, the temporal breakdown shares, and whether the two
-acceptance figures hold: other <= 1% and busy within 3% of the step.
+``run`` makes, per model, four fits with all five callbacks at their defaults (KernelShare with ``export_trace``):
+eager sdpa at context 512, eager flash_triton at 512 and at 4096 (2.7B: batch 1 there, to fit in 80 GB) and
+``configs/<model>_bf16_fast.yaml`` (compiled, CUDA graphs); and the same four with CudaSyncTimer alone (the
+uninstrumented reference: its CUDA events cost no measurable time). After each fit it appends the fit's figures to
+``OUT/results.jsonl`` (the fit's own output in ``OUT/runs/<name>.log``, its TensorBoard files under
+``OUT/runs/<name>/``), so a run cut short keeps what it measured; at the end it writes ``OUT/summary.md`` and prints
+it. Per fit:
+
+- ``other``: the "other" category's share of kernel time (acceptance: at most 1%);
+- ``busy / step``, ``span / step``, ``wall / step``: KernelShare's kernel busy time, GPU span (first kernel to
+  last) and the profiled step's wall time, each over CudaSyncTimer's median unprofiled step
+  (``kernels/step_comparison``; acceptance for busy: within 3%);
+- ``HTA``: the largest difference, in percentage points, between lmtrain's temporal breakdown (idle, compute,
+  non-compute, communication overlap) and HTA's on the same trace file (acceptance: 2 points), and the same for the
+  idle split per stream (host wait, kernel wait, other); ``hta_compare.py`` prints the full tables;
+- ``phases / step``: for the CUDA-graph fits, the median over replayed steps of (forward + backward + optimizer,
+  from the timing events inside the graph) / step (acceptance: within 2%);
+- ``overhead``: the timer's median step with all five attached / with the timer alone, minus 1 (acceptance: 1%).
+
+``fsdp`` makes one FSDP2 fit (``configs/2.7B_bf16_fsdp.yaml``, ``--size`` small or 2.7B) with all five, KernelShare
+on every rank, and reports per rank the communication time, the part of it no compute overlaps, the overlap share
+(lmtrain's and HTA's) and the timer's straggler ratio.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+import hta_compare  # this folder (on the path when this file runs as a script)
+from tb_figures import read
 
 from lmtrain.analysis.tables import markdown_table
 
-
-def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 
-def check(log_dir: Path) -> tuple[list[str], bool]:
-    s = scalars(log_dir)
-    window = {step for step, _ in s.get("kernels/total_ms_per_step", [])}
-    last = max(window) if window else -1
-    # KernelShare's window ends at its reporting step; keep the timer's steps well clear of it (3 on each side)
-    steps = [v for step, v in s.get("time/step_ms", []) if abs(step - last) > 3]
-    step_ms = statistics.median(steps) if steps else float("nan")
-    first = {tag: values[0][1] for tag, values in s.items() if values}
-    busy, other = first.get("kernels/gpu_busy_ms_per_step", float("nan")), first.get("kernels/other_share_step", 0.0)
-    ratio = busy / step_ms if step_ms else float("nan")
-    ok = other <= 0.01 and abs(ratio - 1) <= 0.03
-    row = [log_dir.name, f"{step_ms:.3f}", f"{busy:.3f}", f"{first.get('breakdown/span_ms_per_step', 0):.3f}",
-           f"{ratio:.3f}", f"{100 * other:.2f}%",
-           *[f"{100 * first.get(f'breakdown/{k}_share', 0):.1f}%" for k in ("compute", "communication", "memory",
-                                                                             "idle")],
-           f"{100 * first.get('breakdown/comm_overlap_share', 0):.1f}%", "yes" if ok else "NO"]
-    return row, ok
+def five(*kernel_share: str) -> list[str]:
+    """All five callbacks at their defaults; KernelShare exports its trace (and takes ``kernel_share``'s options:
+    a ``--trainer.callbacks.X`` option applies to the callback added last)."""
+    return ["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer", "--trainer.callbacks+=lmtrain.callbacks.NVTXRanges",
+            "--trainer.callbacks+=lmtrain.callbacks.MemorySnapshot",
+            "--trainer.callbacks+=lmtrain.callbacks.KernelShare", "--trainer.callbacks.export_trace=true",
+            *kernel_share, "--trainer.callbacks+=lmtrain.callbacks.PrecisionInspector"]
+
+
+TIMER_ONLY = ["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer"]
+#: Steps per fit: the timer's warm-up is steps 0..4, KernelShare's window 5..7; the medians are over steps 8..
+STEPS = {"small": {"eager": 40, "fast": 100}, "2.7B": {"eager": 30, "fast": 40}}
+FIRST_COUNTED = 8
+#: Per model: name -> (config, overrides). 2.7B at 4096 runs at batch 1 (batch 4 does not fit in 80 GB).
+FITS = {
+    "sdpa512": ("{m}_bf16.yaml", ["--model.attention", "sdpa"]),
+    "flash512": ("{m}_bf16.yaml", ["--model.attention", "flash_triton"]),
+    "flash4096": ("{m}_bf16.yaml", ["--model.attention", "flash_triton", "--model.context_length", "4096"]),
+    "fast": ("{m}_bf16_fast.yaml", []),
+}
+LIMITS = {"other": 0.01, "busy": 0.03, "hta": 2.0, "phases": 0.02, "overhead": 0.01}
+
+
+def version_dir(save_dir: Path) -> Path | None:
+    """The newest version folder under ``save_dir`` (a fit run again into one OUT writes version_1, ...)."""
+    found = sorted(save_dir.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def first(scalars: dict, tag: str) -> float | None:
+    values = scalars.get(tag)
+    return values[0][1] if values else None
+
+
+def counted_median(scalars: dict, tag: str) -> float | None:
+    values = [v for step, v in scalars.get(tag, []) if step >= FIRST_COUNTED]
+    return statistics.median(values) if values else None
+
+
+def graph_phase_ratio(scalars: dict) -> float | None:
+    """Median over the counted steps of (forward + backward + optimizer) / step."""
+    by_step: dict[int, dict[str, float]] = {}
+    for key in ("forward_ms", "backward_ms", "optimizer_ms", "step_ms"):
+        for step, value in scalars.get(f"time/{key}", []):
+            if step >= FIRST_COUNTED:
+                by_step.setdefault(step, {})[key] = value
+    ratios = [(r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]) / r["step_ms"]
+              for r in by_step.values() if len(r) == 4 and r["step_ms"] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def hta_differences(trace: Path, rank: int = 0) -> dict[str, Any]:
+    """Largest |lmtrain - HTA| in points: breakdown + overlap, and the per-stream idle split; or HTA's error."""
+    mine = hta_compare.lmtrain_figures(trace)
+    try:
+        theirs = hta_compare.hta_figures(trace, rank)
+    except Exception as e:  # noqa: BLE001 (HTA's failure modes are many: report it and go on)
+        return {"hta_error": f"{type(e).__name__}: {e}"[:300], "lmtrain": mine}
+    diffs = {k: mine[k] - theirs[k] for k in mine if k in theirs and theirs[k] == theirs[k]}  # NaN: no comms
+    breakdown = [abs(v) for k, v in diffs.items() if "per stream" not in k]
+    split = [abs(v) for k, v in diffs.items() if "per stream" in k]
+    return {"hta_breakdown_points": max(breakdown, default=None), "hta_idle_split_points": max(split, default=None),
+            "lmtrain": mine, "hta": theirs}
+
+
+def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
+        extra: list[str] | None = None, timeout: int = 420) -> dict[str, Any]:
+    """One ``python -m lmtrain fit`` in its own process; returns its exit status, time and log folder."""
+    save = out / "runs" / name
+    command = [sys.executable, "-m", "lmtrain", "fit", "--config", str(ROOT / "configs" / config), *args,
+               "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(save),
+               "--trainer.enable_progress_bar", "false", *(extra or []), *callbacks]
+    start = time.perf_counter()
+    with open(out / "runs" / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"name": name, "rc": rc, "seconds": round(time.perf_counter() - start, 1), "log_dir": version_dir(save),
+            "command": " ".join(command[1:])}
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance figures of one instrumented fit (see the module docstring)."""
+    log_dir = result["log_dir"]
+    if log_dir is None:
+        return {}
+    s, _ = read(log_dir)
+    out = {key: first(s, tag) for key, tag in (
+        ("timer_step_ms", "kernels/timer_step_ms"), ("busy_to_step", "kernels/busy_to_timer_step"),
+        ("span_to_step", "kernels/span_to_timer_step"), ("wall_to_step", "kernels/wall_to_timer_step"),
+        ("other_share", "kernels/other_share_step"), ("gpu_busy_ms", "kernels/gpu_busy_ms_per_step"),
+        ("gpu_span_ms", "kernels/gpu_span_ms_per_step"), ("step_wall_ms", "kernels/step_wall_ms"),
+        ("comm_ms", "kernels/communication_ms_step"), ("comm_exposed_ms", "kernels/communication_exposed_ms_step"),
+        ("comm_overlap_share", "breakdown/comm_overlap_share"))}
+    out["phases_to_step"] = graph_phase_ratio(s)
+    out["straggler_ratio"] = counted_median(s, "time/straggler_ratio")
+    traces = sorted(log_dir.glob("kernel_trace*.json.gz"))
+    for rank, trace in enumerate(traces):
+        out[f"hta_rank{rank}" if len(traces) > 1 else "hta"] = hta_differences(trace, rank)
+    return out
+
+
+def append(out: Path, record: dict[str, Any]) -> None:
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+
+def fmt(value: float | None, spec: str = ".3f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def row(name: str, f: dict[str, Any], overhead: float | None, graphed: bool = False) -> tuple[list[str], bool]:
+    """A table row of one fit's figures and whether each acceptance it has figures for holds (``graphed``: the
+    fit replays CUDA graphs, so its phases come from inside the graph and are checked against the step)."""
+    hta = f.get("hta", {})
+    checks = {"other": f.get("other_share") is not None and f["other_share"] <= LIMITS["other"],
+              "busy": f.get("busy_to_step") is not None and abs(f["busy_to_step"] - 1) <= LIMITS["busy"]}
+    if hta.get("hta_breakdown_points") is not None:
+        checks["hta"] = hta["hta_breakdown_points"] <= LIMITS["hta"]
+    if graphed and f.get("phases_to_step") is not None:
+        checks["phases"] = abs(f["phases_to_step"] - 1) <= LIMITS["phases"]
+    if overhead is not None:
+        checks["overhead"] = abs(overhead) <= LIMITS["overhead"]
+    failed = [k for k, ok in checks.items() if not ok]
+    cells = [name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("span_to_step")),
+             fmt(f.get("wall_to_step")), fmt(f.get("other_share"), ".2f", 100) + "%",
+             "HTA failed" if "hta_error" in hta else fmt(hta.get("hta_breakdown_points"), ".2f"),
+             fmt(hta.get("hta_idle_split_points"), ".2f"), fmt(f.get("phases_to_step")),
+             fmt(overhead, "+.2f", 100) + ("%" if overhead is not None else ""),
+             "yes" if not failed else "NO: " + ", ".join(failed)]
+    return cells, not failed
+
+
+HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "other", "HTA breakdown (pts)",
+          "HTA idle split (pts)", "phases / step", "overhead", "pass"]
+
+
+def run(out: Path, models: list[str], only: list[str] | None) -> int:
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    rows, all_ok = [], True
+    for model in models:
+        for key, (config, args) in FITS.items():
+            if only and key not in only:
+                continue
+            kind = "fast" if key == "fast" else "eager"
+            steps = STEPS[model][kind]
+            args = args + (["--data.batch_size", "1"] if model == "2.7B" and key == "flash4096" else [])
+            name = f"{model}_{key}"
+            all5 = fit(out, name, config.format(m=model), args, five(), steps)
+            f = figures(all5) if all5["rc"] == 0 else {}
+            base = fit(out, name + "_timer", config.format(m=model), args, TIMER_ONLY, steps)
+            base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
+                if base["rc"] == 0 and base["log_dir"] else None
+            overhead = f["timer_step_ms"] / base_ms - 1 if base_ms and f.get("timer_step_ms") else None
+            append(out, {"fit": name, "five": all5, "timer_only": base, "baseline_step_ms": base_ms,
+                         "overhead": overhead, **f})
+            failed = ([name, *["-"] * 9, f"NO: fit exit {all5['rc']}"], False)
+            cells, ok = row(name, f, overhead, graphed=key == "fast") if f else failed
+            rows.append(cells)
+            all_ok &= ok
+            print(f"{name}: {all5['seconds']} s + {base['seconds']} s (timer only); " + " | ".join(cells[1:]),
+                  flush=True)
+    table = markdown_table(HEADER, rows)
+    with open(out / "summary.md", "a") as f:  # several commands may write into one OUT
+        f.write(table + "\n\n")
+    print(table)
+    return 0 if all_ok else 1
+
+
+def fsdp(out: Path, size: str, devices: int, steps: int) -> int:
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    ranks = "[" + ",".join(str(r) for r in range(devices)) + "]"
+    name = f"{size}_fsdp{devices}"
+    result = fit(out, name, "2.7B_bf16_fsdp.yaml", ["--model.size", size], five(f"--trainer.callbacks.ranks={ranks}"),
+                 steps,
+        extra=["--trainer.devices", str(devices), "--trainer.strategy.init_args.data_parallel_size", str(devices)],
+        timeout=540)
+    f = figures(result) if result["rc"] == 0 else {}
+    append(out, {"fit": name, "five": result, **f})
+    rows = [[name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("comm_ms")),
+             fmt(f.get("comm_exposed_ms")), fmt(f.get("comm_overlap_share"), ".1f", 100) + "%",
+             fmt(f.get("straggler_ratio")),
+             *[fmt(f.get(f"hta_rank{r}", {}).get("hta", {}).get("comm overlap %"), ".1f") for r in range(devices)],
+             str(result["rc"])]]
+    header = ["fit", "timer step ms", "busy / step", "comm ms/step", "exposed comm ms/step", "comm hidden",
+              "straggler ratio", *[f"HTA overlap % rank {r}" for r in range(devices)], "exit"]
+    table = markdown_table(header, rows)
+    (out / f"summary_{name}.md").write_text(table + "\n")
+    print(table)
+    return 0 if result["rc"] == 0 else 1
+
+
+def check(log_dirs: list[Path]) -> int:
+    rows, all_ok = [], True
+    for log_dir in log_dirs:
+        cells, ok = row(log_dir.name, figures({"log_dir": log_dir}), None)
+        rows.append(cells)
+        all_ok &= ok
+    print(markdown_table(HEADER, rows))
+    return 0 if all_ok else 1
 
 
 def main(argv: list[str]) -> int:
-    rows, ok = [], True
-    for arg in argv:
-        row, good = check(Path(arg))
-        rows.append(row)
-        ok &= good
-    print(markdown_table(["run", "timer step ms (median)", "GPU busy ms/step", "GPU span ms/step", "busy / step",
-                          "other", "compute", "communication", "memory", "idle", "comm hidden", "pass"], rows))
-    return 0 if ok else 1
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="the fits of one or both models, then the table")
+    p.add_argument("out", type=Path)
+    p.add_argument("--models", nargs="+", default=["small"], choices=sorted(STEPS))
+    p.add_argument("--only", nargs="+", choices=sorted(FITS), help="some of the four fits only")
+    p = sub.add_parser("fsdp", help="one FSDP2 fit on several GPUs")
+    p.add_argument("out", type=Path)
+    p.add_argument("--size", default="small", choices=["small", "2.7B"])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p = sub.add_parser("check", help="read fits made already")
+    p.add_argument("log_dirs", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args.out, args.models, args.only)
+    if args.command == "fsdp":
+        return fsdp(args.out, args.size, args.devices, args.steps)
+    return check(args.log_dirs)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ __all__ = [
     "records_from_trace",
     "short_name",
     "softmax_matmul_flop_ratio",
+    "step_comparison",
     "summarize",
 ]
 
@@ -534,6 +535,47 @@ def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None
                         "kernels/gpu_idle_ms_per_step": tl.idle_us / 1e3,
                         "kernels/gpu_idle_share": tl.idle_us / tl.span_us})
     return metrics
+
+
+def step_comparison(metrics: dict[str, float], timer_step_ms: float | None, timer_steps: int = 0
+                    ) -> tuple[dict[str, float], str]:
+    """The profiled steps' GPU time next to the step a timer measured on unprofiled steps: what it takes to judge
+    ``busy / step`` honestly.
+
+    Four times per step: kernel busy time (union of kernel intervals), the GPU span (first kernel start to last
+    kernel end of the active steps), the profiled step's own wall time (``ProfilerStep#`` ranges, profiler
+    overhead included) and the timer's median step outside every measurement window. ``busy / timer step`` far
+    below 1 with ``wall / timer step`` near 1 means the unprofiled steps wait for the host too (host-bound);
+    ``wall / timer step`` well above 1 means the profiler itself slowed the profiled steps (its per-launch cost).
+
+    Args:
+        metrics: a window's ``kernels/*`` metrics (:func:`trace_metrics`).
+        timer_step_ms: the timer's median step in ms (``CudaSyncTimer.summary()``), None without a timer.
+        timer_steps: how many steps that median is over.
+
+    Returns:
+        ``(scalars, markdown)``: ``kernels/timer_step_ms``, ``kernels/busy_to_timer_step``,
+        ``kernels/span_to_timer_step``, ``kernels/wall_to_timer_step`` (those that exist), and a table.
+    """
+    busy = metrics.get("kernels/gpu_busy_ms_per_step", metrics.get("kernels/total_ms_per_step"))
+    rows_in = [("kernel busy time", busy),
+               ("GPU span (first kernel to last)", metrics.get("kernels/gpu_span_ms_per_step")),
+               ("profiled step, wall time", metrics.get("kernels/step_wall_ms")),
+               (f"timer step, median of {timer_steps} unprofiled steps", timer_step_ms)]
+    scalars: dict[str, float] = {}
+    if timer_step_ms:
+        scalars["kernels/timer_step_ms"] = timer_step_ms
+        for key, value in (("busy", busy), ("span", metrics.get("kernels/gpu_span_ms_per_step")),
+                           ("wall", metrics.get("kernels/step_wall_ms"))):
+            if value is not None:
+                scalars[f"kernels/{key}_to_timer_step"] = value / timer_step_ms
+    rows = [[name, "-" if v is None else f"{v:.3f}",
+             "-" if v is None or not timer_step_ms else f"{v / timer_step_ms:.3f}"] for name, v in rows_in]
+    text = markdown_table(["per step", "ms", "/ timer step"], rows)
+    if not timer_step_ms:
+        text += ("\n\nNo timer step to compare with (attach CudaSyncTimer; its summary needs steps outside every "
+                 "window).")
+    return scalars, text
 
 
 @dataclass

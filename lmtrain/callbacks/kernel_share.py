@@ -36,6 +36,7 @@ from lmtrain.callbacks._common import (
     request_cupti_teardown,
 )
 from lmtrain.callbacks._profiler import ProfilerSession
+from lmtrain.callbacks.timer import CudaSyncTimer
 
 __all__ = ["KernelShare", "request_cupti_teardown"]
 
@@ -88,6 +89,12 @@ class KernelShare(Callback):
         kernels/gpu_idle_ms_per_step                ms: span minus busy: gaps in which the GPU waited for work
                                                     (host-bound launches, synchronisations)
         kernels/gpu_idle_share                      fraction: gpu_idle_ms_per_step / gpu_span_ms_per_step
+        kernels/timer_step_ms                       ms: with a CudaSyncTimer attached, its median step over the
+                                                    steps outside every measurement window (logged at the fit's
+                                                    end, at its last step, with the three ratios below)
+        kernels/{busy,span,wall}_to_timer_step      ratio: gpu_busy_ms_per_step, gpu_span_ms_per_step and
+                                                    step_wall_ms over kernels/timer_step_ms (see
+                                                    ``kernels/step_comparison`` and ``docs/callbacks.md``)
         kernels/communication_ms_{scope}            ms per step: collective time (NCCL; on CPU gloo/c10d op self
                                                     time) in ``step`` or a phase, where there is some
         kernels/communication_exposed_ms_{scope}    ms per step: the part no compute kernel overlaps (CUDA only)
@@ -123,9 +130,10 @@ class KernelShare(Callback):
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
 
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
-    backend) are not logged. Also logged: text ``kernels/report`` (Markdown answering the usual
-    questions of a kernel profiling study), ``kernels/breakdown`` (the timeline tables above, per phase),
-    ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
+    backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span,
+    profiled step wall time and the timer's unprofiled step, per step, and their ratios), ``kernels/report``
+    (Markdown answering the usual questions of a kernel profiling study), ``kernels/breakdown`` (the timeline
+    tables above, per phase), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
     ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
     ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
     ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
@@ -183,6 +191,9 @@ class KernelShare(Callback):
         self.timeline: analysis.GpuTimeline | None = None  # the last window's GPU busy/idle time (CUDA only)
         self.report: str | None = None
         self.metrics: dict[str, float] | None = None  # the last window's metrics of this rank
+        self._logged: dict[str, float] | None = None  # rank 0: the metrics it logged (merged over profiling ranks)
+        #: Rank 0, after the fit: the profiled steps' GPU time next to the timer's step (``step_comparison``).
+        self.comparison: dict[str, float] | None = None
 
     def in_window(self, step: int) -> bool:
         """Step ``step`` runs under the profiler (warm-up and active steps; on every rank)."""
@@ -237,6 +248,19 @@ class KernelShare(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``)."""
+        if self._logged is None or trainer.global_rank != 0:
+            return
+        timer = next((c for c in trainer.callbacks if isinstance(c, CudaSyncTimer)), None)
+        stats = timer.summary().get("step_ms") if timer is not None else None
+        step_ms, count = (stats["median"], int(stats["count"])) if stats else (None, 0)
+        self.comparison, text = analysis.step_comparison(self._logged, step_ms, count)
+        step = max(self._phases.step, 0)
+        log_scalars(trainer, self.comparison, step)
+        log_text(trainer, "kernels/step_comparison", text, step)
 
     def _stop(self) -> None:
         """Close ranges, stop the profiler, withdraw the annotate request, delete temporary files."""
@@ -353,7 +377,8 @@ class KernelShare(Callback):
         if trainer.global_rank != 0 or not per_rank:
             return
         step, first = self._phases.step, per_rank[min(per_rank)]  # the window's last step; the lowest profiler
-        log_scalars(trainer, analysis.merge_rank_metrics({r: f["metrics"] for r, f in per_rank.items()}), step)
+        self._logged = analysis.merge_rank_metrics({r: f["metrics"] for r, f in per_rank.items()})
+        log_scalars(trainer, self._logged, step)
         log_text(trainer, "kernels/report", first["report"], step)
         log_text(trainer, "kernels/breakdown", first["breakdown"], step)
         for scope, table in first["tables"].items():

@@ -85,7 +85,9 @@ class CudaSyncTimer(pl.Callback):
     - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds. A step
       replayed as a CUDA graph has ``time/step_ms`` only, unless the module has ``graph_phase_marks()``: a dict
       mark name (``lmtrain.analysis.timing.MARKS``) -> ``torch.cuda.Event(enable_timing=True, external=True)``
-      recorded inside the graph, read one step later (valid until the replay after next).
+      recorded inside the graph, read one step later (valid until the replay after next). ``LMModule`` has it
+      (``lmtrain.graphs.WholeStepGraph``); its replayed steps then have every phase, and ``time/step_ms`` is still
+      timed from the host's marks around the replay.
     - ``time/warmup_step_ms``: milliseconds per warm-up step.
     - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens); on
       several ranks the tokens of all ranks over the slowest rank's step time.
