@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lmtrain.attention import needs_gpu
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kwargs
+from lmtrain.distributed import check_strategy_options
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import compute_dtype, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
@@ -146,7 +147,7 @@ class LMModule(pl.LightningModule):
         if self.config.compile:
             # In place (nn.Module.compile): the module stays a TransformerLM and its state_dict keys stay
             # those of the eager model, so checkpoints load with or without compile.
-            model.compile(**compile_kwargs(self.config.compile_mode))
+            model.compile(**compile_kwargs(self.config.compile_mode, self.config.compile_fullgraph))
         self.model = model
 
     @property
@@ -286,11 +287,12 @@ class LMModule(pl.LightningModule):
         with what implements it (``lmtrain.graphs``, ``lmtrain.optim``).
         """
         config = self.config
+        # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
+        strategy = "fsdp" if self.device_mesh is not None else strategy_kind_of(trainer)
+        check_strategy_options(config, strategy, getattr(trainer, "world_size", 1))
         if config.cuda_graphs:
             check_graph_trainer(trainer, (config.activation_checkpointing, config.checkpoint_rest),
                                 needs_cuda=self.graph_class.needs_cuda)
-        # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
-        strategy = "fsdp" if self.device_mesh is not None else strategy_kind_of(trainer)
         if config.master_weights:
             check_master_weights_trainer(trainer, strategy)
         if config.optimizer_in_backward:
@@ -393,10 +395,12 @@ class LMModule(pl.LightningModule):
             self._in_backward = optimizer
         elif cfg.master_weights:
             # The weights autocast casts: every linear layer's (the embedding table and the norm gains stay fp32).
+            # Under FSDP2 the fp32 shards are the masters: its policy all-gathers them in bf16 for the compute.
             optimizer = MasterWeightAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                           bf16_params=linear_weights(self.model),
                                           fused=None if cfg.fused_adamw else False, capturable=capturable,
-                                          state_dtype=OPTIMIZER_STATE_DTYPES[cfg.optimizer_state_dtype])
+                                          state_dtype=OPTIMIZER_STATE_DTYPES[cfg.optimizer_state_dtype],
+                                          params_are_masters=self.device_mesh is not None)
         else:
             optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused,
                                           capturable=capturable)

@@ -126,6 +126,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         state_dtype: ``torch.float32`` (default: fp32 master and moments; the update is AdamW's) or
             ``torch.bfloat16`` (the master split into the bf16 weight and its low 16 bits, stochastically rounded
             bf16 moments; see the module docstring). The fp32 parameters' state stays fp32 either way.
+        params_are_masters: the ``bf16_params`` stay fp32 because they are the masters themselves: FSDP2's sharded
+            parameters, which its ``MixedPrecisionPolicy`` all-gathers in bf16 for every forward and backward pass
+            (so the compute already reads bf16 weights and nothing need be converted here). Their state is the
+            moments (in ``state_dtype``: ``torch.bfloat16`` gives the compact, stochastically rounded moments) and
+            the step count; gradients are fp32 (FSDP2's reduce-scatter dtype). A parameter that is a ``DTensor`` is
+            updated on its local shard (``to_local()``), by the Triton kernel on a CUDA device; its state tensors
+            are ``DTensor`` s of the same placement, as ``torch.optim.AdamW``'s are.
         seed: seed of the stochastic rounding's random bits (``state_dtype=torch.bfloat16``). The Triton kernel
             hashes each element's offset with a key made of the seed, the launch and the step count (so two runs
             with one seed round alike, a resumed run as an uninterrupted one, and a replayed CUDA graph draws new
@@ -147,6 +154,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_warps: int = DEFAULT_NUM_WARPS,
         state_dtype: torch.dtype = torch.float32,
+        params_are_masters: bool = False,
         seed: int = 0,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -155,6 +163,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}.")
         self.state_dtype, self.seed = state_dtype, seed
+        self.params_are_masters = params_are_masters
         self.block_size, self.num_warps = block_size, num_warps  # checked by the setters
         self._convert_ids = {id(p) for p in bf16_params}
         self._master_ids: set[int] = set()
@@ -235,9 +244,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _make_master(self, p: torch.Tensor) -> None:
-        """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16."""
+        """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16 (with
+        ``params_are_masters``: only the moments, ``p`` stays as it is)."""
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if self.params_are_masters:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+            return
         master = p.detach().clone(memory_format=torch.contiguous_format)
         if self._compact:
             weight, state["master_low"] = split_master(master)
@@ -252,13 +266,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @property
     def _compact(self) -> bool:
-        return self.state_dtype == torch.bfloat16
+        """The masters are stored split (bf16 weight + low bits) and the moments are bf16."""
+        return self.state_dtype == torch.bfloat16 and not self.params_are_masters
 
     @torch.no_grad()
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master of bf16 parameter ``p``: ``state[p]["master"]`` itself, or (``state_dtype=torch.bfloat16``)
         a new tensor rebuilt exactly from ``p`` and ``state[p]["master_low"]``."""
         state = self.state[p]
+        if self.params_are_masters:
+            return p.detach()
         return state["master"] if "master" in state else join_master(p.detach(), state["master_low"])
 
     def _share_state(self) -> None:
@@ -291,9 +308,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if not stepped:
             return loss
         for p in stepped:
-            if p.grad.dtype != torch.bfloat16:
-                raise ValueError(f"the gradient of a bf16 parameter of shape {tuple(p.shape)} is {p.grad.dtype}. "
-                                 "Fix: leave the gradients autograd makes (bf16), or cast them to bf16.")
+            if p.grad.dtype != p.dtype:
+                raise ValueError(f"the gradient of a {p.dtype} parameter of shape {tuple(p.shape)} is "
+                                 f"{p.grad.dtype}. Fix: leave the gradients autograd makes (in the parameter's "
+                                 "dtype), or cast them to it.")
         torch._foreach_add_([self.state[p]["step"] for p in stepped], 1.0)  # one launch per device
         launches = 0  # kernel launches so far in this step: each gets its own stochastic-rounding seed
         index = 0  # of the parameter among those stepped: its stochastic-rounding stream on the CPU
@@ -303,10 +321,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             fused = []
             for p in ps:
                 index += 1
-                if self._use_triton and p.is_cuda and p.is_contiguous() and p.grad.is_contiguous():
-                    fused.append((p, p.grad, self.state[p]))
+                # A DTensor (FSDP2's shard) is updated through its local tensors.
+                param, grad, state = _local(p), _local(p.grad), {k: _local(v) for k, v in self.state[p].items()}
+                if self._use_triton and param.is_cuda and param.is_contiguous() and grad.is_contiguous():
+                    fused.append((param, grad, state))
                 else:
-                    _update_torch(p, p.grad, self.state[p], *hyper, generator=self._generator(p, index))
+                    _update_torch(param, grad, state, *hyper, generator=self._generator(p, index))
             if fused:
                 launches = _update_triton(fused, *hyper, block=self.block_size, num_warps=self.num_warps,
                                           seed=self.seed, first_launch=launches)
@@ -317,7 +337,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         ``seed``, the step count and ``index`` (so the bits depend on nothing else, as the kernel's: a resumed run
         draws what an uninterrupted one would, and the global generator is left alone); elsewhere the device's
         default one (a CUDA graph captures only that one without registration)."""
-        if not self._compact or p.device.type != "cpu":
+        if self.state_dtype != torch.bfloat16 or p.device.type != "cpu":
             return None
         step = int(self.state[p]["step"].item())
         return torch.Generator().manual_seed((self.seed * 1_000_003 + step * 65_537 + index) & (2**62 - 1))
@@ -371,7 +391,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             return value.contiguous()
 
         # The master as saved: fp32, or split (the parameter, loaded before the optimizer, holds its high half).
-        if "master" in entry:
+        if self.params_are_masters:
+            master = p.detach()
+        elif "master" in entry:
             master = checked("master", fp32(entry["master"]))
         elif "master_low" in entry:
             low = checked("master_low", torch.as_tensor(entry["master_low"]).to(p.device, torch.int16, copy=True))
@@ -385,7 +407,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if self._compact:
             weight, state["master_low"] = split_master(master)
             p.data.copy_(weight)  # the same unless the saved weight was a tie rounded to even
-        else:
+        elif not self.params_are_masters:
             state["master"] = master.contiguous()
         for key in _MOMENT_KEYS:  # saved in either dtype: rounded to nearest into this one
             moment = checked(key, fp32(entry[key])) if key in entry else torch.zeros_like(master)
@@ -406,7 +428,10 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     device tensors, read by the operations themselves (no host-device synchronisation).
     """
     step = state["step"]
-    master = state["master"] if "master" in state else join_master(param, state["master_low"])
+    if "master" in state:
+        master = state["master"]
+    else:  # split, or (no master in the state) the fp32 parameter is its own master
+        master = join_master(param, state["master_low"]) if "master_low" in state else param
     stored_m, stored_v = state["exp_avg"], state["exp_avg_sq"]
     # bf16 moments: computed in fp32, stored back with stochastic rounding.
     exp_avg, exp_avg_sq = (stored_m, stored_v) if stored_m.dtype == torch.float32 else (stored_m.float(),
@@ -436,7 +461,7 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
         stored_v.copy_(round_bf16_stochastic(exp_avg_sq, generator))
     if "master" in state:
         param.copy_(master)  # rounds to nearest, ties to even
-    else:
+    elif "master_low" in state:
         weight, low = split_master(master)
         param.copy_(weight)
         state["master_low"].copy_(low)
@@ -508,7 +533,8 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
             ends: list[int] = []
             blocks = 0
             for param, grad, state in chunk:
-                args += [param, grad, state.get("master", state.get("master_low")), state["exp_avg"],
+                # A parameter that is its own master (fp32) stands in for the unused master pointer.
+                args += [param, grad, state.get("master", state.get("master_low", param)), state["exp_avg"],
                          state["exp_avg_sq"], state["step"],
                          param.numel()]
                 blocks += -(-param.numel() // block)
@@ -517,9 +543,11 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
                 args += args[:6] + [0]
                 ends.append(blocks)
             state_bf16 = chunk[0][2]["exp_avg"].dtype == torch.bfloat16
+            param_is_master = chunk[0][0].dtype == torch.float32
             launch_seed = (seed * 1_000_003 + launch * SLOTS) & 0x7FFFFFFF  # slot k adds k
             _kernel()[(blocks,)](*args, *ends, *scalars, launch_seed, LR_ON_DEVICE=lr_on_device,
-                                 STATE_BF16=state_bf16, BLOCK=block, num_warps=num_warps)
+                                 STATE_BF16=state_bf16, PARAM_IS_MASTER=param_is_master, BLOCK=block,
+                                 num_warps=num_warps)
             launch += 1
     return launch
 
@@ -553,6 +581,12 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a ``DTensor`` (a view of this rank's shard); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -731,7 +765,8 @@ def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
         strategy: its strategy kind (``lmtrain.memory_plan.strategy_kind``: ``single``, ``ddp``, ``fsdp``).
 
     Raises:
-        LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks without FSDP2.
+        LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks of a strategy other
+            than FSDP2 and DDP (DDP is refused by ``lmtrain.distributed.check_strategy_options``).
     """
     field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
     if trainer.accumulate_grad_batches > 1:
@@ -748,10 +783,9 @@ def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
                            "scaler could unscale or skip them (trainer.precision=16-mixed).",
                            "use trainer.precision: bf16-mixed (no loss scaling) or "
                            "model.optimizer_in_backward: false.")
-    if getattr(trainer, "world_size", 1) > 1 and strategy != "fsdp":
-        raise LmtrainError(field, f"{why} under DDP (any strategy but FSDP2) each rank would update from its "
-                           f"own gradient, before the all-reduce has averaged it over the {trainer.world_size} "
-                           "ranks: the replicas would drift apart.",
+    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
+        raise LmtrainError(field, f"{why} under a strategy other than FSDP2 each rank would update from its own "
+                           f"gradient, before it is averaged over the {trainer.world_size} ranks.",
                            "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy, "
                            "which runs the update after each gradient's reduce-scatter) or "
                            "model.optimizer_in_backward: false.")
@@ -762,25 +796,22 @@ def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
 
     Args:
         trainer: the Lightning trainer.
-        strategy: its strategy kind (``fsdp`` when a device mesh is set).
+        strategy: its strategy kind (``fsdp`` when a device mesh is set). Under FSDP2 the fp32 shards are the
+            masters (``MasterWeightAdamW(params_are_masters=True)``); DDP on several ranks is refused by
+            ``lmtrain.distributed.check_strategy_options``.
 
     Raises:
-        LmtrainError: a precision other than ``bf16-mixed``, FSDP2, several ranks, accumulation or clipping.
+        LmtrainError: a precision other than ``bf16-mixed``, several ranks of a strategy other than FSDP2 and DDP,
+            accumulation or clipping.
     """
     field, off = "model.master_weights", "or set model.master_weights: false."
     if str(trainer.precision) != "bf16-mixed":
         raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
                            f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
                            "use trainer.precision: bf16-mixed " + off)
-    if strategy == "fsdp":
-        raise LmtrainError(field, "is not available under FSDP2 (ModelParallelStrategy), which keeps its own "
-                           "master weights (MixedPrecisionPolicy).", "leave it false with this strategy.")
-    if getattr(trainer, "world_size", 1) > 1:
-        raise LmtrainError(field, "is for one device: its optimizer turns the linear weights bf16 in place "
-                           "after DDP has wrapped the model and bucketed them as fp32, and DDP then stops at the "
-                           f"first step, finding them unused (this run: {trainer.world_size} ranks).",
-                           "train on one device, or use FSDP2 with bf16-mixed (bf16 compute, fp32 master "
-                           "shards) " + off)
+    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
+        raise LmtrainError(field, f"runs on one device or under FSDP2 (this run: {trainer.world_size} ranks of "
+                           "another strategy).", "use FSDP2 with bf16-mixed (its fp32 shards are the masters) " + off)
     if trainer.accumulate_grad_batches > 1:
         raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
                            f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",
