@@ -103,6 +103,12 @@ def fit_one(combo: dict) -> list[float]:
     class Losses(pl.Callback):
         def __init__(self) -> None:
             self.values: list[float] = []
+            self.ddp_arguments: tuple | None = None
+
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            wrapper = trainer.strategy.model  # DistributedDataParallel under DDP (unwrapped again after the fit)
+            if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+                self.ddp_arguments = (wrapper.gradient_as_bucket_view, wrapper.static_graph, wrapper.bucket_bytes_cap)
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, idx) -> None:
             self.values.append(float(outputs["loss"]))
@@ -119,9 +125,8 @@ def fit_one(combo: dict) -> list[float]:
                          enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
                          callbacks=[losses])
     trainer.fit(module, datamodule=Same())
-    if combo["strategy"] == "ddp":  # the wrapper DDP built: lmtrain's defaults reached it
-        ddp = trainer.strategy.model
-        assert ddp.gradient_as_bucket_view and ddp.static_graph and ddp.bucket_bytes_cap == 100 * 1024 * 1024
+    if combo["strategy"] == "ddp":  # lmtrain's defaults reached the DistributedDataParallel wrapper
+        assert losses.ddp_arguments == (True, True, 100 * 1024 * 1024), losses.ddp_arguments
     return losses.values
 
 
