@@ -325,8 +325,9 @@ class SpeedOptions(OptionGroup):
         "cast them to, with their fp32 master copies in the optimizer (lmtrain.optim.MasterWeightAdamW): the "
         "forward pass casts no weight, gradients stay bf16, and a fused kernel updates master and moments and "
         "writes the bf16 weight; 12 fewer bytes of memory traffic per parameter and step. Needs "
-        "trainer.precision: bf16-mixed; refused with gradient accumulation, gradient clipping, "
-        "optimizer_in_backward and DDP on several ranks. Under FSDP2 the fp32 shards are the masters (its policy "
+        "trainer.precision: bf16-mixed; refused with gradient accumulation, gradient clipping and "
+        "optimizer_in_backward. Under DDP the weights turn bf16 before DDP wraps the model, so its buckets and "
+        "all-reduce are bf16. Under FSDP2 the fp32 shards are the masters (its policy "
         "all-gathers them in bf16): the weights stay fp32 and the fused kernel updates the shards in place. The "
         "fp32 masters are in the optimizer state of a checkpoint (a resumed fit continues exactly).", short="mw")
     compile_mode: str = option(

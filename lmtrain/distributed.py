@@ -111,7 +111,7 @@ def check_strategy_options(config: Any, strategy: str, world_size: int | None) -
 
     Raises:
         LmtrainError: FSDP2 with ``cuda_graphs``, per-layer or selective/offloaded checkpointing; DDP on several
-            ranks with ``cuda_graphs``, ``master_weights`` or ``optimizer_in_backward``.
+            ranks with ``cuda_graphs`` or ``optimizer_in_backward``.
     """
     fsdp = "under FSDP2 (trainer.strategy: ModelParallelStrategy)"
     if strategy == "fsdp":
@@ -136,11 +136,6 @@ def check_strategy_options(config: Any, strategy: str, world_size: int | None) -
                                "all-reduce from host-side autograd hooks, which a replayed graph would not repeat.",
                                "set model.cuda_graphs: false (compile with DDP's larger buckets instead), or use "
                                "one device.")
-        if config.master_weights:
-            raise LmtrainError("model.master_weights", f"is not available {ddp}: its optimizer turns the linear "
-                               "weights bf16 after DDP has bucketed them as fp32, and DDP stops at the first step.",
-                               "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy), "
-                               "whose fp32 shards are the master weights, or set model.master_weights: false.")
         if config.optimizer_in_backward:
             raise LmtrainError("model.optimizer_in_backward", f"is not available {ddp}: each rank would update "
                                "from its own gradient before the all-reduce has averaged it, and the replicas "

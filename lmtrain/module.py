@@ -32,6 +32,7 @@ from lmtrain.optim import (
     OPTIMIZER_STATE_DTYPES,
     InBackwardAdamW,
     MasterWeightAdamW,
+    bf16_with_masters,
     check_in_backward_trainer,
     check_master_weights_trainer,
     linear_weights,
@@ -123,6 +124,8 @@ class LMModule(pl.LightningModule):
         self._bar_loss: torch.Tensor | None = None
         self._batches_without_step = 0
         self._in_backward: InBackwardAdamW | None = None
+        # Under DDP with master_weights: the fp32 masters of the linear weights made bf16 in configure_model.
+        self._masters: dict[torch.Tensor, torch.Tensor] | None = None
         #: The graphed step under ``cuda_graphs`` (None without).
         self.graphed_step = GraphedStep(self.graph_class, config.cuda_graph_warmup) if self.cuda_graphs else None
         # Whether the weights came from training or a checkpoint; validate/test warn when neither.
@@ -144,6 +147,10 @@ class LMModule(pl.LightningModule):
             self.model = build_sharded_model(self)
             return
         model = TransformerLM(self.config)
+        if self.config.master_weights and self._trainer is not None and strategy_kind_of(self.trainer) == "ddp":
+            # DDP buckets the gradients in the parameters' dtype when it wraps the model, after this hook and before
+            # the optimizer exists: the linear weights are made bf16 now, their fp32 masters kept for the optimizer.
+            self._masters = bf16_with_masters(linear_weights(model))
         if self.config.compile:
             # In place (nn.Module.compile): the module stays a TransformerLM and its state_dict keys stay
             # those of the eager model, so checkpoints load with or without compile.
@@ -400,7 +407,8 @@ class LMModule(pl.LightningModule):
                                           bf16_params=linear_weights(self.model),
                                           fused=None if cfg.fused_adamw else False, capturable=capturable,
                                           state_dtype=OPTIMIZER_STATE_DTYPES[cfg.optimizer_state_dtype],
-                                          params_are_masters=self.device_mesh is not None)
+                                          params_are_masters=self.device_mesh is not None, masters=self._masters)
+            self._masters = None  # the optimizer holds them now
         else:
             optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused,
                                           capturable=capturable)

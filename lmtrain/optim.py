@@ -57,7 +57,7 @@ import functools
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -65,8 +65,8 @@ import torch
 from lmtrain.errors import LmtrainError
 from lmtrain.kernels import triton_interpreted
 
-__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "join_master", "linear_weights", "round_bf16_stochastic",
-           "split_master", "weight_decay_groups"]
+__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "bf16_with_masters", "join_master", "linear_weights",
+           "round_bf16_stochastic", "split_master", "weight_decay_groups"]
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -133,6 +133,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             the step count; gradients are fp32 (FSDP2's reduce-scatter dtype). A parameter that is a ``DTensor`` is
             updated on its local shard (``to_local()``), by the Triton kernel on a CUDA device; its state tensors
             are ``DTensor`` s of the same placement, as ``torch.optim.AdamW``'s are.
+        masters: fp32 masters of ``bf16_params`` that are bf16 already (:func:`bf16_with_masters` converted them
+            before a wrapper such as ``DistributedDataParallel`` bucketed them, which must see the dtype they train
+            in): each becomes its parameter's master instead of a copy of the parameter.
         seed: seed of the stochastic rounding's random bits (``state_dtype=torch.bfloat16``). The Triton kernel
             hashes each element's offset with a key made of the seed, the launch and the step count (so two runs
             with one seed round alike, a resumed run as an uninterrupted one, and a replayed CUDA graph draws new
@@ -155,6 +158,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         num_warps: int = DEFAULT_NUM_WARPS,
         state_dtype: torch.dtype = torch.float32,
         params_are_masters: bool = False,
+        masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
         seed: int = 0,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -164,6 +168,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             raise ValueError(f"seed must be an int, got {seed!r}.")
         self.state_dtype, self.seed = state_dtype, seed
         self.params_are_masters = params_are_masters
+        self._given_masters = {id(p): master for p, master in (masters or {}).items()}
         self.block_size, self.num_warps = block_size, num_warps  # checked by the setters
         self._convert_ids = {id(p) for p in bf16_params}
         self._master_ids: set[int] = set()
@@ -228,7 +233,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
-            if id(p) in self._convert_ids:
+            if id(p) in self._given_masters:
+                master = self._given_masters[id(p)]
+                if p.dtype != torch.bfloat16 or master.dtype != torch.float32 or master.shape != p.shape:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} given a master is {p.dtype}, its master "
+                                     f"{master.dtype} of shape {tuple(master.shape)}. Fix: pass what "
+                                     "bf16_with_masters returns.")
+                if id(p) not in self._convert_ids:
+                    raise ValueError("a parameter given a master is not in bf16_params. Fix: list it there too.")
+                self._master_ids.add(id(p))
+            elif id(p) in self._convert_ids:
                 if p.dtype != torch.float32:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} in bf16_params is {p.dtype}; its fp32 "
                                      "value would be lost. Fix: build the model in fp32 and let the optimizer "
@@ -252,13 +266,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
             return
-        master = p.detach().clone(memory_format=torch.contiguous_format)
+        given = self._given_masters.pop(id(p), None)
+        if given is not None:
+            master = given.detach().to(p.device, torch.float32).contiguous()
+        else:
+            master = p.detach().clone(memory_format=torch.contiguous_format)
         if self._compact:
             weight, state["master_low"] = split_master(master)
         else:
             weight, state["master"] = master.to(torch.bfloat16), master
         state["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
         state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
+        if given is not None:
+            p.data.copy_(weight)  # in place: a wrapper may hold views of it (the same unless the split rounded a tie)
+            return
         grad, p.grad = p.grad, None
         p.data = weight
         if grad is not None:
@@ -583,6 +604,24 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 # -- helpers --------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def bf16_with_masters(params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """Store fp32 ``params`` in bf16 now, in place, and return their fp32 values: ``MasterWeightAdamW``'s
+    ``masters``.
+
+    For a model that a wrapper takes over before the optimizer exists: ``DistributedDataParallel`` builds its
+    gradient buckets in the parameters' dtype when it wraps the model, so the linear weights must be bf16 by then
+    (their gradients are then bf16, and so is their all-reduce: half the bytes of fp32).
+    """
+    masters = {}
+    for p in params:
+        if p.dtype != torch.float32:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is {p.dtype}. Fix: convert fp32 parameters.")
+        masters[p] = p.detach().clone(memory_format=torch.contiguous_format)
+        p.data = masters[p].to(torch.bfloat16)
+    return masters
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor of a ``DTensor`` (a view of this rank's shard); any other tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
@@ -797,8 +836,8 @@ def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
     Args:
         trainer: the Lightning trainer.
         strategy: its strategy kind (``fsdp`` when a device mesh is set). Under FSDP2 the fp32 shards are the
-            masters (``MasterWeightAdamW(params_are_masters=True)``); DDP on several ranks is refused by
-            ``lmtrain.distributed.check_strategy_options``.
+            masters (``MasterWeightAdamW(params_are_masters=True)``); under DDP the linear weights are made bf16
+            before DDP wraps the model (:func:`bf16_with_masters`).
 
     Raises:
         LmtrainError: a precision other than ``bf16-mixed``, several ranks of a strategy other than FSDP2 and DDP,
@@ -809,9 +848,9 @@ def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
         raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
                            f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
                            "use trainer.precision: bf16-mixed " + off)
-    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
-        raise LmtrainError(field, f"runs on one device or under FSDP2 (this run: {trainer.world_size} ranks of "
-                           "another strategy).", "use FSDP2 with bf16-mixed (its fp32 shards are the masters) " + off)
+    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):
+        raise LmtrainError(field, f"runs on one device, under DDP or under FSDP2 (this run: {trainer.world_size} "
+                           "ranks of another strategy).", "use trainer.strategy: ddp or FSDP2 " + off)
     if trainer.accumulate_grad_batches > 1:
         raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
                            f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",

@@ -89,6 +89,31 @@ def test_checkpoint_of_fp32_masters_resumes_exactly() -> None:
     assert again.state[resumed[0]]["step"].item() == 4.0
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_masters_kept_by_an_early_conversion_give_the_same_steps(state_dtype: torch.dtype) -> None:
+    """DDP's path: the weights turned bf16 before the optimizer exists (``bf16_with_masters``), their fp32 values
+    handed to it as ``masters``, against the optimizer converting fp32 parameters itself."""
+    from lmtrain.optim import bf16_with_masters
+
+    early, own = _params(), _params()
+    masters = bf16_with_masters(early)
+    assert all(p.dtype == torch.bfloat16 for p in early)
+    early_opt = MasterWeightAdamW(early, **HYPER, bf16_params=early, masters=masters, fused=False,
+                                  state_dtype=state_dtype, seed=1)
+    own_opt = MasterWeightAdamW(own, **HYPER, bf16_params=own, fused=False, state_dtype=state_dtype, seed=1)
+    for opt, params in ((early_opt, early), (own_opt, own)):
+        for step in range(3):
+            for p, grad in zip(params, _grads(step), strict=True):
+                p.grad = grad.bfloat16()
+            opt.step()
+    for p, q in zip(early, own, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(early_opt.master(p), own_opt.master(q))
+    with pytest.raises(ValueError, match="bf16_with_masters"):
+        fp32 = _params()
+        MasterWeightAdamW(fp32, **HYPER, bf16_params=fp32, masters={fp32[0]: fp32[0].detach().clone()})
+
+
 def _kernel_items(state_dtype: torch.dtype, device: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """(fp32 param, fp32 grad, moments and step) per shape, step already counted (3)."""
     g = torch.Generator().manual_seed(9)
