@@ -5,8 +5,12 @@
 torchtitan's: per transformer block, activation checkpointing first (the checkpointed region sits inside
 the FSDP unit, so the recomputation in the backward pass finds the block's parameters already
 all-gathered), then ``torch.compile`` (so FSDP's all-gather and reduce-scatter hooks stay outside the
-compiled graph), then ``fully_shard``; the root module last, which shards what is left (embedding, final
-norm, output head).
+compiled graph), then ``fully_shard`` with the block's ``reshard_after_forward`` (``model.fsdp_reshard_after_forward``);
+the root module last, which shards what is left (embedding, final norm, output head) and stays gathered from
+forward to backward. Then each unit is told which unit to prefetch (``model.fsdp_prefetch``, :func:`set_prefetch`).
+
+:func:`check_strategy_options` refuses the options a strategy cannot work with (the command line calls it when it
+parses, ``LMModule`` when a fit starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
 
 Precision. Under ``ModelParallelStrategy`` Lightning 2.6 accepts ``32-true``, ``bf16-mixed``,
 ``bf16-true`` and ``16-true`` (it refuses ``16-mixed`` when the trainer is built). For ``bf16-mixed`` it

@@ -241,5 +241,40 @@ def test_ddp_strategy_takes_lmtrain_defaults_and_overrides() -> None:
     assert isinstance(ddp_strategy(bucket_cap_mb=25), DDPStrategy)
 
 
+def test_reshard_policies_per_block() -> None:
+    from lmtrain.distributed import reshard_after_forward_of
+    from lmtrain.errors import LmtrainError
+
+    assert [reshard_after_forward_of("blocks", i, 4) for i in range(4)] == [True, True, True, False]
+    assert [reshard_after_forward_of("all", i, 4) for i in range(4)] == [True] * 4
+    assert [reshard_after_forward_of("none", i, 4) for i in range(4)] == [False] * 4
+    with pytest.raises(LmtrainError, match="model.fsdp_reshard_after_forward"):
+        reshard_after_forward_of("some", 0, 4)
+
+
+class _Unit:
+    """Records what ``set_prefetch`` asks of an FSDP unit."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.forward, self.backward = name, None, None
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        self.forward = [m.name for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        self.backward = [m.name for m in modules]
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_prefetch_is_the_next_block_forward_and_the_previous_backward(backward: bool) -> None:
+    from lmtrain.distributed import set_prefetch
+
+    root, blocks = _Unit("root"), [_Unit(f"b{i}") for i in range(3)]
+    set_prefetch(root, blocks, backward=backward)
+    assert root.forward == ["b0"] and root.backward is None
+    assert [b.forward for b in blocks] == [["b1"], ["b2"], None]
+    assert [b.backward for b in blocks] == ([None, ["b0"], ["b1"]] if backward else [None] * 3)
+
+
 if __name__ == "__main__":
     run_rank(sys.argv[1], sys.argv[2])

@@ -1,7 +1,8 @@
 """Scaling of the shipped distributed configs on one node of 2 GPUs, next to a torchtitan-style baseline, in one run.
 
-Run from the repository root on a machine with 2 CUDA GPUs (about 7 minutes on 2 x H100, most of it compiling
-the 2.7B and xl models once per cell):
+Run from the repository root on a machine with 2 CUDA GPUs (planned: about 7 minutes, most of it building and
+compiling the 2.7B and xl models once per cell; each cell stops after ``--cell-timeout`` seconds and the whole
+after ``--budget``, 150 and 530 by default, so that it ends within 9 minutes):
 
     python benchmarks/scripts/fsdp_scaling.py [--out DIR] [--cells fsdp1 fsdp2 baseline2 ddp1 ddp2]
         [--steps 20] [--context 1024] [--ddp-context 1024] [-- EXTRA lmtrain fit ARGUMENTS]
@@ -33,11 +34,13 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain.callbacks import CudaSyncTimer
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the cells run with it first too)
+
+from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 CELLS = ("fsdp1", "fsdp2", "baseline1", "baseline2", "ddp1", "ddp2")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
@@ -73,8 +76,9 @@ def lmtrain_cell(config: str, devices: int, context: int, steps: int, out: Path,
     return args + extra
 
 
-def run(cell: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str]) -> dict:
-    """Run one cell; its step time, tokens/s per GPU and GPU count (or the tail of its output if it failed)."""
+def run(cell: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str], timeout: float) -> dict:
+    """Run one cell within ``timeout`` seconds; its step time, tokens/s per GPU and GPU count (or the tail of its
+    output if it failed or ran out of time)."""
     devices = int(cell[-1])
     out = out_dir / f"{cell}.json"
     if cell.startswith("baseline"):
@@ -89,7 +93,12 @@ def run(cell: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str])
         context = args.ddp_context
     print(f"[{cell}] {' '.join(cmd)}", flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        (out_dir / f"{cell}.log").write_text(output)
+        return {"cell": cell, "error": f"stopped after {timeout:.0f} s (--cell-timeout, --budget)", "wall_s": timeout}
     wall = time.perf_counter() - started
     (out_dir / f"{cell}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -129,6 +138,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps of each lmtrain cell (5 of them warm-up)")
     parser.add_argument("--context", type=int, default=1024, help="context of the 2.7B FSDP2 and baseline cells")
     parser.add_argument("--ddp-context", type=int, default=1024, help="context of the xl DDP cells")
+    parser.add_argument("--cell-timeout", type=float, default=150, help="seconds one cell may take")
+    parser.add_argument("--budget", type=float, default=530, help="seconds all cells together may take")
     parser.add_argument("extra", nargs="*", help="more `lmtrain fit` arguments for lmtrain's cells (after --)")
     args = parser.parse_args()
     out_dir = Path(args.out).resolve()
@@ -136,8 +147,13 @@ def main() -> None:
     os.environ.update(MULTICAST_OFF)  # before any process starts: every rank inherits it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     results = {}
+    deadline = time.perf_counter() + args.budget
     for cell in args.cells:
-        results[cell] = run(cell, args, out_dir, env)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            results[cell] = {"cell": cell, "error": "not run: --budget spent"}
+            continue
+        results[cell] = run(cell, args, out_dir, env, min(args.cell_timeout, left))
         print(json.dumps(results[cell]), flush=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
