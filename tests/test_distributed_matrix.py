@@ -46,12 +46,13 @@ def combo_name(strategy: str, compile: bool, optimizer: str, ac: bool, attention
 
 
 def eager_combos() -> list[dict]:
-    """Every eager combination that runs, and FSDP2's own options on one of them."""
+    """Every eager combination, and FSDP2's own options and the in-backward optimizer on one of them."""
     combos = [dict(strategy=s, compile=False, optimizer=o, ac=a, attention=n)
               for s, o, a, n in itertools.product(STRATEGIES, OPTIMIZERS, (False, True), ATTENTION)]
     base = dict(strategy="fsdp", compile=False, optimizer="compact", ac=False, attention="naive")
     combos += [{**base, "fsdp_reshard_after_forward": "all"}, {**base, "fsdp_reshard_after_forward": "none"},
-               {**base, "fsdp_prefetch": False}]
+               {**base, "fsdp_prefetch": False},
+               {**base, "optimizer": "adamw", "optimizer_in_backward": True}]  # updates after each reduce-scatter
     return combos
 
 

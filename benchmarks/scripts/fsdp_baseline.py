@@ -6,8 +6,8 @@ but the last resharded after forward), then ``fully_shard`` on the root; ``Mixed
 reduce_dtype=fp32)``; the loss compiled on its own; fused AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on
 every parameter, as torchtitan's default); synthetic uniform token ids. torchtitan leaves FSDP2's prefetching
 implicit for dense models, and so does this script (``--explicit-prefetch`` sets torchtitan's MoE-model prefetch
-instead). The model is ``lmtrain.model.TransformerLM`` (the only lmtrain import), so the FLOPs are the same as
-lmtrain's.
+instead). The model is ``lmtrain.model.TransformerLM`` built from ``lmtrain.config.ModelConfig`` (its only lmtrain
+imports), so the FLOPs are the same as lmtrain's.
 
 Run with torchrun on one node (NVLink multicast off, as in every lmtrain measurement on these machines):
 
