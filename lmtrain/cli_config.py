@@ -152,7 +152,7 @@ def _lm_cli_class() -> type:
             if "strategy" not in kwargs and str(trainer.get("strategy")) == "ddp":
                 from lmtrain.distributed import ddp_strategy
 
-                kwargs["strategy"] = ddp_strategy()
+                kwargs["strategy"] = ddp_strategy(int(trainer.get("accumulate_grad_batches") or 1))
             return super().instantiate_trainer(**kwargs)
 
         def before_fit(self) -> None:

@@ -94,12 +94,23 @@ def check_fsdp_precision(precision: str) -> None:
 DDP_DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, "static_graph": True}
 
 
-def ddp_strategy(**overrides: Any) -> Any:
-    """A Lightning ``DDPStrategy`` with :data:`DDP_DEFAULTS`, any argument overridden (what ``trainer.strategy:
-    ddp`` builds on lmtrain's command line; a ``class_path`` strategy is taken as written)."""
+def ddp_arguments(accumulate_grad_batches: int = 1, **overrides: Any) -> dict[str, Any]:
+    """``DDPStrategy`` arguments: :data:`DDP_DEFAULTS`, without ``static_graph`` under gradient accumulation, then
+    ``overrides``.
+
+    Lightning accumulates under DDP's ``no_sync``, and a static graph with ``no_sync`` fails its first backward pass
+    or stops all-reducing after the first step in the PyTorch versions lmtrain runs on (pytorch/pytorch#187732).
+    """
+    static = {} if accumulate_grad_batches <= 1 else {"static_graph": False}
+    return {**DDP_DEFAULTS, **static, **overrides}
+
+
+def ddp_strategy(accumulate_grad_batches: int = 1, **overrides: Any) -> Any:
+    """A Lightning ``DDPStrategy`` with :func:`ddp_arguments` (what ``trainer.strategy: ddp`` builds on lmtrain's
+    command line; a ``class_path`` strategy is taken as written)."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    return DDPStrategy(**{**DDP_DEFAULTS, **overrides})
+    return DDPStrategy(**ddp_arguments(accumulate_grad_batches, **overrides))
 
 
 def check_strategy_options(config: Any, strategy: str, world_size: int | None) -> None:

@@ -233,13 +233,16 @@ def test_combinations_that_cannot_work_are_refused_when_parsed(options: list[str
     assert list(tmp_path.rglob("*")) == []
 
 
-def test_ddp_strategy_takes_lmtrain_defaults_and_overrides() -> None:
+def test_ddp_arguments_are_lmtrain_defaults_without_a_static_graph_under_accumulation() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lmtrain.distributed import DDP_DEFAULTS, ddp_strategy
+    from lmtrain.distributed import DDP_DEFAULTS, ddp_arguments, ddp_strategy
 
-    assert DDP_DEFAULTS == {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, "static_graph": True}
-    assert isinstance(ddp_strategy(bucket_cap_mb=25), DDPStrategy)
+    assert ddp_arguments() == DDP_DEFAULTS == {"gradient_as_bucket_view": True, "bucket_cap_mb": 100,
+                                               "static_graph": True}
+    assert ddp_arguments(4) == {**DDP_DEFAULTS, "static_graph": False}  # accumulation runs under no_sync
+    assert ddp_arguments(1, bucket_cap_mb=25)["bucket_cap_mb"] == 25
+    assert isinstance(ddp_strategy(2), DDPStrategy)
 
 
 def test_reshard_policies_per_block() -> None:
