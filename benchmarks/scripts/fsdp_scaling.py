@@ -69,8 +69,8 @@ def lmtrain_cell(config: str, devices: int, context: int, steps: int, out: Path,
     """The command of one lmtrain cell (FSDP2 configs also get their data-parallel size)."""
     args = [sys.executable, "-m", "lmtrain", "fit", "--config", config, "--model.context_length", str(context),
             "--data.batch_size", str(BATCH), "--trainer.devices", str(devices), "--trainer.max_steps", str(steps),
-            "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-            "--trainer.callbacks+=fsdp_scaling.StepTimesToJson", "--trainer.callbacks.path", str(out)]
+            "--trainer.logger", "false", "--trainer.callbacks+=fsdp_scaling.StepTimesToJson",
+            "--trainer.callbacks.path", str(out)]
     if "fsdp" in config:
         args += ["--trainer.strategy.data_parallel_size", str(devices)]
     return args + extra
