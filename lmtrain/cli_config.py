@@ -133,8 +133,12 @@ def _lm_cli_class() -> type:
                 check_runnable(subcommand, section)
                 check_log_folder(section)
                 check_compile_cache(section)
-                # Every option and the combinations that cannot work, checked by the schema at parse time.
-                self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
+                # Every option and the combinations that cannot work, checked by the schema at parse time; then the
+                # options the trainer's strategy cannot work with.
+                model_config = self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
+                from lmtrain.distributed import check_strategy_options
+
+                check_strategy_options(model_config, *strategy_of(section["trainer"]))
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
@@ -154,6 +158,16 @@ def _lm_cli_class() -> type:
                 # First, so that its clock brackets the first step and not the other callbacks' work around it.
                 self.trainer.callbacks.insert(0, cache)
 
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            # `trainer.strategy: ddp` (the name) gets lmtrain's DDP arguments; a class_path is taken as written.
+            section = self.config_init[self.subcommand] if self.subcommand else self.config_init
+            trainer = section.get("trainer") or {}
+            if "strategy" not in kwargs and str(trainer.get("strategy")) == "ddp":
+                from lmtrain.distributed import ddp_strategy
+
+                kwargs["strategy"] = ddp_strategy(int(trainer.get("accumulate_grad_batches") or 1))
+            return super().instantiate_trainer(**kwargs)
+
         def before_fit(self) -> None:
             # The memory planner's estimate against the GPU's memory: a warning before hours of set-up.
             from lmtrain.memory_plan import warn_if_too_large
@@ -165,6 +179,34 @@ def _lm_cli_class() -> type:
 
 
 _LMCLI: type | None = None
+
+
+def strategy_of(trainer: Any) -> tuple[str, int | None]:
+    """The strategy kind (``lmtrain.module.strategy_kind_of``'s names) and the number of processes of a parsed
+    ``trainer`` section; None processes where ``devices`` is ``auto`` or -1 (known only once the trainer exists)."""
+    from lmtrain.memory_plan import strategy_kind
+
+    strategy = trainer.get("strategy") if hasattr(trainer, "get") else None
+    if strategy is not None and not isinstance(strategy, str):  # a class_path entry, or a strategy object
+        strategy = strategy.get("class_path", type(strategy).__name__) if hasattr(strategy, "get") else strategy
+    try:
+        kind = strategy_kind(strategy if strategy is not None else "auto")
+    except ValueError:
+        kind = "other"
+    devices = trainer.get("devices", "auto") if hasattr(trainer, "get") else "auto"
+    if isinstance(devices, (list, tuple)):
+        count: int | None = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    else:
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            count = None
+    if count is not None and count < 1:
+        count = None
+    nodes = trainer.get("num_nodes", 1) if hasattr(trainer, "get") else 1
+    return kind, None if count is None else count * int(nodes or 1)
 
 
 def parser_kwargs() -> dict[str, Any]:

@@ -61,6 +61,8 @@ CheckpointingPolicy = Literal["none", "full", "selective", "offload"]
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 #: ``optimizer_state_dtype`` values (``lmtrain.optim.OPTIMIZER_STATE_DTYPES`` maps them to torch dtypes).
 OPTIMIZER_STATES = ("float32", "bfloat16")
+#: ``fsdp_reshard_after_forward`` values: which FSDP2 units free their all-gathered parameters after the forward pass.
+RESHARD_POLICIES = ("blocks", "all", "none")
 #: Step modes: what one step does (``step_mode``).
 STEP_MODES = ("train", "forward", "forward_backward")
 StepMode = Literal["train", "forward", "forward_backward"]
@@ -73,9 +75,10 @@ SEED_SIZES = STUDY_SIZES
 DEFAULT_SIZE = "small"
 
 
-def compile_kwargs(mode: str) -> dict[str, str]:
-    """Keyword arguments of ``nn.Module.compile`` for a ``compile_mode`` (none for ``default``)."""
-    return {} if mode == "default" else {"mode": mode}
+def compile_kwargs(mode: str, fullgraph: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``nn.Module.compile`` for a ``compile_mode`` and ``compile_fullgraph`` (none for
+    ``default`` without fullgraph)."""
+    return {**({} if mode == "default" else {"mode": mode}), **({"fullgraph": True} if fullgraph else {})}
 
 
 def option(default: Any, doc: str, *, short: str | None = None, choices: tuple[Any, ...] | None = None,
@@ -322,9 +325,11 @@ class SpeedOptions(OptionGroup):
         "cast them to, with their fp32 master copies in the optimizer (lmtrain.optim.MasterWeightAdamW): the "
         "forward pass casts no weight, gradients stay bf16, and a fused kernel updates master and moments and "
         "writes the bf16 weight; 12 fewer bytes of memory traffic per parameter and step. Needs "
-        "trainer.precision: bf16-mixed; refused with gradient accumulation, gradient clipping, "
-        "optimizer_in_backward, FSDP2 and several ranks. The fp32 masters are in the optimizer state of a "
-        "checkpoint (a resumed fit continues exactly).", short="mw")
+        "trainer.precision: bf16-mixed; refused with gradient accumulation, gradient clipping and "
+        "optimizer_in_backward. Under DDP the weights turn bf16 before DDP wraps the model, so its buckets and "
+        "all-reduce are bf16. Under FSDP2 the fp32 shards are the masters (its policy "
+        "all-gathers them in bf16): the weights stay fp32 and the fused kernel updates the shards in place. The "
+        "fp32 masters are in the optimizer state of a checkpoint (a resumed fit continues exactly).", short="mw")
     compile_mode: str = option(
         "default", "torch.compile's mode with compile: default, or max-autotune-no-cudagraphs (inductor benchmarks "
         "Triton matrix-product templates against cuBLAS for each shape and keeps the fastest; the first steps take "
@@ -335,8 +340,28 @@ class SpeedOptions(OptionGroup):
         "moments; the update is AdamW's) or bfloat16, the compact state: each fp32 master stored split into the "
         "bf16 weight and its low 16 bits (exact), the moments in bf16, rounded stochastically so that they stay "
         "unbiased (18 instead of 28 bytes of memory traffic per parameter and step, 6 fewer bytes of memory). "
-        "The embedding and norm gains keep an fp32 state. Needs master_weights: true.", short="state",
+        "Under FSDP2 the shards stay fp32 and only the moments are bf16 (20 instead of 28 bytes per parameter "
+        "and step, 4 fewer bytes of memory). The embedding and norm gains keep an fp32 state. Needs "
+        "master_weights: true.", short="state",
         choices=OPTIMIZER_STATES, kind="dtype")
+    compile_fullgraph: bool = option(
+        False, "with compile: compile each unit (the model, or each block under FSDP2) as one graph "
+        "(torch.compile's fullgraph=True), so that a graph break stops the run instead of splitting the unit into "
+        "graphs with eager code between them. Needs model.compile: true.", short="fg")
+    fsdp_reshard_after_forward: str = option(
+        "blocks", "under FSDP2 (ModelParallelStrategy), which units free their all-gathered bf16 parameters after "
+        "the forward pass: blocks (every block but the last, torchtitan's default: the backward pass all-gathers "
+        "each again, one block ahead; the last block, where the backward pass starts, and the root, which holds "
+        "the embedding, final norm and output head, stay unsharded), all (the last block too) or none (every "
+        "block stays gathered from its forward to its backward: no all-gathers in the backward pass, at the "
+        "memory of the whole model in bf16 on every GPU). Without FSDP2 it changes nothing.", short="reshard",
+        choices=RESHARD_POLICIES, kind="policy")
+    fsdp_prefetch: bool = option(
+        True, "under FSDP2, prefetch explicitly: each block's forward starts the next block's all-gather and each "
+        "block's backward the previous block's (FSDPModule.set_modules_to_forward_prefetch / "
+        "set_modules_to_backward_prefetch, as torchtitan does), so that the all-gathers run one block ahead of "
+        "the compute even where the compiled blocks leave FSDP2's own ordering nothing to go by. false: FSDP2's "
+        "implicit prefetching only. Without FSDP2 it changes nothing.", short="pf")
     cuda_graph_warmup: int = option(3, "eager steps of each fit before the capture (compilation, autotuning, "
                                     "optimizer state).", minimum=1, short="gw",
                                     fix="use 3 (compilation, autotuning and the optimizer state need eager steps "
@@ -354,6 +379,9 @@ class SpeedOptions(OptionGroup):
         if mode != "default" and not self.compile:
             raise LmtrainError("model.compile_mode", f"{mode!r} is torch.compile's mode, but model.compile is false.",
                                "set model.compile: true, or leave model.compile_mode: default.")
+        if self.compile_fullgraph and not self.compile:
+            raise LmtrainError("model.compile_fullgraph", "compiles each unit as one graph, but model.compile is "
+                               "false.", "set model.compile: true, or leave model.compile_fullgraph: false.")
         if self.cuda_graphs and self.step_mode != "train":
             raise LmtrainError("model.cuda_graphs", f"captures a whole training step, but step_mode="
                                f"{self.step_mode!r}.", "use step_mode: train with cuda_graphs, or set cuda_graphs: "

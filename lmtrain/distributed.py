@@ -5,8 +5,12 @@
 torchtitan's: per transformer block, activation checkpointing first (the checkpointed region sits inside
 the FSDP unit, so the recomputation in the backward pass finds the block's parameters already
 all-gathered), then ``torch.compile`` (so FSDP's all-gather and reduce-scatter hooks stay outside the
-compiled graph), then ``fully_shard``; the root module last, which shards what is left (embedding, final
-norm, output head).
+compiled graph), then ``fully_shard`` with the block's ``reshard_after_forward`` (``model.fsdp_reshard_after_forward``);
+the root module last, which shards what is left (embedding, final norm, output head) and stays gathered from
+forward to backward. Then each unit is told which unit to prefetch (``model.fsdp_prefetch``, :func:`set_prefetch`).
+
+:func:`check_strategy_options` refuses the options a strategy cannot work with (the command line calls it when it
+parses, ``LMModule`` when a fit starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
 
 Precision. Under ``ModelParallelStrategy`` Lightning 2.6 accepts ``32-true``, ``bf16-mixed``,
 ``bf16-true`` and ``16-true`` (it refuses ``16-mixed`` when the trainer is built). For ``bf16-mixed`` it
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lmtrain.config import compile_kwargs
+from lmtrain.config import RESHARD_POLICIES, compile_kwargs
 from lmtrain.errors import LmtrainError
 
 if TYPE_CHECKING:
@@ -83,6 +87,78 @@ def check_fsdp_precision(precision: str) -> None:
         )
 
 
+#: ``DDPStrategy`` arguments of ``trainer.strategy: ddp`` on lmtrain's command line (:func:`ddp_strategy`):
+#: gradients as views into the buckets (one copy of the gradients less), larger buckets (fewer all-reduces), and a
+#: static graph (LMModule's step uses every parameter in the same order every step). Measured together: 2.4% over
+#: Lightning's defaults for 2.7B on 2 H200 (docs/distributed.md).
+DDP_DEFAULTS: dict[str, Any] = {"gradient_as_bucket_view": True, "bucket_cap_mb": 100, "static_graph": True}
+
+
+def ddp_arguments(accumulate_grad_batches: int = 1, **overrides: Any) -> dict[str, Any]:
+    """``DDPStrategy`` arguments: :data:`DDP_DEFAULTS`, without ``static_graph`` under gradient accumulation, then
+    ``overrides``.
+
+    Lightning accumulates under DDP's ``no_sync``, and a static graph with ``no_sync`` fails its first backward pass
+    or stops all-reducing after the first step in the PyTorch versions lmtrain runs on (pytorch/pytorch#187732).
+    """
+    static = {} if accumulate_grad_batches <= 1 else {"static_graph": False}
+    return {**DDP_DEFAULTS, **static, **overrides}
+
+
+def ddp_strategy(accumulate_grad_batches: int = 1, **overrides: Any) -> Any:
+    """A Lightning ``DDPStrategy`` with :func:`ddp_arguments` (what ``trainer.strategy: ddp`` builds on lmtrain's
+    command line; a ``class_path`` strategy is taken as written)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(**ddp_arguments(accumulate_grad_batches, **overrides))
+
+
+def check_strategy_options(config: Any, strategy: str, world_size: int | None) -> None:
+    """Refuse model options that cannot work under the trainer's strategy, with one line naming both.
+
+    The command line calls this right after parsing (before anything is built or written); ``LMModule`` again
+    when a fit starts. Options that work under every strategy are not mentioned here.
+
+    Args:
+        config: the ``ModelConfig``.
+        strategy: ``single``, ``ddp``, ``fsdp`` or ``other`` (``lmtrain.module.strategy_kind_of``).
+        world_size: processes of the run (None: not known yet, e.g. ``devices: auto``; checks that need it pass).
+
+    Raises:
+        LmtrainError: FSDP2 with ``cuda_graphs``, per-layer or selective/offloaded checkpointing; DDP on several
+            ranks with ``cuda_graphs`` or ``optimizer_in_backward``.
+    """
+    fsdp = "under FSDP2 (trainer.strategy: ModelParallelStrategy)"
+    if strategy == "fsdp":
+        if config.cuda_graphs:
+            raise LmtrainError("model.cuda_graphs", f"is not available {fsdp}: FSDP2 allocates and frees each "
+                               "block's gathered parameters and issues its all-gathers and reduce-scatters from "
+                               "host-side hooks at every step, which a replayed graph would not repeat.",
+                               "set model.cuda_graphs: false (per-block compile and prefetching hide the launches "
+                               "and the communication) or train on one device.")
+        if config.checkpoint_layers is not None:
+            raise LmtrainError("model.checkpoint_layers", f"is not available {fsdp}, which checkpoints every "
+                               "sharded block.", "leave model.checkpoint_layers null with this strategy.")
+        if config.activation_checkpointing not in ("none", "full"):
+            raise LmtrainError("model.activation_checkpointing", f"policy {config.activation_checkpointing!r} is "
+                               f"not available {fsdp}; each sharded block is checkpointed whole.",
+                               "use model.activation_checkpointing: full (or none) with this strategy.")
+    several = world_size is not None and world_size > 1
+    if strategy == "ddp" and several:
+        ddp = f"under DDP (trainer.strategy: ddp) on {world_size} ranks"
+        if config.cuda_graphs:
+            raise LmtrainError("model.cuda_graphs", f"is not available {ddp}: DDP's reducer launches each bucket's "
+                               "all-reduce from host-side autograd hooks, which a replayed graph would not repeat.",
+                               "set model.cuda_graphs: false (compile with DDP's larger buckets instead), or use "
+                               "one device.")
+        if config.optimizer_in_backward:
+            raise LmtrainError("model.optimizer_in_backward", f"is not available {ddp}: each rank would update "
+                               "from its own gradient before the all-reduce has averaged it, and the replicas "
+                               "would drift apart.", "use FSDP2 (trainer.strategy: lightning.pytorch.strategies."
+                               "ModelParallelStrategy, which runs the update after each gradient's reduce-scatter) "
+                               "or model.optimizer_in_backward: false.")
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D data-parallel mesh that FSDP2 shards over, from ``ModelParallelStrategy``'s 2-D mesh.
 
@@ -119,6 +195,10 @@ def shard_model(
     activation_checkpointing: bool = False,
     compile: bool = False,
     compile_mode: str = "default",
+    *,
+    compile_fullgraph: bool = False,
+    reshard_after_forward: str = "blocks",
+    prefetch: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing, ``torch.compile`` and FSDP2 to a ``TransformerLM``, in place.
 
@@ -130,7 +210,11 @@ def shard_model(
         activation_checkpointing: recompute each block in the backward pass (non-reentrant checkpoint).
         compile: compile each block (``nn.Module.compile``, in place: parameter names stay those of the
             eager model) before sharding it.
-        compile_mode: ``torch.compile``'s mode (``lmtrain.module.COMPILE_MODES``).
+        compile_mode: ``torch.compile``'s mode (``lmtrain.config.COMPILE_MODES``).
+        compile_fullgraph: compile each block as one graph (``fullgraph=True``).
+        reshard_after_forward: which blocks free their gathered parameters after the forward pass
+            (``lmtrain.config.RESHARD_POLICIES``, :func:`reshard_after_forward_of`); the root never does.
+        prefetch: set each block's explicit forward and backward prefetch (:func:`set_prefetch`).
 
     Returns:
         ``model``, now an ``FSDPModule`` whose blocks are ``FSDPModule`` s too.
@@ -149,16 +233,58 @@ def shard_model(
             blocks[i] = checkpoint_wrapper(block)
     if compile:
         for block in blocks:
-            block.compile(**compile_kwargs(compile_mode))
-    last = len(blocks) - 1
+            block.compile(**compile_kwargs(compile_mode, compile_fullgraph))
     for i, block in enumerate(blocks):
-        # The last block's parameters would be all-gathered again right away by the backward pass, which
-        # starts with it: keep them unsharded between forward and backward (torchtitan does the same).
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < last)
-    # The root takes the embedding, final norm and output head; FSDP keeps its parameters unsharded from
-    # forward to backward.
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward_of(reshard_after_forward, i, len(blocks)))
+    # The root takes the embedding, final norm and output head. Its parameters stay unsharded from forward to
+    # backward: the backward pass starts with the output head.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    if prefetch:
+        set_prefetch(model, list(blocks), backward=reshard_after_forward != "none")
     return model
+
+
+def reshard_after_forward_of(policy: str, index: int, num_blocks: int) -> bool:
+    """Whether block ``index`` of ``num_blocks`` frees its gathered parameters after its forward pass.
+
+    ``blocks``: every block but the last, whose parameters the backward pass, which starts with it, would
+    all-gather again at once (torchtitan's default); ``all``: every block; ``none``: no block (no all-gathers in
+    the backward pass, the whole model gathered in memory from forward to backward).
+
+    Raises:
+        LmtrainError: an unknown policy.
+    """
+    if policy == "blocks":
+        return index < num_blocks - 1
+    if policy in ("all", "none"):
+        return policy == "all"
+    raise LmtrainError("model.fsdp_reshard_after_forward", f"unknown policy {policy!r}.",
+                       f"use one of {', '.join(RESHARD_POLICIES)}.")
+
+
+def set_prefetch(root: nn.Module, blocks: list[nn.Module], backward: bool = True) -> None:
+    """Explicit FSDP2 prefetching, torchtitan's: the root's forward and each block's forward start the next
+    block's all-gather; with ``backward``, each block's backward starts the previous block's.
+
+    Under per-block compile the CPU reaches a block's pre-forward hook only when it has launched the previous
+    compiled block, and FSDP2's implicit backward prefetch follows the order recorded in the forward pass. With
+    the next unit named explicitly, its all-gather is issued (on FSDP2's all-gather stream) as soon as the
+    current unit's has been, one block ahead of the compute. The last block prefetches nothing in the forward
+    pass (the root is already gathered) and block 0 nothing in the backward pass (the root stays gathered).
+
+    Args:
+        root: the root ``FSDPModule`` (embedding, final norm, output head).
+        blocks: the transformer blocks, each an ``FSDPModule``, in forward order.
+        backward: set the backward prefetch too (False when no block reshards after forward: nothing to gather).
+    """
+    if not blocks:
+        return
+    root.set_modules_to_forward_prefetch([blocks[0]])
+    for block, following in zip(blocks, blocks[1:], strict=False):
+        block.set_modules_to_forward_prefetch([following])
+        if backward:
+            following.set_modules_to_backward_prefetch([block])
 
 
 def fsdp_modules(model: nn.Module) -> list[str]:
@@ -197,16 +323,12 @@ def build_sharded_model(module: Any) -> nn.Module:
 
     precision = str(module.trainer.precision)
     check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
+    check_strategy_options(module.config, "fsdp", None)
     policy = module.config.activation_checkpointing
-    if module.config.checkpoint_layers is not None:  # (and so checkpoint_rest)
-        raise LmtrainError("model.checkpoint_layers", "is not available under FSDP2 (ModelParallelStrategy), which "
-                           "checkpoints every sharded block.", "leave model.checkpoint_layers null with this strategy.")
-    if policy not in ("none", "full"):
-        raise LmtrainError("model.activation_checkpointing",
-                           f"policy {policy!r} is not available under FSDP2 (ModelParallelStrategy); each sharded "
-                           "block is checkpointed whole.",
-                           "use model.activation_checkpointing: full (or none) with this strategy.")
     with torch.device(module.trainer.strategy.root_device):
         model = TransformerLM(replace(module.config, activation_checkpointing="none"))
+    config = module.config
     return shard_model(model, module.device_mesh, precision, activation_checkpointing=policy == "full",
-                       compile=module.config.compile, compile_mode=module.config.compile_mode)
+                       compile=config.compile, compile_mode=config.compile_mode,
+                       compile_fullgraph=config.compile_fullgraph,
+                       reshard_after_forward=config.fsdp_reshard_after_forward, prefetch=config.fsdp_prefetch)

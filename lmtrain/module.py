@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lmtrain.attention import needs_gpu
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kwargs
+from lmtrain.distributed import check_strategy_options
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import compute_dtype, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
@@ -31,6 +32,7 @@ from lmtrain.optim import (
     OPTIMIZER_STATE_DTYPES,
     InBackwardAdamW,
     MasterWeightAdamW,
+    bf16_with_masters,
     check_in_backward_trainer,
     check_master_weights_trainer,
     linear_weights,
@@ -122,6 +124,8 @@ class LMModule(pl.LightningModule):
         self._bar_loss: torch.Tensor | None = None
         self._batches_without_step = 0
         self._in_backward: InBackwardAdamW | None = None
+        # Under DDP with master_weights: the fp32 masters of the linear weights made bf16 in configure_model.
+        self._masters: dict[torch.Tensor, torch.Tensor] | None = None
         #: The graphed step under ``cuda_graphs`` (None without).
         self.graphed_step = GraphedStep(self.graph_class, config.cuda_graph_warmup) if self.cuda_graphs else None
         # Whether the weights came from training or a checkpoint; validate/test warn when neither.
@@ -143,10 +147,14 @@ class LMModule(pl.LightningModule):
             self.model = build_sharded_model(self)
             return
         model = TransformerLM(self.config)
+        if self.config.master_weights and self._trainer is not None and strategy_kind_of(self.trainer) == "ddp":
+            # DDP buckets the gradients in the parameters' dtype when it wraps the model, after this hook and before
+            # the optimizer exists: the linear weights are made bf16 now, their fp32 masters kept for the optimizer.
+            self._masters = bf16_with_masters(linear_weights(model))
         if self.config.compile:
             # In place (nn.Module.compile): the module stays a TransformerLM and its state_dict keys stay
             # those of the eager model, so checkpoints load with or without compile.
-            model.compile(**compile_kwargs(self.config.compile_mode))
+            model.compile(**compile_kwargs(self.config.compile_mode, self.config.compile_fullgraph))
         self.model = model
 
     @property
@@ -293,11 +301,12 @@ class LMModule(pl.LightningModule):
         with what implements it (``lmtrain.graphs``, ``lmtrain.optim``).
         """
         config = self.config
+        # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
+        strategy = "fsdp" if self.device_mesh is not None else strategy_kind_of(trainer)
+        check_strategy_options(config, strategy, getattr(trainer, "world_size", 1))
         if config.cuda_graphs:
             check_graph_trainer(trainer, (config.activation_checkpointing, config.checkpoint_rest),
                                 needs_cuda=self.graph_class.needs_cuda)
-        # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
-        strategy = "fsdp" if self.device_mesh is not None else strategy_kind_of(trainer)
         if config.master_weights:
             check_master_weights_trainer(trainer, strategy)
         if config.optimizer_in_backward:
@@ -400,10 +409,13 @@ class LMModule(pl.LightningModule):
             self._in_backward = optimizer
         elif cfg.master_weights:
             # The weights autocast casts: every linear layer's (the embedding table and the norm gains stay fp32).
+            # Under FSDP2 the fp32 shards are the masters: its policy all-gathers them in bf16 for the compute.
             optimizer = MasterWeightAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                           bf16_params=linear_weights(self.model),
                                           fused=None if cfg.fused_adamw else False, capturable=capturable,
-                                          state_dtype=OPTIMIZER_STATE_DTYPES[cfg.optimizer_state_dtype])
+                                          state_dtype=OPTIMIZER_STATE_DTYPES[cfg.optimizer_state_dtype],
+                                          params_are_masters=self.device_mesh is not None, masters=self._masters)
+            self._masters = None  # the optimizer holds them now
         else:
             optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused,
                                           capturable=capturable)

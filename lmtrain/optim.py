@@ -57,7 +57,7 @@ import functools
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -65,8 +65,8 @@ import torch
 from lmtrain.errors import LmtrainError
 from lmtrain.kernels import triton_interpreted
 
-__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "join_master", "linear_weights", "round_bf16_stochastic",
-           "split_master", "weight_decay_groups"]
+__all__ = ["OPTIMIZER_STATE_DTYPES", "MasterWeightAdamW", "bf16_with_masters", "join_master", "linear_weights",
+           "round_bf16_stochastic", "split_master", "weight_decay_groups"]
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -126,6 +126,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         state_dtype: ``torch.float32`` (default: fp32 master and moments; the update is AdamW's) or
             ``torch.bfloat16`` (the master split into the bf16 weight and its low 16 bits, stochastically rounded
             bf16 moments; see the module docstring). The fp32 parameters' state stays fp32 either way.
+        params_are_masters: the ``bf16_params`` stay fp32 because they are the masters themselves: FSDP2's sharded
+            parameters, which its ``MixedPrecisionPolicy`` all-gathers in bf16 for every forward and backward pass
+            (so the compute already reads bf16 weights and nothing need be converted here). Their state is the
+            moments (in ``state_dtype``: ``torch.bfloat16`` gives the compact, stochastically rounded moments) and
+            the step count; gradients are fp32 (FSDP2's reduce-scatter dtype). A parameter that is a ``DTensor`` is
+            updated on its local shard (``to_local()``), by the Triton kernel on a CUDA device; its state tensors
+            are ``DTensor`` s of the same placement, as ``torch.optim.AdamW``'s are.
+        masters: fp32 masters of ``bf16_params`` that are bf16 already (:func:`bf16_with_masters` converted them
+            before a wrapper such as ``DistributedDataParallel`` bucketed them, which must see the dtype they train
+            in): each becomes its parameter's master instead of a copy of the parameter.
         seed: seed of the stochastic rounding's random bits (``state_dtype=torch.bfloat16``). The Triton kernel
             hashes each element's offset with a key made of the seed, the launch and the step count (so two runs
             with one seed round alike, a resumed run as an uninterrupted one, and a replayed CUDA graph draws new
@@ -147,6 +157,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_warps: int = DEFAULT_NUM_WARPS,
         state_dtype: torch.dtype = torch.float32,
+        params_are_masters: bool = False,
+        masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
         seed: int = 0,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -155,6 +167,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}.")
         self.state_dtype, self.seed = state_dtype, seed
+        self.params_are_masters = params_are_masters
+        self._given_masters = {id(p): master for p, master in (masters or {}).items()}
         self.block_size, self.num_warps = block_size, num_warps  # checked by the setters
         self._convert_ids = {id(p) for p in bf16_params}
         self._master_ids: set[int] = set()
@@ -219,7 +233,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
-            if id(p) in self._convert_ids:
+            if id(p) in self._given_masters:
+                master = self._given_masters[id(p)]
+                if p.dtype != torch.bfloat16 or master.dtype != torch.float32 or master.shape != p.shape:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} given a master is {p.dtype}, its master "
+                                     f"{master.dtype} of shape {tuple(master.shape)}. Fix: pass what "
+                                     "bf16_with_masters returns.")
+                if id(p) not in self._convert_ids:
+                    raise ValueError("a parameter given a master is not in bf16_params. Fix: list it there too.")
+                self._master_ids.add(id(p))
+            elif id(p) in self._convert_ids:
                 if p.dtype != torch.float32:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} in bf16_params is {p.dtype}; its fp32 "
                                      "value would be lost. Fix: build the model in fp32 and let the optimizer "
@@ -235,16 +258,28 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _make_master(self, p: torch.Tensor) -> None:
-        """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16."""
+        """Copy fp32 ``p`` into a new master, then store ``p`` (and any gradient it has) in bf16 (with
+        ``params_are_masters``: only the moments, ``p`` stays as it is)."""
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        master = p.detach().clone(memory_format=torch.contiguous_format)
+        if self.params_are_masters:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+            return
+        given = self._given_masters.pop(id(p), None)
+        if given is not None:
+            master = given.detach().to(p.device, torch.float32).contiguous()
+        else:
+            master = p.detach().clone(memory_format=torch.contiguous_format)
         if self._compact:
             weight, state["master_low"] = split_master(master)
         else:
             weight, state["master"] = master.to(torch.bfloat16), master
         state["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
         state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
+        if given is not None:
+            p.data.copy_(weight)  # in place: a wrapper may hold views of it (the same unless the split rounded a tie)
+            return
         grad, p.grad = p.grad, None
         p.data = weight
         if grad is not None:
@@ -252,13 +287,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @property
     def _compact(self) -> bool:
-        return self.state_dtype == torch.bfloat16
+        """The masters are stored split (bf16 weight + low bits) and the moments are bf16."""
+        return self.state_dtype == torch.bfloat16 and not self.params_are_masters
 
     @torch.no_grad()
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master of bf16 parameter ``p``: ``state[p]["master"]`` itself, or (``state_dtype=torch.bfloat16``)
         a new tensor rebuilt exactly from ``p`` and ``state[p]["master_low"]``."""
         state = self.state[p]
+        if self.params_are_masters:
+            return p.detach()
         return state["master"] if "master" in state else join_master(p.detach(), state["master_low"])
 
     def _share_state(self) -> None:
@@ -291,9 +329,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if not stepped:
             return loss
         for p in stepped:
-            if p.grad.dtype != torch.bfloat16:
-                raise ValueError(f"the gradient of a bf16 parameter of shape {tuple(p.shape)} is {p.grad.dtype}. "
-                                 "Fix: leave the gradients autograd makes (bf16), or cast them to bf16.")
+            if p.grad.dtype != p.dtype:
+                raise ValueError(f"the gradient of a {p.dtype} parameter of shape {tuple(p.shape)} is "
+                                 f"{p.grad.dtype}. Fix: leave the gradients autograd makes (in the parameter's "
+                                 "dtype), or cast them to it.")
         torch._foreach_add_([self.state[p]["step"] for p in stepped], 1.0)  # one launch per device
         launches = 0  # kernel launches so far in this step: each gets its own stochastic-rounding seed
         index = 0  # of the parameter among those stepped: its stochastic-rounding stream on the CPU
@@ -303,10 +342,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             fused = []
             for p in ps:
                 index += 1
-                if self._use_triton and p.is_cuda and p.is_contiguous() and p.grad.is_contiguous():
-                    fused.append((p, p.grad, self.state[p]))
+                # A DTensor (FSDP2's shard) is updated through its local tensors.
+                param, grad, state = _local(p), _local(p.grad), {k: _local(v) for k, v in self.state[p].items()}
+                if self._use_triton and param.is_cuda and param.is_contiguous() and grad.is_contiguous():
+                    fused.append((param, grad, state))
                 else:
-                    _update_torch(p, p.grad, self.state[p], *hyper, generator=self._generator(p, index))
+                    _update_torch(param, grad, state, *hyper, generator=self._generator(p, index))
             if fused:
                 launches = _update_triton(fused, *hyper, block=self.block_size, num_warps=self.num_warps,
                                           seed=self.seed, first_launch=launches)
@@ -317,7 +358,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         ``seed``, the step count and ``index`` (so the bits depend on nothing else, as the kernel's: a resumed run
         draws what an uninterrupted one would, and the global generator is left alone); elsewhere the device's
         default one (a CUDA graph captures only that one without registration)."""
-        if not self._compact or p.device.type != "cpu":
+        if self.state_dtype != torch.bfloat16 or p.device.type != "cpu":
             return None
         step = int(self.state[p]["step"].item())
         return torch.Generator().manual_seed((self.seed * 1_000_003 + step * 65_537 + index) & (2**62 - 1))
@@ -371,7 +412,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             return value.contiguous()
 
         # The master as saved: fp32, or split (the parameter, loaded before the optimizer, holds its high half).
-        if "master" in entry:
+        if self.params_are_masters:
+            master = p.detach()
+        elif "master" in entry:
             master = checked("master", fp32(entry["master"]))
         elif "master_low" in entry:
             low = checked("master_low", torch.as_tensor(entry["master_low"]).to(p.device, torch.int16, copy=True))
@@ -385,7 +428,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if self._compact:
             weight, state["master_low"] = split_master(master)
             p.data.copy_(weight)  # the same unless the saved weight was a tie rounded to even
-        else:
+        elif not self.params_are_masters:
             state["master"] = master.contiguous()
         for key in _MOMENT_KEYS:  # saved in either dtype: rounded to nearest into this one
             moment = checked(key, fp32(entry[key])) if key in entry else torch.zeros_like(master)
@@ -406,7 +449,10 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     device tensors, read by the operations themselves (no host-device synchronisation).
     """
     step = state["step"]
-    master = state["master"] if "master" in state else join_master(param, state["master_low"])
+    if "master" in state:
+        master = state["master"]
+    else:  # split, or (no master in the state) the fp32 parameter is its own master
+        master = join_master(param, state["master_low"]) if "master_low" in state else param
     stored_m, stored_v = state["exp_avg"], state["exp_avg_sq"]
     # bf16 moments: computed in fp32, stored back with stochastic rounding.
     exp_avg, exp_avg_sq = (stored_m, stored_v) if stored_m.dtype == torch.float32 else (stored_m.float(),
@@ -436,7 +482,7 @@ def _update_torch(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
         stored_v.copy_(round_bf16_stochastic(exp_avg_sq, generator))
     if "master" in state:
         param.copy_(master)  # rounds to nearest, ties to even
-    else:
+    elif "master_low" in state:
         weight, low = split_master(master)
         param.copy_(weight)
         state["master_low"].copy_(low)
@@ -508,7 +554,8 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
             ends: list[int] = []
             blocks = 0
             for param, grad, state in chunk:
-                args += [param, grad, state.get("master", state.get("master_low")), state["exp_avg"],
+                # A parameter that is its own master (fp32) stands in for the unused master pointer.
+                args += [param, grad, state.get("master", state.get("master_low", param)), state["exp_avg"],
                          state["exp_avg_sq"], state["step"],
                          param.numel()]
                 blocks += -(-param.numel() // block)
@@ -517,9 +564,11 @@ def _update_triton(items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
                 args += args[:6] + [0]
                 ends.append(blocks)
             state_bf16 = chunk[0][2]["exp_avg"].dtype == torch.bfloat16
+            param_is_master = chunk[0][0].dtype == torch.float32
             launch_seed = (seed * 1_000_003 + launch * SLOTS) & 0x7FFFFFFF  # slot k adds k
             _kernel()[(blocks,)](*args, *ends, *scalars, launch_seed, LR_ON_DEVICE=lr_on_device,
-                                 STATE_BF16=state_bf16, BLOCK=block, num_warps=num_warps)
+                                 STATE_BF16=state_bf16, PARAM_IS_MASTER=param_is_master, BLOCK=block,
+                                 num_warps=num_warps)
             launch += 1
     return launch
 
@@ -553,6 +602,30 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def bf16_with_masters(params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """Store fp32 ``params`` in bf16 now, in place, and return their fp32 values: ``MasterWeightAdamW``'s
+    ``masters``.
+
+    For a model that a wrapper takes over before the optimizer exists: ``DistributedDataParallel`` builds its
+    gradient buckets in the parameters' dtype when it wraps the model, so the linear weights must be bf16 by then
+    (their gradients are then bf16, and so is their all-reduce: half the bytes of fp32).
+    """
+    masters = {}
+    for p in params:
+        if p.dtype != torch.float32:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is {p.dtype}. Fix: convert fp32 parameters.")
+        masters[p] = p.detach().clone(memory_format=torch.contiguous_format)
+        p.data = masters[p].to(torch.bfloat16)
+    return masters
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a ``DTensor`` (a view of this rank's shard); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -731,7 +804,8 @@ def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
         strategy: its strategy kind (``lmtrain.memory_plan.strategy_kind``: ``single``, ``ddp``, ``fsdp``).
 
     Raises:
-        LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks without FSDP2.
+        LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks of a strategy other
+            than FSDP2 and DDP (DDP is refused by ``lmtrain.distributed.check_strategy_options``).
     """
     field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
     if trainer.accumulate_grad_batches > 1:
@@ -748,10 +822,9 @@ def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
                            "scaler could unscale or skip them (trainer.precision=16-mixed).",
                            "use trainer.precision: bf16-mixed (no loss scaling) or "
                            "model.optimizer_in_backward: false.")
-    if getattr(trainer, "world_size", 1) > 1 and strategy != "fsdp":
-        raise LmtrainError(field, f"{why} under DDP (any strategy but FSDP2) each rank would update from its "
-                           f"own gradient, before the all-reduce has averaged it over the {trainer.world_size} "
-                           "ranks: the replicas would drift apart.",
+    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
+        raise LmtrainError(field, f"{why} under a strategy other than FSDP2 each rank would update from its own "
+                           f"gradient, before it is averaged over the {trainer.world_size} ranks.",
                            "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy, "
                            "which runs the update after each gradient's reduce-scatter) or "
                            "model.optimizer_in_backward: false.")
@@ -762,25 +835,22 @@ def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
 
     Args:
         trainer: the Lightning trainer.
-        strategy: its strategy kind (``fsdp`` when a device mesh is set).
+        strategy: its strategy kind (``fsdp`` when a device mesh is set). Under FSDP2 the fp32 shards are the
+            masters (``MasterWeightAdamW(params_are_masters=True)``); under DDP the linear weights are made bf16
+            before DDP wraps the model (:func:`bf16_with_masters`).
 
     Raises:
-        LmtrainError: a precision other than ``bf16-mixed``, FSDP2, several ranks, accumulation or clipping.
+        LmtrainError: a precision other than ``bf16-mixed``, several ranks of a strategy other than FSDP2 and DDP,
+            accumulation or clipping.
     """
     field, off = "model.master_weights", "or set model.master_weights: false."
     if str(trainer.precision) != "bf16-mixed":
         raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
                            f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
                            "use trainer.precision: bf16-mixed " + off)
-    if strategy == "fsdp":
-        raise LmtrainError(field, "is not available under FSDP2 (ModelParallelStrategy), which keeps its own "
-                           "master weights (MixedPrecisionPolicy).", "leave it false with this strategy.")
-    if getattr(trainer, "world_size", 1) > 1:
-        raise LmtrainError(field, "is for one device: its optimizer turns the linear weights bf16 in place "
-                           "after DDP has wrapped the model and bucketed them as fp32, and DDP then stops at the "
-                           f"first step, finding them unused (this run: {trainer.world_size} ranks).",
-                           "train on one device, or use FSDP2 with bf16-mixed (bf16 compute, fp32 master "
-                           "shards) " + off)
+    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):
+        raise LmtrainError(field, f"runs on one device, under DDP or under FSDP2 (this run: {trainer.world_size} "
+                           "ranks of another strategy).", "use trainer.strategy: ddp or FSDP2 " + off)
     if trainer.accumulate_grad_batches > 1:
         raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
                            f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",

@@ -5,6 +5,10 @@ stored split, its high 16 bits as the bf16 weight itself and its low 16 bits in 
 master rounded to nearest, ties toward zero, so the low bits say which way it was rounded and the fp32 master is
 rebuilt exactly), and the moments are bf16. Bytes per element and step: 28 full, 18 compact.
 
+With ``PARAM_IS_MASTER`` the parameter is fp32 and is its own master (FSDP2's sharded parameters, all-gathered in
+bf16 by its mixed-precision policy): no master tensor, no bf16 weight written; the moments are fp32 or, with
+``STATE_BF16``, bf16 rounded stochastically. Bytes per element and step (fp32 gradient): 28, or 20 with bf16 moments.
+
 In the compact layout the moments are rounded stochastically: each value stored is one of the two bf16
 numbers next to the fp32 result, the larger in magnitude with probability equal to the fraction of the gap the
 result covers, so its expected value is the fp32 result (rounding to nearest would stop a moment from changing once
@@ -68,7 +72,8 @@ def split_master(w):
 @triton.jit
 def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, n_elements, block,
                  lr_ptr, lr, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, seed,
-                 LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                 LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, PARAM_IS_MASTER: tl.constexpr,
+                 BLOCK: tl.constexpr):
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     if LR_ON_DEVICE:
@@ -78,7 +83,9 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
     bias2_sqrt = tl.sqrt_rn(-libdevice.expm1(t * log_beta2))  # sqrt(1 - beta2**t)
 
     g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-    if STATE_BF16:  # master_ptr: the low halves (int16)
+    if PARAM_IS_MASTER:  # an fp32 parameter (an FSDP2 shard) is its own master; master_ptr is unused
+        w = tl.load(param_ptr + offsets, mask=mask)
+    elif STATE_BF16:  # master_ptr: the low halves (int16)
         w = join_master(tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32),
                         tl.load(master_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32))
     else:
@@ -90,10 +97,16 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
     w = w - step_size * tl.div_rn(m, denom)
-    if STATE_BF16:
+    if PARAM_IS_MASTER:
+        tl.store(param_ptr + offsets, w, mask=mask)
+    elif STATE_BF16:
         weight, low = split_master(w)
         tl.store(param_ptr + offsets, weight.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(master_ptr + offsets, low.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(master_ptr + offsets, w, mask=mask)
+        tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+    if STATE_BF16:
         # One 32-bit draw per element: its low half rounds m, its high half v. The key mixes the slot's seed and
         # the step count; each element hashes its offset in its tensor with it.
         key = mix32(seed.to(tl.uint32) ^ mix32(t.to(tl.uint32)))
@@ -101,10 +114,8 @@ def update_block(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, s
         tl.store(exp_avg_ptr + offsets, round_bf16_stochastic(m, bits & 0xFFFF), mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, round_bf16_stochastic(v, bits >> 16), mask=mask)
     else:
-        tl.store(master_ptr + offsets, w, mask=mask)
         tl.store(exp_avg_ptr + offsets, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
-        tl.store(param_ptr + offsets, w.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
 def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
@@ -112,7 +123,8 @@ def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
                         p4, g4, w4, m4, v4, s4, n4, p5, g5, w5, m5, v5, s5, n5,
                         p6, g6, w6, m6, v6, s6, n6, p7, g7, w7, m7, v7, s7, n7,
                         e0, e1, e2, e3, e4, e5, e6, e7, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd, seed,
-                        LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                        LR_ON_DEVICE: tl.constexpr, STATE_BF16: tl.constexpr, PARAM_IS_MASTER: tl.constexpr,
+                        BLOCK: tl.constexpr):
     # Slot k: param, grad, master, exp_avg, exp_avg_sq, step count, elements; its blocks are [e(k-1), e(k)).
     # Scalars: lr (device pointer, or the value), 1 - beta1, beta2, 1 - beta2, log beta1, log beta2, eps and
     # the weight decay; seed: the launch's seed for stochastic rounding (slot k uses seed + k). Program i
@@ -120,25 +132,25 @@ def master_adamw_kernel(p0, g0, w0, m0, v0, s0, n0, p1, g1, w1, m1, v1, s1, n1,
     pid = tl.program_id(0)
     if pid < e0:
         update_block(p0, g0, w0, m0, v0, s0, n0, pid, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e1:
         update_block(p1, g1, w1, m1, v1, s1, n1, pid - e0, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 1, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 1, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e2:
         update_block(p2, g2, w2, m2, v2, s2, n2, pid - e1, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 2, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 2, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e3:
         update_block(p3, g3, w3, m3, v3, s3, n3, pid - e2, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 3, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 3, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e4:
         update_block(p4, g4, w4, m4, v4, s4, n4, pid - e3, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 4, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 4, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e5:
         update_block(p5, g5, w5, m5, v5, s5, n5, pid - e4, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 5, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 5, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     elif pid < e6:
         update_block(p6, g6, w6, m6, v6, s6, n6, pid - e5, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 6, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 6, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
     else:
         update_block(p7, g7, w7, m7, v7, s7, n7, pid - e6, lr_ptr, lr, b1c, b2, b2c, lb1, lb2, eps, wd,
-                     seed + 7, LR_ON_DEVICE, STATE_BF16, BLOCK)
+                     seed + 7, LR_ON_DEVICE, STATE_BF16, PARAM_IS_MASTER, BLOCK)
