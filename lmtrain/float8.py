@@ -74,10 +74,22 @@ def converts(module: nn.Module, name: str, cfg: ModelConfig) -> bool:
     """
     if not isinstance(module, nn.Linear):
         return False
-    if name.split(".")[-1] == HEAD and not cfg.float8_head:
+    return converts_shape(module.in_features, module.out_features, name.split(".")[-1] == HEAD, cfg)
+
+
+def converts_shape(in_features: int, out_features: int, head: bool, cfg: ModelConfig) -> bool:
+    """The size rule on a linear layer's widths: both at least ``cfg.float8_min_features`` and multiples of 16;
+    the output head only with ``cfg.float8_head``; nothing with ``cfg.float8: none`` (what the memory planner
+    reads)."""
+    if cfg.float8 == "none" or (head and not cfg.float8_head):
         return False
-    widths = (module.in_features, module.out_features)
-    return all(w >= cfg.float8_min_features and w % FLOAT8_ALIGNMENT == 0 for w in widths)
+    return all(w >= cfg.float8_min_features and w % FLOAT8_ALIGNMENT == 0 for w in (in_features, out_features))
+
+
+def block_linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear layer of a ``TransformerLM`` block, by its path in the block."""
+    d, f = cfg.d_model, cfg.d_ff
+    return {"attn.qkv": (d, 3 * d), "attn.out": (d, d), "mlp.w1": (d, f), "mlp.w2": (f, d), "mlp.w3": (d, f)}
 
 
 def linear_config(recipe: str, fsdp: bool = False, importer: Importer = importlib.import_module) -> Any:

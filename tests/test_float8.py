@@ -299,3 +299,69 @@ def test_activation_checkpointing_gives_the_same_float8_gradients(policy: str) -
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [dict(master_weights=True), dict(master_weights=True,
+                                                                      optimizer_state_dtype="bfloat16"),
+                                     dict(optimizer_in_backward=True)], ids=["master", "compact", "in_backward"])
+def test_float8_layers_train_with_each_optimizer(options: dict) -> None:
+    from fitting import cpu_fit
+
+    pl.seed_everything(0)
+    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=64, num_layers=2, num_heads=2,
+                      d_ff=128, attention="naive", warmup_steps=1, **options)
+    module.configure_model()
+    convert_model(module.model, module.config.replace(float8="tensorwise", float8_min_features=64))
+    before = {name: p.detach().float().clone() for name, p in module.model.named_parameters()}
+    cpu_fit(module, 2, batch=2, context=16, vocab=64, precision="bf16-mixed")
+    assert len(float8_linears(module.model)) == 10
+    qkv = module.model.blocks[0].attn.qkv.weight
+    assert qkv.dtype == (torch.float32 if options.get("optimizer_in_backward") else torch.bfloat16)
+    for name, p in module.model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p.detach().float(), before[name]), name
+
+
+# -- planner and bench --------------------------------------------------------------------------------------
+
+
+def test_the_planner_plans_float8_memory() -> None:
+    from lmtrain.memory_plan import estimate_memory, float8_block_elements, float8_cast_transient_bytes
+
+    base = ModelConfig.from_size("2.7B", vocab_size=10_000, context_length=512)
+    d, f = base.d_model, base.d_ff
+    plain = estimate_memory(base, 4, 512, "bf16-mixed")
+    f8cfg = base.replace(float8="tensorwise")
+    assert float8_block_elements(f8cfg) == 4 * d * d + 3 * d * f  # every block layer converts at 2.7B
+    assert float8_block_elements(ModelConfig.from_size("small", float8="tensorwise")) == 0  # 768 < 2048
+    eager = estimate_memory(f8cfg, 4, 512, "bf16-mixed")
+    # no autocast copy of a float8 weight; nothing float8 kept without compile
+    assert eager.details["layer"]["weight_casts"] == 0 and eager.details["layer"]["float8_weight_casts"] == 0
+    assert plain.details["layer"]["weight_casts"] == (4 * d * d + 3 * d * f) * 2
+    compiled = estimate_memory(f8cfg.replace(compile=True), 4, 512, "bf16-mixed")
+    assert compiled.details["layer"]["float8_weight_casts"] == 4 * d * d + 3 * d * f
+    n = 4 * 512  # largest layer's backward casts: w1 (D -> F): 2 n F + D F + n D bytes
+    assert float8_cast_transient_bytes(f8cfg, n) == 2 * n * f + d * f + n * d
+    assert float8_cast_transient_bytes(base, n) == 0
+    assert eager.details["options"]["float8"] == "tensorwise"
+    # FSDP2: tensorwise all-gathers the float8 layers' weights in 1 byte instead of bf16's 2
+    fsdp_plain = estimate_memory(base, 4, 512, "bf16-mixed", strategy="fsdp", world_size=2)
+    fsdp_f8 = estimate_memory(f8cfg, 4, 512, "bf16-mixed", strategy="fsdp", world_size=2)
+    gathered = fsdp_f8.details["float8_gathered_numel"]
+    assert gathered == 4 * d * d + 3 * d * f
+    assert fsdp_plain.components["fsdp_buffers"] - fsdp_f8.components["fsdp_buffers"] == 2 * gathered
+    rowwise = estimate_memory(base.replace(float8="rowwise"), 4, 512, "bf16-mixed", strategy="fsdp", world_size=2)
+    assert rowwise.details["float8_gathered_numel"] == 0
+
+
+def test_bench_model_has_a_float8_axis() -> None:
+    import argparse
+
+    from lmtrain.bench import model as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cells, _, _ = bench.plan_cells(parser.parse_args(["--sizes", "2.7B", "--float8", "none,tensorwise",
+                                                      "--float8-head", "on"]))
+    assert [(c.float8, c.float8_head) for c in cells] == [("none", False), ("tensorwise", True)]
+    assert cells[0].slug != cells[1].slug and "f8" in cells[1].slug
+    assert bench.cell_config(cells[1]).float8 == "tensorwise"
