@@ -393,8 +393,8 @@ class Float8Options(OptionGroup):
     float8_min_features: int = option(
         2048, "size rule: a linear layer is converted only if its in_features and out_features are both at least "
         "this (and multiples of 16, which float8 GEMMs need); smaller ones stay in the trainer's precision, where "
-        "the casts would cost more than the faster GEMM saves. The default follows torchao's published H100 "
-        "tables (float8 GEMMs gain from K and N of about 2048 up, and lose below): 2.7B's layers (2560 and "
+        "the casts would cost more than the faster GEMM saves. The default is torchao's guidance (its recipe "
+        "filters, from H100 GEMM benchmarks; docs/speed.md), not a measurement: 2.7B's block layers (2560 and "
         "10240 wide) are converted, small's (768) are not.", short="f8min", minimum=16,
         fix="use a width such as 2048 (16 converts every layer whose widths are multiples of 16).")
     float8_head: bool = option(

@@ -365,3 +365,8 @@ def test_bench_model_has_a_float8_axis() -> None:
     assert [(c.float8, c.float8_head) for c in cells] == [("none", False), ("tensorwise", True)]
     assert cells[0].slug != cells[1].slug and "f8" in cells[1].slug
     assert bench.cell_config(cells[1]).float8 == "tensorwise"
+    # the size rule is an axis of float8 cells only: one bf16 cell, two float8 cells
+    cells, _, _ = bench.plan_cells(parser.parse_args(["--sizes", "small", "--float8", "none,tensorwise",
+                                                      "--float8-min-features", "2048,512"]))
+    assert [(c.float8, c.float8_min_features) for c in cells] == [("none", 2048), ("tensorwise", 2048),
+                                                                   ("tensorwise", 512)]

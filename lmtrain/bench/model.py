@@ -712,7 +712,8 @@ def plan_cells(args: argparse.Namespace) -> tuple[list[Cell], dict[str, list[Cel
 SWEEP_RULES: dict[str, str] = {"optimizer_overlap": "on implies --optimizer-in-backward on",
                                "compile_mode": "compiled cells only",
                                "optimizer_state_dtype": "master-weight cells of the lightning runner only",
-                               "float8_head": "float8 cells only"}
+                               "float8_head": "float8 cells only",
+                               "float8_min_features": "float8 cells only"}
 
 
 def _option_value(name: str, value: Any) -> Any:
@@ -743,8 +744,9 @@ def _cell(size: str, context: int, batch: int, precision: str, attention: str, c
         options["compile_mode"] = "default"
     if not options.get("master_weights") or runner != "lightning":
         options["optimizer_state_dtype"] = "float32"
-    if options.get("float8", "none") == "none":
+    if options.get("float8", "none") == "none":  # one bf16 cell, whatever the float8 flags
         options["float8_head"] = False
+        options["float8_min_features"] = Cell.defaults["float8_min_features"]
     return Cell(size=size, context=context, batch_size=batch, precision=precision, attention=attention,
                 compile=compile, mode=mode, warmup=warmup, steps=steps, vocab_size=vocab_size, runner=runner,
                 **options)
