@@ -428,10 +428,11 @@ class Float8Probe:
     """Forward and gradient hooks on a module's float8 layers for one step: each layer's three GEMMs replayed from
     their high-precision operands (``lmtrain.analysis.float8.gemm``).
 
-    The forward hook replays ``output`` at once and keeps the layer's input (the tensor the layer casts: the
-    autocast copy under ``*-mixed``) until the gradient of the layer's output arrives, which replays
-    ``grad_input`` and ``grad_weight``. Each layer is replayed once per step: a forward run again by activation
-    checkpointing, or a later micro-batch, is ignored. The hooks run eagerly under ``torch.compile``.
+    The forward hook keeps the layer's input (the tensor the layer casts: the autocast copy under ``*-mixed``)
+    until the gradient of the layer's output arrives, which replays all three GEMMs (the weight has not changed
+    in between); without gradients the forward hook replays ``output`` at once. Each layer is replayed once per
+    step: a forward run again by activation checkpointing, or a later micro-batch, is ignored. The hooks run
+    eagerly under ``torch.compile``.
 
     Args:
         module: the module whose float8 layers are probed (``lmtrain.float8.float8_linears``).
@@ -457,8 +458,9 @@ class Float8Probe:
 
     def results(self, step: int) -> list[f8.Float8LayerStats]:
         """The replayed GEMMs as numbers, one entry per layer that ran, in module order."""
-        return [f8.Float8LayerStats(path, step, {name: f8.to_gemm_stats(raw) for name, raw in self._raw[path].items()})
-                for path in self.layers if path in self._raw]
+        return [f8.Float8LayerStats(path, step, {name: f8.to_gemm_stats(self._raw[path][name])
+                                                 for name in f8.GEMMS if name in self._raw[path]})
+                for path in self.layers if self._raw.get(path)]
 
     def _replay(self, path: str, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         specs = gemm_specs(self.layers[path].config)[name]
@@ -474,10 +476,15 @@ class Float8Probe:
         if torch.is_autocast_enabled(device):  # the cast Float8Linear.forward makes before its GEMM
             x = x.to(torch.get_autocast_dtype(device))
         x = x.detach().reshape(-1, x.shape[-1])  # (M, K)
-        self._replay(path, "output", x, _high_precision(layer.weight).t())
-        if output.requires_grad:
-            self._inputs[path] = x
-            output.register_hook(functools.partial(self._backward, path, layer))
+        self._raw[path] = {}
+        if not output.requires_grad:  # no backward pass: replay now (no checkpointing without gradients)
+            self._replay(path, "output", x, _high_precision(layer.weight).t())
+            return
+        # Replayed when the gradient arrives: inside a selectively checkpointed block a product computed here
+        # would enter the checkpoint's cache of saved outputs, which the recomputation (skipped here) then
+        # misreads. The weight is read again then too (FSDP2 frees the gathered weight after the forward).
+        self._inputs[path] = x
+        output.register_hook(functools.partial(self._backward, path, layer))
 
     @torch.compiler.disable
     def _backward(self, path: str, layer: torch.nn.Module, grad: torch.Tensor) -> None:
@@ -485,7 +492,9 @@ class Float8Probe:
         if x is None:
             return
         go = grad.detach().reshape(-1, grad.shape[-1])  # (M, N)
-        self._replay(path, "grad_input", go, _high_precision(layer.weight))
+        weight = _high_precision(layer.weight)  # (N, K): the forward's values (no update has run yet)
+        self._replay(path, "output", x, weight.t())
+        self._replay(path, "grad_input", go, weight)
         self._replay(path, "grad_weight", go.t(), x)
 
 
