@@ -244,6 +244,7 @@ def test_the_inspector_reports_every_gemm_of_every_float8_layer(tmp_path: Path, 
                 assert f"``precision/float8/<layer>/<gemm>/<operand>_{stat}``" in doc or f"``..._{stat}``" in doc
         elif tag.startswith("precision/float8"):
             assert f"``{tag}``" in doc
+    assert any("float8 layers in float8 too" in note for note in inspector.result.notes)
     table = texts(trainer.log_dir)["precision/float8"][-1]
     assert "`model.blocks.0.mlp.w2`" in table and "grad_weight" in table and "⚑" not in table
 

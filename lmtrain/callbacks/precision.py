@@ -380,6 +380,10 @@ class PrecisionInspector(Callback):
             report.numerics["loss_abs_err"] = abs(self._loss.float().item() - self._ref["loss"].item())
         if "note" in self._ref:
             report.notes.append(self._ref["note"])
+        if "logits" in self._ref and self._float8_present:
+            report.notes.append("the fp32 reference runs the float8 layers in float8 too (they cast whatever their "
+                                "input's dtype): its errors leave out float8's own, which precision/float8 reports "
+                                "per layer.")
         return report
 
     def _log(self, trainer: pl.Trainer, report: PrecisionReport) -> None:
