@@ -278,6 +278,13 @@ def test_the_inspector_replays_every_gemm_under_activation_checkpointing(policy:
     assert {len(h) for h in inspector.float8_history.values()} == {1}
 
 
+def test_a_scale_factor_for_no_float8_layer_is_warned_about(tmp_path: Path) -> None:
+    inspector = PrecisionInspector(step=0, float8_scale_factors={"model.blocks.0.attn.qkvv": 2**10}, reference=False)
+    with pytest.warns(UserWarning, match=r"names model\.blocks\.0\.attn\.qkvv, not a float8 layer"):
+        _float8_fit(tmp_path, inspector)
+    assert max(max(s.worst()) for s in inspector.float8_result) < 1e-3
+
+
 def test_bad_float8_arguments_are_refused() -> None:
     with pytest.raises(LmtrainError, match="float8_threshold"):
         PrecisionInspector(float8_threshold=2).check_arguments()

@@ -247,6 +247,11 @@ class PrecisionInspector(Callback):
         if self._float8_present and self._phases.first_batch and self._float8_step(step) and self._probe is None:
             self._probe = Float8Probe(pl_module, self.float8_scale_factors)
             self._probe.install()
+            unknown = sorted(set(self.float8_scale_factors or {}) - set(self._probe.layers))
+            if unknown:
+                self._warn(f"PrecisionInspector: float8_scale_factors names {', '.join(unknown)}, not a float8 layer "
+                           f"of this model (its float8 layers: {', '.join(self._probe.layers)}); nothing is scaled "
+                           "there.")
         if self._done or not self._phases.enters(self._window):
             return
         self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
