@@ -107,7 +107,7 @@ def test_a_broken_scale_is_flagged_on_the_gpu(tmp_path: Path) -> None:
     inspector = PrecisionInspector(step=2, float8_scale_factors={broken: 2**10}, reference=False)
     with pytest.warns(UserWarning, match=r"float8 layer\(s\) model\.blocks\.1\.attn\.out have more than"):
         _fit(steps=3, callbacks=[inspector], logdir=tmp_path, **FLOAT8, compile=True)
-    worst = {s.layer: max(s.worst()) for s in inspector.float8_result}
-    assert worst[broken] > 0.5 and max(v for k, v in worst.items() if k != broken) < 1e-3
+    saturated = {s.layer: s.worst()[0] for s in inspector.float8_result}  # dynamic scales saturate nothing
+    assert saturated[broken] > 0.5 and max(v for k, v in saturated.items() if k != broken) == 0.0
     logged = scalars(next(tmp_path.rglob("version_*")))
-    assert logged["precision/float8_flagged_layers"] == [(2, 1.0)]
+    assert logged["precision/float8_flagged_layers"][0][0] == 2 and logged["precision/float8_flagged_layers"][0][1] >= 1
