@@ -10,6 +10,7 @@ and its checks; :class:`ModelConfig` joins the groups into one flat, validated o
                               in-backward optimizer
     :class:`SpeedOptions`     how a step is computed: attention backend, compile, CUDA graphs, master weights,
                               the optimizer state's dtype, step mode
+    :class:`Float8Options`    float8 training of the linear layers (torchao): recipe, size rule, output head
     ========================  ===========================================================================
 
 Everything else reads these fields instead of declaring the options again:
@@ -18,7 +19,7 @@ Everything else reads these fields instead of declaring the options again:
   ``python -m lmtrain fit --help`` lists every field with its help, and ``--model.<field>`` / ``model: {...}`` in
   a YAML set it;
 - ``lmtrain.bench.model``'s cells are differences from a config: their keys, names, flags and CSV columns come from
-  the fields of the step groups (:func:`step_fields`: memory and speed);
+  the fields of the step groups (:func:`step_fields`: memory, speed and float8);
 - the memory planner (``lmtrain.memory_plan``) plans a ``ModelConfig`` and records its step options.
 
 Checks happen at construction (``__post_init__``): each field's type, range and choices, then each group's own
@@ -397,8 +398,45 @@ class SpeedOptions(OptionGroup):
                                f"use one of {', '.join(available_backends())}.")
 
 
+#: Values of ``Float8Options.float8``: torchao's float8 training recipes (``lmtrain.float8``).
+FLOAT8_RECIPES: tuple[str, ...] = ("none", "tensorwise", "rowwise")
+
+
 @dataclass(frozen=True)
-class ModelConfig(SpeedOptions, MemoryOptions, OptimizerOptions, ShapeOptions):
+class Float8Options(OptionGroup):
+    """Float8 training of the transformer's linear layers through torchao (``lmtrain.float8``, ``docs/speed.md``).
+
+    Needs ``pip install lmtrain[float8]`` and a GPU of compute capability 8.9 or more (Ada, Hopper); refused on a
+    CPU. The embedding is never converted; the output head only with ``float8_head``.
+    """
+
+    float8: str = option(
+        "none", "float8 training of the linear layers (torchao.float8): none, tensorwise (one scale per tensor, "
+        "e4m3 activations and weights, e5m2 gradients; under FSDP2 the weights are all-gathered in float8) or "
+        "rowwise (one scale per row, all e4m3, scales rounded down to powers of two). Each converted layer runs "
+        "its three matrix products (output, input gradient, weight gradient) as scaled float8 GEMMs; weights, "
+        "gradients and optimizer state keep their dtypes, so checkpoints load across float8 settings. Needs a GPU "
+        "of compute capability 8.9 or more and torchao (pip install lmtrain[float8]); compile fuses the casts.",
+        short="f8", choices=FLOAT8_RECIPES, kind="recipe")
+    float8_min_features: int = option(
+        2048, "size rule: a linear layer is converted only if its in_features and out_features are both at least "
+        "this (and multiples of 16, which float8 GEMMs need); smaller ones stay in the trainer's precision, where "
+        "the casts would cost more than the faster GEMM saves. The default is torchao's guidance (its recipe "
+        "filters, from H100 GEMM benchmarks; docs/speed.md), not a measurement: 2.7B's block layers (2560 and "
+        "10240 wide) are converted, small's (768) are not.", short="f8min", minimum=16,
+        fix="use a width such as 2048 (16 converts every layer whose widths are multiples of 16).")
+    float8_head: bool = option(
+        False, "convert the output head too (under the same size rule); the embedding is never converted. The "
+        "head's logits feed the loss directly, so its float8 error reaches the loss unaveraged.", short="f8head")
+
+    def _check(self) -> None:
+        if self.float8_head and self.float8 == "none":
+            raise LmtrainError("model.float8_head", "converts the output head to float8, but model.float8 is none.",
+                               "set model.float8: tensorwise (or rowwise), or leave float8_head false.")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Float8Options, SpeedOptions, MemoryOptions, OptimizerOptions, ShapeOptions):
     """Every option of the ``model:`` section: the groups' fields, flat (``cfg.d_model``, ``cfg.cuda_graphs``).
 
     ``lmtrain.model.TransformerLM`` reads the shape and memory fields, ``lmtrain.module.LMModule`` the rest, the
@@ -419,6 +457,10 @@ class ModelConfig(SpeedOptions, MemoryOptions, OptimizerOptions, ShapeOptions):
             raise LmtrainError("model.optimizer_in_backward", f"updates parameters inside the backward pass, but "
                                f"step_mode={self.step_mode!r} takes no optimizer step.",
                                "set model.optimizer_in_backward: false for forward or forward_backward timing.")
+        if self.float8_head and self.loss_chunk_tokens:
+            raise LmtrainError("model.float8_head", "converts the output head, but model.loss_chunk_tokens computes "
+                               "the head's product itself, a chunk at a time, in the trainer's precision.",
+                               "set one of model.float8_head: false and model.loss_chunk_tokens: 0.")
 
     @classmethod
     def from_size(cls, size: str, **overrides: Any) -> ModelConfig:
@@ -452,8 +494,8 @@ class ModelConfig(SpeedOptions, MemoryOptions, OptimizerOptions, ShapeOptions):
 
 
 #: The groups whose fields describe how a step is computed and what it keeps: the options of a bench cell and of
-#: the memory plan. A future float8 group belongs here too.
-STEP_GROUPS: tuple[type, ...] = (MemoryOptions, SpeedOptions)
+#: the memory plan.
+STEP_GROUPS: tuple[type, ...] = (MemoryOptions, SpeedOptions, Float8Options)
 
 
 def step_fields(config_class: type = ModelConfig) -> tuple[Field, ...]:

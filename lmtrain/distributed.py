@@ -319,6 +319,7 @@ def build_sharded_model(module: Any) -> nn.Module:
     applied per block by ``lmtrain.distributed.shard_model``, so the model itself is built without its own
     checkpointing (that would checkpoint each block twice).
     """
+    from lmtrain.float8 import convert_model
     from lmtrain.model import TransformerLM
 
     precision = str(module.trainer.precision)
@@ -328,6 +329,7 @@ def build_sharded_model(module: Any) -> nn.Module:
     with torch.device(module.trainer.strategy.root_device):
         model = TransformerLM(replace(module.config, activation_checkpointing="none"))
     config = module.config
+    convert_model(model, module.config, fsdp=True)  # float8 layers before compile and fully_shard (lmtrain.float8)
     return shard_model(model, module.device_mesh, precision, activation_checkpointing=policy == "full",
                        compile=config.compile, compile_mode=config.compile_mode,
                        compile_fullgraph=config.compile_fullgraph,

@@ -3,6 +3,7 @@
     python -m lmtrain estimate --config configs/tiny.yaml [--model.context_length 1024] [--data.batch_size 8]
         [--trainer.precision bf16-mixed] [--model.attention naive] [--gpu-memory-gib 80] [--mode train]
         [--model.activation_checkpointing full] [--model.optimizer_in_backward true] [--model.loss_chunk_tokens 4096]
+        [--model.float8 tensorwise]
         [--trainer.strategy ddp --trainer.devices 2]
 
 "Fits" is judged against the device's usable capacity: its total memory (``torch.cuda.mem_get_info`` when a GPU
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 
 from lmtrain.cli_config import ResolvedConfig, resolve_args
+from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
+from lmtrain.float8 import block_linear_shapes, converts_shape
 from lmtrain.flops import STEP_MODES, compute_dtype, parameter_count
 from lmtrain.memory_plan import (
     GIB,
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         options.append("optimizer in the backward pass")
     if cfg.loss_chunk_tokens:
         options.append(f"loss in chunks of {cfg.loss_chunk_tokens} tokens")
+    if cfg.float8 != "none":
+        options.append(float8_line(cfg))
     print(f"model: {parameter_count(cfg):,} parameters (d_model {cfg.d_model}, {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}), attention {cfg.attention}, "
           f"{', '.join(options)}")
@@ -140,6 +145,16 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(flash_kernel_lines(cfg.context_length, cfg.d_model // cfg.num_heads, precision))
     return 0
+
+
+def float8_line(cfg: ModelConfig) -> str:
+    """How many linear layers ``cfg.float8`` converts under the size rule (``lmtrain.float8.converts_shape``)."""
+    shapes = block_linear_shapes(cfg).values()
+    per_block = sum(converts_shape(i, o, False, cfg) for i, o in shapes)
+    head = converts_shape(cfg.d_model, cfg.vocab_size, True, cfg)
+    total = cfg.num_layers * len(shapes) + 1
+    return (f"float8 {cfg.float8} on {per_block * cfg.num_layers + head} of {total} linear layers (in and out "
+            f"features >= {cfg.float8_min_features}, head {'included' if head else 'not converted'})")
 
 
 def flash_kernel_lines(seq_len: int, head_dim: int, precision: str) -> str:

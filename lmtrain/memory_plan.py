@@ -94,6 +94,20 @@ layer (``first layer backward``) all gradients but the embedding's exist next to
     optimizer_in_backward  no moment holds all gradients: at most the gradient being produced and the one being
                          applied, bounded by twice the largest parameter's (``gradients`` = 2 * max tensor * w)
 
+**Float8** (``model.float8``, ``lmtrain.float8``; F8 the weight elements of a block's float8 layers under the size
+rule). torchao's float8 layer saves its high-precision input and weight for the backward pass and casts to float8
+inside each GEMM, so:
+
+    weight casts         autocast makes no bf16 copy of a float8 layer's weight: (4 D^2 + 3 D F - F8) * c per layer,
+                         and none of the head's when it is float8
+    float8 weight casts  with ``compile``, F8 * 1 per layer: the float8 weight, planned as kept for the backward
+                         pass (the compiler's choice against casting it again; to be measured)
+    float8 transients    the largest float8 layer's backward casts, 1 byte each: grad_output twice (n*N each), the
+                         weight (K*N) and the input (n*K); rowwise adds fp32 scales per row and column. Added to the
+                         last layer's backward. Amax and tensorwise scales are single fp32 numbers (nothing to plan).
+    FSDP2 all-gather     with ``tensorwise`` the float8 layers' weights are all-gathered in float8 (1 byte instead
+                         of the bf16 param_dtype's 2): the blocks in flight are smaller by F8 bytes each
+
 **Fits?** ``fits(estimate, capacity)`` compares what the step needs with ``device_capacity_bytes()``: the
 device's total memory (``torch.cuda.mem_get_info``) or a given size, minus ``CUDA_CONTEXT_BYTES`` (the CUDA
 context and kernel images, outside PyTorch's allocator) and ``FRAGMENTATION_FRACTION`` of the total (memory the
@@ -114,6 +128,7 @@ from typing import Any
 
 from lmtrain.config import ModelConfig, step_fields
 from lmtrain.errors import LmtrainError
+from lmtrain.float8 import block_linear_shapes, converts_shape
 from lmtrain.flops import STEP_MODES, parameter_count
 
 GIB = 1024**3
@@ -161,6 +176,28 @@ def linear_parameter_count(cfg: ModelConfig) -> int:
     """P_mm: parameters used in matrix products, all but the embedding table and the RMSNorm gains (those
     ``master_weights`` stores in bf16)."""
     return parameter_count(cfg) - cfg.vocab_size * cfg.d_model - (2 * cfg.num_layers + 1) * cfg.d_model
+
+
+def float8_block_elements(cfg: ModelConfig) -> int:
+    """Weight elements of one block's float8 layers (``lmtrain.float8``'s size rule; 0 with ``float8: none``)."""
+    return sum(i * o for i, o in block_linear_shapes(cfg).values() if converts_shape(i, o, False, cfg))
+
+
+def float8_head(cfg: ModelConfig) -> bool:
+    """Whether the output head is a float8 layer."""
+    return converts_shape(cfg.d_model, cfg.vocab_size, True, cfg)
+
+
+def float8_cast_transient_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """The float8 copies one float8 layer's backward pass makes at once, for its largest layer (0 without float8):
+    grad_output cast twice (for grad_input and, transposed or per column, for grad_weight), the weight and the
+    input cast again, 1 byte each, plus fp32 scales (one per row and column under rowwise, negligible)."""
+    shapes = [s for s in block_linear_shapes(cfg).values() if converts_shape(*s, False, cfg)]
+    if float8_head(cfg):
+        shapes.append((cfg.d_model, cfg.vocab_size))
+    per_layer = [2 * tokens * o + i * o + tokens * i + (4 * (2 * tokens + i + o) if cfg.float8 == "rowwise" else 0)
+                 for i, o in shapes]
+    return max(per_layer, default=0)
 
 
 def static_bytes(cfg: ModelConfig, precision: str, mode: str = "train") -> tuple[int, int, int]:
@@ -225,7 +262,12 @@ def layer_activation_bytes(
         "linear_inputs": ((4 if mixed else 3) - (1 if shared_out else 0)) * n * d * c,
         "rope_qk": 2 * n * d * c,
         "swiglu": 4 * n * f * c,
-        "weight_casts": (4 * d * d + 3 * d * f) * c if _weights_cast(cfg, precision) else 0,
+        # A float8 layer casts its weight to float8 itself (no autocast copy) and saves the weight and its input
+        # in high precision (torchao's autograd function); compile may keep the float8 weight for the backward
+        # instead of casting it again, planned here as kept.
+        "weight_casts": (4 * d * d + 3 * d * f - float8_block_elements(cfg)) * c if _weights_cast(cfg, precision)
+        else 0,
+        "float8_weight_casts": float8_block_elements(cfg) if cfg.compile else 0,
     }
     if materializes_scores(cfg.attention):
         terms["attention"] = n * d * c + t * t + b * h * t * t * 4 + (b * h * t * t * c if c != 4 else 0)
@@ -249,7 +291,7 @@ def head_activation_bytes(
     return {
         "final_norm": n * d * 4 + n * d * 4 + n * 4,
         "head_input": n * d * (_residual_width(precision) if chunked else c),
-        "head_weight_cast": v * d * c if _weights_cast(cfg, precision) and not chunked else 0,
+        "head_weight_cast": v * d * c if _weights_cast(cfg, precision) and not chunked and not float8_head(cfg) else 0,
         "log_softmax": 0 if chunked else n * v * 4,
         "tokens": batch_size * (seq_len + 1) * 8 + n * 8 + 4,  # embedding indices, flat targets, loss weight
     }
@@ -459,7 +501,7 @@ def _train_moments(
     # the SwiGLU's two products.
     head_saved = sum(head.values()) - head["tokens"]
     returned_input = layer_input if policy == "offload" else 0
-    block_backward = 2 * n * cfg.d_model * 4 + 2 * n * cfg.d_ff * c
+    block_backward = 2 * n * cfg.d_model * 4 + 2 * n * cfg.d_ff * c + float8_cast_transient_bytes(cfg, n)
     # The whole loss's (tokens x vocabulary)-sized buffers, which CUDA's caching allocator keeps once freed; loss
     # chunks are small enough for later allocations to reuse.
     kept = cfg.loss_chunk_tokens == 0 and device_type == "cuda"
@@ -805,7 +847,12 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
     details = {"strategy": "fsdp", "world_size": world_size, "sharded_numel": sharded,
                "block_unsharded_numel": block_full, "root_unsharded_numel": root_full,
                "param_dtype_bytes": gather, "reduce_dtype_bytes": reduce}
-    in_flight = 2 * block_full * gather if cfg.num_layers > 1 else block_full * gather
+    # tensorwise float8 all-gathers its layers' weights in float8 (1 byte; torchao's enable_fsdp_float8_all_gather)
+    float8_gathered = world_size * sum(shard_numel((o, i), world_size) for i, o in block_linear_shapes(cfg).values()
+                                       if converts_shape(i, o, False, cfg)) if cfg.float8 == "tensorwise" else 0
+    gathered_block = (block_full - float8_gathered) * gather + float8_gathered
+    in_flight = 2 * gathered_block if cfg.num_layers > 1 else gathered_block
+    details["float8_gathered_numel"] = float8_gathered
     if mode == "forward":
         single = _single_plan(cfg, batch_size, t, act_precision, mode, device_type)
         components = {**static, "blocks_in_flight": in_flight, "transients": single.components["transients"]}

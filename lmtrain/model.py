@@ -137,7 +137,7 @@ def _selective_save_ops() -> frozenset[Any]:
     square of the context; those two backends are recomputed instead.
     """
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default}
+    ops = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}  # _scaled_mm: float8 layers (lmtrain.float8)
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -24,6 +24,7 @@ from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_s
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kwargs
 from lmtrain.distributed import check_strategy_options
 from lmtrain.errors import LmtrainError
+from lmtrain.float8 import check_float8_trainer, convert_model
 from lmtrain.flops import compute_dtype, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
@@ -147,6 +148,7 @@ class LMModule(pl.LightningModule):
             self.model = build_sharded_model(self)
             return
         model = TransformerLM(self.config)
+        convert_model(model, self.config)  # float8 layers (model.float8), before compile fuses their casts
         if self.config.master_weights and self._trainer is not None and strategy_kind_of(self.trainer) == "ddp":
             # DDP buckets the gradients in the parameters' dtype when it wraps the model, after this hook and before
             # the optimizer exists: the linear weights are made bf16 now, their fp32 masters kept for the optimizer.
@@ -311,6 +313,8 @@ class LMModule(pl.LightningModule):
             check_master_weights_trainer(trainer, strategy)
         if config.optimizer_in_backward:
             check_in_backward_trainer(trainer, strategy)
+        if config.float8 != "none":
+            check_float8_trainer(trainer)
 
     def teardown(self, stage: str) -> None:
         # The in-backward optimizer's hooks live on the parameters: remove them with the fit that made them.

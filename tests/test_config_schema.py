@@ -14,6 +14,7 @@ from lmtrain.bench import model as bench_model
 from lmtrain.cli import main
 from lmtrain.cli_config import resolve_args
 from lmtrain.config import (
+    Float8Options,
     MemoryOptions,
     ModelConfig,
     OptimizerOptions,
@@ -28,7 +29,7 @@ from lmtrain.memory_plan import estimate_memory
 from lmtrain.module import LMModule
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-GROUPS = (ShapeOptions, OptimizerOptions, MemoryOptions, SpeedOptions)
+GROUPS = (ShapeOptions, OptimizerOptions, MemoryOptions, SpeedOptions, Float8Options)
 
 
 def _extended() -> type[ModelConfig]:
@@ -76,8 +77,9 @@ def test_every_field_has_help_and_belongs_to_one_group() -> None:
     assert sum(len(fields(g)) for g in GROUPS) == len(fields(ModelConfig))  # no field declared twice
     for f in fields(ModelConfig):
         assert doc_of(f).strip(), f"{f.name} has no help"
-    # The step options (cells, planner) are the memory and speed groups' fields.
-    assert {f.name for f in step_fields()} == {f.name for g in (MemoryOptions, SpeedOptions) for f in fields(g)}
+    # The step options (cells, planner) are the memory, speed and float8 groups' fields.
+    step_groups = (MemoryOptions, SpeedOptions, Float8Options)
+    assert {f.name for f in step_fields()} == {f.name for g in step_groups for f in fields(g)}
 
 
 def test_the_command_line_and_the_module_take_exactly_the_schema() -> None:
@@ -94,6 +96,9 @@ def test_the_command_line_and_the_module_take_exactly_the_schema() -> None:
     (dict(cuda_graphs=True, step_mode="forward_backward"), "model.cuda_graphs", "step_mode"),
     (dict(compile_mode="max-autotune-no-cudagraphs"), "model.compile_mode", "model.compile"),
     (dict(optimizer_state_dtype="bfloat16"), "model.optimizer_state_dtype", "model.master_weights"),
+    (dict(float8_head=True), "model.float8_head", "model.float8"),
+    (dict(float8="tensorwise", float8_head=True, loss_chunk_tokens=64), "model.float8_head",
+     "model.loss_chunk_tokens"),
 ])
 def test_combinations_that_cannot_work_are_refused_at_parse_time(options: dict, field: str, other: str) -> None:
     args = ["--config", TINY]

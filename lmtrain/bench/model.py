@@ -19,7 +19,8 @@ already initialised here, since a forked child must never inherit a CUDA context
 (``lmtrain.cli_config``), with the cell's context, attention, compile flag and step mode as overrides.
 
 A cell is a difference from a config: its option fields, flags (``--cuda-graphs off,on``), key, name and CSV columns
-are the step options of the schema (``lmtrain.config.step_fields``: the memory and speed groups), read from
+are the step options of the schema (``lmtrain.config.step_fields``: the memory, speed and float8 groups, so
+``--float8 none,tensorwise`` is the float8 axis), read from
 ``ModelConfig``'s fields; an option at its default is left out of the key and the name, so results files written
 before it existed still match.
 
@@ -710,7 +711,9 @@ def plan_cells(args: argparse.Namespace) -> tuple[list[Cell], dict[str, list[Cel
 #: The sweep's rules between options (:func:`_cell` applies them), shown in the flags' help.
 SWEEP_RULES: dict[str, str] = {"optimizer_overlap": "on implies --optimizer-in-backward on",
                                "compile_mode": "compiled cells only",
-                               "optimizer_state_dtype": "master-weight cells of the lightning runner only"}
+                               "optimizer_state_dtype": "master-weight cells of the lightning runner only",
+                               "float8_head": "float8 cells only",
+                               "float8_min_features": "float8 cells only"}
 
 
 def _option_value(name: str, value: Any) -> Any:
@@ -733,13 +736,17 @@ def _option_value(name: str, value: Any) -> Any:
 def _cell(size: str, context: int, batch: int, precision: str, attention: str, compile: bool, mode: str, warmup: int,
           steps: int, vocab_size: int, options: dict[str, Any], runner: str) -> Cell:
     """A cell with the sweep's rules between options: the overlap implies the in-backward optimizer, the compile
-    mode applies to compiled cells only, the optimizer state's dtype to master-weight cells of Lightning only."""
+    mode applies to compiled cells only, the optimizer state's dtype to master-weight cells of Lightning only, the
+    float8 head to float8 cells only (a ``--float8 none,tensorwise`` sweep is the float8 axis)."""
     if options.get("optimizer_overlap"):
         options["optimizer_in_backward"] = True
     if not compile:
         options["compile_mode"] = "default"
     if not options.get("master_weights") or runner != "lightning":
         options["optimizer_state_dtype"] = "float32"
+    if options.get("float8", "none") == "none":  # one bf16 cell, whatever the float8 flags
+        options["float8_head"] = False
+        options["float8_min_features"] = Cell.defaults["float8_min_features"]
     return Cell(size=size, context=context, batch_size=batch, precision=precision, attention=attention,
                 compile=compile, mode=mode, warmup=warmup, steps=steps, vocab_size=vocab_size, runner=runner,
                 **options)

@@ -8,6 +8,13 @@ and loss recomputed in fp32 (autocast disabled, same weights, no gradients) and 
 own. Modules whose output is wider than the compute dtype are flagged with the reason found from what was
 observed (``lmtrain.analysis.dtypes``, which also holds the report; this module only captures).
 
+Float8 layers (``model.float8``, ``lmtrain.float8``): on the inspected step (and every ``float8_every`` steps after
+it) each float8 layer's three GEMMs are replayed from their high-precision operands with float8 casts
+(:class:`Float8Probe`; the statistics are ``lmtrain.analysis.float8``'s): scale, amax and its history over the
+inspected steps, the saturated and flushed-to-zero fractions of each operand, and the relative error of the float8
+GEMM against the bf16 GEMM of the same operands. A layer whose saturated or underflow fraction exceeds
+``float8_threshold`` is named in one warning.
+
 Every metric the callback logs, with its unit, is listed in the docstring of :class:`PrecisionInspector`.
 The fp32 reference needs fp32 parameter storage (mixed precision or ``32-true``); with ``bf16-true`` or
 ``16-true`` storage it is skipped with a note. Dropout or other randomness in the model makes the
@@ -17,6 +24,7 @@ comparison meaningless; lmtrain's model has none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter
 from typing import Any
@@ -24,9 +32,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lmtrain.analysis import float8 as f8
 from lmtrain.analysis.dtypes import (
     AUTOCAST_FP32_MODULES,
     PrecisionReport,
@@ -40,10 +49,13 @@ from lmtrain.analysis.dtypes import (
 )
 from lmtrain.callbacks._common import StepPhases, StepWindow, WarnOnce, check_int, log_dir, log_scalars, log_text
 from lmtrain.callbacks.dtype_recorder import DtypeRecorder
+from lmtrain.errors import LmtrainError
+from lmtrain.float8 import float8_linears, gemm_specs
 
 __all__ = [  # the analysis names stay importable from here for existing scripts
     "AUTOCAST_FP32_MODULES",
     "DtypeRecorder",
+    "Float8Probe",
     "PrecisionInspector",
     "PrecisionReport",
     "compare",
@@ -73,6 +85,21 @@ class PrecisionInspector(Callback):
     - ``precision/flagged_modules``: count of module paths whose output is wider than the compute dtype.
     - text ``precision/report`` (Markdown); file ``precision_step{N}.json`` in the log dir.
 
+    Float8 metrics, only when the model has float8 layers (``model.float8``), at the inspected step and every
+    ``float8_every`` steps after it (fractions and ratios have no unit; amax in the operand's units; a scale
+    multiplies the operand before its float8 cast; rowwise scales log their smallest):
+
+    - ``precision/float8/<layer>/<gemm>/<operand>_amax``, ``..._scale``, ``..._saturated``, ``..._underflow``:
+      per float8 layer (its module path), GEMM (``output``, ``grad_input``, ``grad_weight``) and operand
+      (``input``, ``weight``, ``grad_output``; see ``lmtrain.analysis.float8.GEMMS``).
+    - ``precision/float8/<layer>/<gemm>/rel_err``: ||float8 GEMM - bf16 GEMM|| / ||bf16 GEMM|| on the same
+      operands.
+    - ``precision/float8_max_saturated``, ``precision/float8_max_underflow``, ``precision/float8_max_rel_err``:
+      the largest over every layer, GEMM and operand.
+    - ``precision/float8_flagged_layers``: count of layers over ``float8_threshold``.
+    - text ``precision/float8`` (Markdown): one row per layer and GEMM, with the amax history of the inspected
+      steps.
+
     Args:
         step: the training step to inspect, on Lightning's ``global_step`` axis (0: the first step of a fresh
             fit; see ``lmtrain.callbacks._common.StepPhases``). Under ``16-mixed`` the first steps may be
@@ -81,15 +108,27 @@ class PrecisionInspector(Callback):
             that runs, e.g. ``model`` for ``LMModule``).
         reference: recompute logits and loss in fp32 for the numerics.
         max_rows: rows per grouped table in the text report (the JSON file has everything).
+        float8_threshold: a float8 layer whose saturated or underflow fraction, in any operand of any of its
+            GEMMs, exceeds this is named in a warning (0.001: 0.1% of the values).
+        float8_every: also replay the float8 GEMMs every this many steps after ``step`` (their amax history);
+            0: at ``step`` only. Each such step pays the replay (forward and backward hooks on the float8 layers,
+            an fp32 GEMM per float8 GEMM).
+        float8_scale_factors: a test hook for the warning: layer path -> factor multiplying every scale of that
+            layer's replayed float8 casts (2**10 makes its values saturate). It changes the inspector's replay
+            only, never the training step.
     """
 
     def __init__(self, step: int = 0, logits_module: str | None = None, reference: bool = True,
-                 max_rows: int = 40) -> None:
+                 max_rows: int = 40, float8_threshold: float = 1e-3, float8_every: int = 0,
+                 float8_scale_factors: dict[str, float] | None = None) -> None:
         super().__init__()
         self.step = step
         self.logits_module = logits_module
         self.reference = reference
         self.max_rows = max_rows
+        self.float8_threshold = float8_threshold
+        self.float8_every = float8_every
+        self.float8_scale_factors = float8_scale_factors
         self._clear()
 
     def _clear(self) -> None:
@@ -106,10 +145,23 @@ class PrecisionInspector(Callback):
         self._stepped = False
         self._done = False
         self.result: PrecisionReport | None = None  # the inspection (for scripts and tests)
+        self._probe: Float8Probe | None = None
+        self._float8_present: bool | None = None  # known at the first batch (the model is built by then)
+        #: The float8 layers' statistics at the last float8 step, and every operand's amax per inspected step
+        #: (``<layer>/<gemm>/<operand>`` -> [(step, amax)]).
+        self.float8_result: list[f8.Float8LayerStats] = []
+        self.float8_history: dict[str, list[tuple[int, float]]] = {}
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` is the inspected one (hooks, fp32 reference forward: slower than the others)."""
-        return self._window.contains(step)
+        """Step ``step`` is the inspected one (hooks, fp32 reference forward: slower than the others), or a step
+        that replays the float8 GEMMs."""
+        return self._window.contains(step) or bool(self._float8_present and self._float8_step(step))
+
+    def _float8_step(self, step: int) -> bool:
+        """Step ``step`` replays the float8 GEMMs (when the model has float8 layers)."""
+        if step == self.step:
+            return True
+        return bool(self.float8_every) and step > self.step and (step - self.step) % self.float8_every == 0
 
     def perturbs_timing(self, step: int) -> bool:
         """Yes for the inspected step: forward hooks on every module and an extra fp32 forward pass."""
@@ -131,6 +183,16 @@ class PrecisionInspector(Callback):
         """
         check_int("PrecisionInspector", "step", self.step, 0, fix="use 0 for the first training step.")
         check_int("PrecisionInspector", "max_rows", self.max_rows, 1, fix="use e.g. 40.")
+        check_int("PrecisionInspector", "float8_every", self.float8_every, 0,
+                  fix="use 0 (the inspected step only) or a step count such as 100.")
+        threshold = self.float8_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise LmtrainError("PrecisionInspector.float8_threshold", f"must be a fraction in [0, 1], got "
+                               f"{threshold!r}.", "use e.g. 0.001 (0.1% of an operand's values).")
+        for layer, factor in (self.float8_scale_factors or {}).items():
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                raise LmtrainError("PrecisionInspector.float8_scale_factors", f"the factor of {layer!r} must be a "
+                                   f"number above 0, got {factor!r}.", "use e.g. 1024 (2**10).")
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -160,6 +222,9 @@ class PrecisionInspector(Callback):
         self._remove()
 
     def _remove(self) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
@@ -176,7 +241,17 @@ class PrecisionInspector(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._phases.batch_start(trainer)
+        step = self._phases.batch_start(trainer)
+        if self._float8_present is None:
+            self._float8_present = bool(float8_linears(pl_module))
+        if self._float8_present and self._phases.first_batch and self._float8_step(step) and self._probe is None:
+            self._probe = Float8Probe(pl_module, self.float8_scale_factors)
+            self._probe.install()
+            unknown = sorted(set(self.float8_scale_factors or {}) - set(self._probe.layers))
+            if unknown:
+                self._warn(f"PrecisionInspector: float8_scale_factors names {', '.join(unknown)}, not a float8 layer "
+                           f"of this model (its float8 layers: {', '.join(self._probe.layers)}); nothing is scaled "
+                           "there.")
         if self._done or not self._phases.enters(self._window):
             return
         self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
@@ -213,6 +288,12 @@ class PrecisionInspector(Callback):
                            batch_idx: int) -> None:
         first = self._phases.first_batch
         ended = self._phases.batch_end(trainer)
+        if ended and self._probe is not None:
+            try:
+                self._float8_report(trainer, self._probe.results(self._phases.step))
+            finally:
+                self._probe.remove()
+                self._probe = None
         if self._recorder is None:
             return
         try:
@@ -304,6 +385,10 @@ class PrecisionInspector(Callback):
             report.numerics["loss_abs_err"] = abs(self._loss.float().item() - self._ref["loss"].item())
         if "note" in self._ref:
             report.notes.append(self._ref["note"])
+        if "logits" in self._ref and self._float8_present:
+            report.notes.append("the fp32 reference runs the float8 layers in float8 too (they cast whatever their "
+                                "input's dtype): its errors leave out float8's own, which precision/float8 reports "
+                                "per layer.")
         return report
 
     def _log(self, trainer: pl.Trainer, report: PrecisionReport) -> None:
@@ -317,3 +402,113 @@ class PrecisionInspector(Callback):
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, f"precision_step{self.step}.json"), "w") as f:
                 f.write(report.to_json())
+
+    def _float8_report(self, trainer: pl.Trainer, layers: list[f8.Float8LayerStats]) -> None:
+        """Log one float8 step's statistics, extend the amax history and warn about layers over the threshold."""
+        step = self._phases.step
+        self.float8_result = layers
+        metrics: dict[str, float] = {}
+        for s in layers:
+            for name, g in s.gemms.items():
+                prefix = f"precision/float8/{s.layer}/{name}"
+                for operand, c in zip(f8.GEMMS[name], (g.a, g.b), strict=True):
+                    self.float8_history.setdefault(f"{s.layer}/{name}/{operand}", []).append((step, c.amax))
+                    metrics.update({f"{prefix}/{operand}_amax": c.amax, f"{prefix}/{operand}_scale": c.scale_min,
+                                    f"{prefix}/{operand}_saturated": c.saturated,
+                                    f"{prefix}/{operand}_underflow": c.underflow})
+                metrics[f"{prefix}/rel_err"] = g.rel_err
+        worst = [s.worst() for s in layers]
+        over = f8.flagged(layers, self.float8_threshold)
+        metrics["precision/float8_max_saturated"] = max((w[0] for w in worst), default=0.0)
+        metrics["precision/float8_max_underflow"] = max((w[1] for w in worst), default=0.0)
+        metrics["precision/float8_max_rel_err"] = max((g.rel_err for s in layers for g in s.gemms.values()),
+                                                      default=0.0)
+        metrics["precision/float8_flagged_layers"] = float(len(over))
+        log_scalars(trainer, metrics, step)
+        log_text(trainer, "precision/float8", f8.markdown_table(layers, self.float8_history, self.float8_threshold),
+                 step)
+        if over:
+            rank_zero_warn(f"PrecisionInspector: step {step}: float8 layer(s) {', '.join(over)} have more than "
+                           f"{self.float8_threshold:g} of an operand's values saturated or flushed to zero (see "
+                           "precision/float8).")
+
+
+class Float8Probe:
+    """Forward and gradient hooks on a module's float8 layers for one step: each layer's three GEMMs replayed from
+    their high-precision operands (``lmtrain.analysis.float8.gemm``).
+
+    The forward hook keeps the layer's input (the tensor the layer casts: the autocast copy under ``*-mixed``)
+    until the gradient of the layer's output arrives, which replays all three GEMMs (the weight has not changed
+    in between); without gradients the forward hook replays ``output`` at once. Each layer is replayed once per
+    step: a forward run again by activation checkpointing, or a later micro-batch, is ignored. The hooks run
+    eagerly under ``torch.compile``.
+
+    Args:
+        module: the module whose float8 layers are probed (``lmtrain.float8.float8_linears``).
+        scale_factors: layer path -> factor multiplying that layer's replayed scales (a test of the warning).
+    """
+
+    def __init__(self, module: torch.nn.Module, scale_factors: dict[str, float] | None = None) -> None:
+        self.layers = float8_linears(module)
+        self.scale_factors = dict(scale_factors or {})
+        self._handles: list[Any] = []
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._raw: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def install(self) -> None:
+        for path, layer in self.layers.items():
+            self._handles.append(layer.register_forward_hook(functools.partial(self._forward, path)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._inputs.clear()
+
+    def results(self, step: int) -> list[f8.Float8LayerStats]:
+        """The replayed GEMMs as numbers, one entry per layer that ran, in module order."""
+        return [f8.Float8LayerStats(path, step, {name: f8.to_gemm_stats(self._raw[path][name])
+                                                 for name in f8.GEMMS if name in self._raw[path]})
+                for path in self.layers if self._raw.get(path)]
+
+    def _replay(self, path: str, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        specs = gemm_specs(self.layers[path].config)[name]
+        if specs is not None:
+            self._raw.setdefault(path, {})[name] = f8.gemm(a, b, *specs, self.scale_factors.get(path, 1.0))
+
+    @torch.compiler.disable
+    def _forward(self, path: str, layer: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if path in self._raw:
+            return
+        x = args[0]
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the cast Float8Linear.forward makes before its GEMM
+            x = x.to(torch.get_autocast_dtype(device))
+        x = x.detach().reshape(-1, x.shape[-1])  # (M, K)
+        self._raw[path] = {}
+        if not output.requires_grad:  # no backward pass: replay now (no checkpointing without gradients)
+            self._replay(path, "output", x, _high_precision(layer.weight).t())
+            return
+        # Replayed when the gradient arrives: inside a selectively checkpointed block a product computed here
+        # would enter the checkpoint's cache of saved outputs, which the recomputation (skipped here) then
+        # misreads. The weight is read again then too (FSDP2 frees the gathered weight after the forward).
+        self._inputs[path] = x
+        output.register_hook(functools.partial(self._backward, path, layer))
+
+    @torch.compiler.disable
+    def _backward(self, path: str, layer: torch.nn.Module, grad: torch.Tensor) -> None:
+        x = self._inputs.pop(path, None)
+        if x is None:
+            return
+        go = grad.detach().reshape(-1, grad.shape[-1])  # (M, N)
+        weight = _high_precision(layer.weight)  # (N, K): the forward's values (no update has run yet)
+        self._replay(path, "output", x, weight.t())
+        self._replay(path, "grad_input", go, weight)
+        self._replay(path, "grad_weight", go.t(), x)
+
+
+def _high_precision(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's values in high precision (2-D, (N, K)); under FSDP2's float8 all-gather the gathered weight is
+    already float8, and is dequantised."""
+    to_hp = getattr(weight, "to_original_precision", None)
+    return (to_hp() if callable(to_hp) else weight).detach()
