@@ -80,13 +80,19 @@ class CheckpointOnSignal(pl.Callback):
             than the final step (a ModelCheckpoint every N steps misses the last steps otherwise).
         agree_every_n_steps: on several ranks, how often (in optimizer steps) the ranks check whether any of
             them was signalled; None: ``trainer.log_every_n_steps``.
+        peer_timeout_s: on several ranks, stop when another rank has been dead this long, naming it
+            (``lmtrain.faults.RankWatchdog``; a ``RankWatchdog`` among the trainer's callbacks replaces this one);
+            None: no watchdog.
     """
 
     def __init__(self, signals: tuple[str, ...] = ("SIGINT", "SIGTERM"), save_on_train_end: bool = True,
-                 agree_every_n_steps: int | None = None) -> None:
+                 agree_every_n_steps: int | None = None, peer_timeout_s: float | None = 30.0) -> None:
+        from lmtrain.faults import RankWatchdog
+
         self.signals = tuple(signals)
         self.save_on_train_end = save_on_train_end
         self.agree_every_n_steps = agree_every_n_steps
+        self.watchdog = RankWatchdog(peer_timeout_s) if peer_timeout_s is not None else None
         self.received: str | None = None
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
@@ -106,6 +112,16 @@ class CheckpointOnSignal(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received, self._saved_step = None, None
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lmtrain.faults import RankWatchdog
+
+        if self.watchdog is not None and not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
+            self.watchdog.setup(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.watchdog is not None:
+            self.watchdog.on_exception(trainer, pl_module, exception)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.checkpoint_callback is None:
             return  # checkpointing is off (e.g. the large sizes' benchmarks): signals keep their usual meaning
@@ -124,6 +140,8 @@ class CheckpointOnSignal(pl.Callback):
         self._previous.clear()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.teardown(trainer, pl_module, stage)
         self._restore_handlers()  # after an exception, when on_train_end does not run
         if self._paused_save_last is not None:
             callback, value = self._paused_save_last
