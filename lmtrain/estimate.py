@@ -1,15 +1,21 @@
-"""Memory plan of a config: parameters, gradients, AdamW states, activations, peak, and the largest context that fits.
+"""Memory plan and step time of a config: memory per GPU, the largest context that fits, step time and tokens/s.
 
     python -m lmtrain estimate --config configs/tiny.yaml [--model.context_length 1024] [--data.batch_size 8]
         [--trainer.precision bf16-mixed] [--model.attention naive] [--gpu-memory-gib 80] [--mode train]
         [--model.activation_checkpointing full] [--model.optimizer_in_backward true] [--model.loss_chunk_tokens 4096]
-        [--trainer.strategy ddp --trainer.devices 2]
+        [--trainer.strategy ddp --trainer.devices 2] [--trainer.num_nodes 2]
+        [--calibrate bench_model.json] [--comm bench_comm.json] [--mfu 0.4] [--inter-node-gbps 45]
 
 "Fits" is judged against the device's usable capacity: its total memory (``torch.cuda.mem_get_info`` when a GPU
 is visible, else ``--gpu-memory-gib``) less 1 GiB for the CUDA context and kernel images and 5% for the caching
 allocator's fragmentation (``lmtrain.memory_plan.device_capacity_bytes``). Under ``--trainer.strategy ddp`` or
 FSDP2 (``ModelParallelStrategy``) the plan is per GPU, with ``--trainer.devices`` x ``--trainer.num_nodes`` GPUs
 (``data.batch_size`` is per GPU).
+
+The step time (``lmtrain.step_time``; the model is stated in ``docs/distributed.md``, "Predicting step time") scales a
+one-GPU step (``--calibrate``: a ``bench model`` record or a calibration file; otherwise the step's FLOPs at
+``--mfu``, printed as an assumption) to the GPUs of the trainer with the bus bandwidths of a ``bench comm`` record
+(``--comm``; otherwise ``--intra-node-gbps``), and under several GPUs compares FSDP2 with DDP.
 
 The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.cli_config``): the same
 sections, links, defaults and dotted overrides, so any option of ``fit`` is accepted here. The formula is in

@@ -12,8 +12,9 @@ liveness apart from the collectives, so it works alike for NCCL and gloo:
   a store that stops answering means rank 0, which serves it, is gone. The watchdog then prints
   ``error: rank R stopped: ...`` on stderr and ends its own process with exit status :data:`PEER_LOST_STATUS`
   (``os._exit``: the main thread may be blocked in a collective that never returns).
-- A rank that finishes (``teardown``) or fails with an exception of its own (``on_exception``) says so in the store
-  first: the others do not count a finished rank as dead, and stop at once, naming it, when one failed.
+- A rank that finishes (``teardown``), fails with an exception of its own or is interrupted (``on_exception``) says
+  so in the store first: the others do not count a finished rank as dead, and stop at once, naming it, when one
+  failed or was interrupted.
 - When a collective fails first (gloo notices a closed socket at once), ``on_exception`` waits up to ``timeout_s``
   for the watchdog's verdict, so that the line names the rank instead of a socket.
 
@@ -62,7 +63,8 @@ class PeerMonitor:
         self.store.add(_BEAT.format(self.rank), 1)
 
     def mark(self, state: str) -> None:
-        """Record this rank's end state: ``done`` (left normally) or ``failed`` (an exception of its own)."""
+        """Record this rank's end state: ``done`` (left normally), ``failed`` (an exception of its own) or
+        ``interrupted`` (Ctrl+C)."""
         self.store.set(_STATE.format(self.rank), state)
 
     def wait_for_others(self) -> None:
@@ -89,6 +91,8 @@ class PeerMonitor:
                 state = self._state(rank)
                 if state == "failed":
                     return f"rank {rank} stopped: it failed with an error (see its own output)."
+                if state == "interrupted":
+                    return f"rank {rank} stopped: it was interrupted (Ctrl+C)."
                 if state == "done":
                     self.finished.add(rank)
                     continue
@@ -152,6 +156,9 @@ class RankWatchdog(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.monitor is None:
+            return
+        if isinstance(exception, KeyboardInterrupt):
+            self._end("interrupted")  # a second Ctrl+C stops at once: the others stop too, naming this rank
             return
         # A collective may fail before the heartbeats tell (gloo sees the closed socket at once): wait for the
         # watchdog's verdict, which names the rank, before this exception's traceback would.

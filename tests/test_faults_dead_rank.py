@@ -23,7 +23,7 @@ from subprocs import ROOT, own_job_env
 
 from lmtrain.faults import PEER_LOST_STATUS, PeerMonitor
 
-CONFIG = """
+CPU_CONFIG = """
 seed_everything: 0
 model: {size: tiny, vocab_size: 256, context_length: 32, warmup_steps: 0, fused_adamw: false}
 data: {source: synthetic, batch_size: 2, train_batches: 1000, val_batches: 1}
@@ -42,6 +42,15 @@ trainer:
       init_args: {timeout_s: 5.0, interval_s: 0.5}
     - class_path: test_faults_dead_rank.KillAtStep
       init_args: {rank: KILLED, step: 3}
+"""
+#: The GPU run: the shipped FSDP2 config cut to 2 blocks, with the watchdog that every fit runs (30 s).
+GPU_OVERLAY = """
+trainer:
+  max_steps: 1000
+  enable_progress_bar: false
+  callbacks:
+    - class_path: test_faults_dead_rank.KillAtStep
+      init_args: {rank: KILLED, step: 5}
 """
 
 
@@ -63,27 +72,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("killed", [0, 1])
-def test_a_killed_rank_stops_the_other_naming_it(killed: int, tmp_path: Path) -> None:
-    (tmp_path / "run.yaml").write_text(CONFIG.replace("KILLED", str(killed)))
-    base = {**own_job_env(ROOT / "tests"), "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
-    args = [sys.executable, "-m", "lmtrain", "fit", "--config", "run.yaml"]
+def _kill_one_rank(tmp_path: Path, config_args: list[str], killed: int, env: dict[str, str]) -> None:
+    """Start both ranks, let rank ``killed`` SIGKILL itself, check that the other stops naming it."""
+    base = {**own_job_env(ROOT / "tests"), **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    args = [sys.executable, "-m", "lmtrain", "fit", *config_args]
     ranks = [subprocess.Popen(args, cwd=tmp_path, env={**base, "LOCAL_RANK": str(r), "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
-        # The guard against the collective's own timeout (30 min under gloo): the survivor stops long before it.
-        outputs = [p.communicate(timeout=300) for p in ranks]
+        # The guard against the collective's own timeout (30 min): the survivor stops long before it.
+        outputs = [p.communicate(timeout=600) for p in ranks]
     finally:
         for p in ranks:
             p.kill()
     survivor = 1 - killed
-    assert ranks[killed].returncode == -signal.SIGKILL
+    assert ranks[killed].returncode == -signal.SIGKILL, outputs[killed][1][-3000:]
     assert ranks[survivor].returncode == PEER_LOST_STATUS, outputs[survivor][1][-3000:]
     lines = [line for line in outputs[survivor][1].splitlines() if line.startswith("error:")]
+    print(lines)
     assert len(lines) == 1 and lines[0].startswith(f"error: rank {killed} stopped"), lines
     assert f"Stopping rank {survivor}" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_stops_the_other_naming_it(killed: int, tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(CPU_CONFIG.replace("KILLED", str(killed)))
+    _kill_one_rank(tmp_path, ["--config", "run.yaml"], killed, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_stops_the_other_on_2_gpus(killed: int, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    (tmp_path / "overlay.yaml").write_text(GPU_OVERLAY.replace("KILLED", str(killed)))
+    _kill_one_rank(tmp_path, ["--config", str(ROOT / "configs" / "2.7B_bf16_fsdp.yaml"), "--config", "overlay.yaml",
+                              "--model.num_layers", "2"], killed, {})
 
 
 class Clock:
@@ -126,6 +153,8 @@ def test_finished_and_failed_ranks() -> None:
     assert zero.check() is None
     one.mark("failed")
     assert zero.check() == "rank 1 stopped: it failed with an error (see its own output)."
+    one.mark("interrupted")
+    assert zero.check() == "rank 1 stopped: it was interrupted (Ctrl+C)."
 
 
 class GoneStore:
