@@ -138,6 +138,7 @@ class RankWatchdog(pl.Callback):
         self.monitor = PeerMonitor(store, trainer.global_rank, trainer.world_size, self.timeout_s, self.interval_s)
         self.monitor.beat()
         self._stop.clear()
+        self._verdict = None
         self._thread = threading.Thread(target=self._watch, name="lmtrain-rank-watchdog", daemon=True)
         self._thread.start()
 
