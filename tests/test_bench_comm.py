@@ -60,3 +60,18 @@ def test_a_file_that_is_no_record_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"rows": []}))
     with pytest.raises(LmtrainError, match="not a bench comm record"):
         read_record(path)
+
+
+@pytest.mark.gpu
+def test_two_gpus_reach_a_bus_bandwidth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--devices", "2", "--sizes", "1M,256M", "--out", str(out)]) == 0
+    record = read_record(out)
+    assert record["meta"]["backend"] == "nccl" and len(record["rows"]) == 6
+    print(capsys.readouterr().out)
+    # NVLink or PCIe, a 256 MiB collective between two GPUs moves well over 1 GB/s per link.
+    assert all(r["busbw_gbps"] > 1.0 for r in record["rows"] if r["bytes"] == 256 * 2**20)

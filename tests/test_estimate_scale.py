@@ -168,3 +168,13 @@ def test_estimate_prints_the_prediction_with_its_inputs(tmp_path: Path, capsys: 
     assert f"from {calibration}" in out and f"{comm} (X, 2 ranks)" in out
     assert "between nodes: 0.5 GB/s per GPU (assumed)" in out
     assert "| fsdp " in out and "| ddp " in out and "on 8 GPUs" in out
+
+
+def test_estimate_at_64_gpus_states_its_assumptions(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--config", str(ROOT / "configs" / "2.7B_bf16_fsdp.yaml"), "--trainer.devices", "8",
+            "--trainer.num_nodes", "8", "--mfu", "0.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, fsdp over 64 GPUs" in out and "prediction: fsdp on 64 GPU(s) over 8 nodes" in out
+    assert "from assumed: the step's FLOPs at MFU 0.5" in out
+    assert "assumed 350 GB/s for every collective" in out and "45 GB/s per GPU (assumed)" in out
