@@ -214,7 +214,9 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
               "block's are exposed); in backward the next all-gather and the previous reduce-scatter hide behind a "
               "block's backward, the last two reduce-scatters are exposed; DDP: all but the last 25 MiB bucket of the "
               "all-reduce hides behind the backward"]
-    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, world, nodes, network, tokens)
+    # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
+    ranks = 1 if strategy == "single" else world
+    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens)
     lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication",
              describe(chosen, inputs)]
     if world > 1:
