@@ -15,6 +15,11 @@ Three pieces:
   (Lightning alone would open ``version_N+1`` and, looking for ``last`` there, find nothing and start from
   scratch).
 
+Under FSDP2 (``ModelParallelStrategy``) ``last.ckpt`` is a folder, a distributed checkpoint: each rank writes its
+shards and rank 0 the rest (``meta.pt``); ``--ckpt_path last`` finds it and resumes it on the same number of ranks
+like a file. On several ranks ``CheckpointOnSignal`` also runs ``lmtrain.faults.RankWatchdog``, which stops every
+rank within a minute, naming it, when one dies.
+
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
 saved): tiny 13 MB, small 1.44 GiB, medium 4.73 GiB, large 10.8 GiB, xl 22.3 GiB, 2.7B 38.1 GiB per file
