@@ -19,7 +19,9 @@ The model (also in ``docs/distributed.md``, "Predicting step time"); every rank 
   block k+1's reduce-scatter; the last two reduce-scatters (block 0, then the root) are exposed. DDP: the all-reduce
   hides behind the backward except its last bucket.
 
-Step = forward + backward + optimizer + exposed communication; tokens/s = N x batch x context / step.
+Step = forward + backward + optimizer + exposed communication; tokens/s = N x batch x context / step. Not modelled:
+compute slowed by the collectives it overlaps, host launch overhead, stragglers: the prediction is what a
+well-overlapped run approaches.
 """
 
 from __future__ import annotations
