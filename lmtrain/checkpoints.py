@@ -15,6 +15,11 @@ Three pieces:
   (Lightning alone would open ``version_N+1`` and, looking for ``last`` there, find nothing and start from
   scratch).
 
+Under FSDP2 (``ModelParallelStrategy``) ``last.ckpt`` is a folder, a distributed checkpoint: each rank writes its
+shards and rank 0 the rest (``meta.pt``); ``--ckpt_path last`` finds it and resumes it on the same number of ranks
+like a file. On several ranks ``CheckpointOnSignal`` also runs ``lmtrain.faults.RankWatchdog``, which stops every
+rank within a minute, naming it, when one dies.
+
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
 saved): tiny 13 MB, small 1.44 GiB, medium 4.73 GiB, large 10.8 GiB, xl 22.3 GiB, 2.7B 38.1 GiB per file
@@ -80,13 +85,19 @@ class CheckpointOnSignal(pl.Callback):
             than the final step (a ModelCheckpoint every N steps misses the last steps otherwise).
         agree_every_n_steps: on several ranks, how often (in optimizer steps) the ranks check whether any of
             them was signalled; None: ``trainer.log_every_n_steps``.
+        peer_timeout_s: on several ranks, stop when another rank has been dead this long, naming it
+            (``lmtrain.faults.RankWatchdog``; a ``RankWatchdog`` among the trainer's callbacks replaces this one);
+            None: no watchdog.
     """
 
     def __init__(self, signals: tuple[str, ...] = ("SIGINT", "SIGTERM"), save_on_train_end: bool = True,
-                 agree_every_n_steps: int | None = None) -> None:
+                 agree_every_n_steps: int | None = None, peer_timeout_s: float | None = 30.0) -> None:
+        from lmtrain.faults import RankWatchdog
+
         self.signals = tuple(signals)
         self.save_on_train_end = save_on_train_end
         self.agree_every_n_steps = agree_every_n_steps
+        self.watchdog = RankWatchdog(peer_timeout_s) if peer_timeout_s is not None else None
         self.received: str | None = None
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
@@ -106,6 +117,16 @@ class CheckpointOnSignal(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received, self._saved_step = None, None
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lmtrain.faults import RankWatchdog
+
+        if self.watchdog is not None and not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
+            self.watchdog.setup(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.watchdog is not None:
+            self.watchdog.on_exception(trainer, pl_module, exception)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.checkpoint_callback is None:
             return  # checkpointing is off (e.g. the large sizes' benchmarks): signals keep their usual meaning
@@ -124,6 +145,8 @@ class CheckpointOnSignal(pl.Callback):
         self._previous.clear()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.teardown(trainer, pl_module, stage)
         self._restore_handlers()  # after an exception, when on_train_end does not run
         if self._paused_save_last is not None:
             callback, value = self._paused_save_last
@@ -255,11 +278,30 @@ class ResumedProgressBar(pl.Callback):
                 callback.train_progress_bar.refresh()
 
 
+#: The file of a distributed checkpoint folder that holds everything but the weights and optimizer states (loops,
+#: hyperparameters, callbacks, data position): Lightning's ``ModelParallelStrategy`` writes it beside the shards.
+DISTRIBUTED_METADATA = "meta.pt"
+
+
+def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a distributed checkpoint: the folder ``ModelParallelStrategy`` (FSDP2) saves, one shard
+    file per rank (torch.distributed.checkpoint) plus :data:`DISTRIBUTED_METADATA`."""
+    path = Path(path)
+    return path.is_dir() and (path / DISTRIBUTED_METADATA).is_file()
+
+
+def _saved_at(path: Path) -> float:
+    """When a checkpoint was last written: a file's modification time, a distributed checkpoint's metadata file's
+    (rewriting the shards in place leaves the folder's own time unchanged)."""
+    return (path / DISTRIBUTED_METADATA if path.is_dir() else path).stat().st_mtime
+
+
 def find_last_checkpoint(save_dir: str | os.PathLike = "logs", name: str = "lmtrain") -> Path | None:
-    """The newest (by modification time) ``last*.ckpt`` under ``<save_dir>/<name>/version_*/checkpoints``."""
+    """The newest (by modification time) ``last*.ckpt`` under ``<save_dir>/<name>/version_*/checkpoints``: a file,
+    or under FSDP2 a distributed checkpoint folder (:func:`is_distributed_checkpoint`)."""
     root = Path(save_dir) / name
-    found = [p for p in root.glob("version_*/checkpoints/last*.ckpt") if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    found = [p for p in root.glob("version_*/checkpoints/last*.ckpt") if p.is_file() or is_distributed_checkpoint(p)]
+    return max(found, key=_saved_at) if found else None
 
 
 def run_version(ckpt_path: str | os.PathLike, save_dir: str | os.PathLike = "logs",
@@ -316,7 +358,7 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
         return
     _resolve_in_log_dir(config, subcommand, ckpt_path)
     ckpt_path = _get(config, "ckpt_path")
-    if ckpt_path is not None and Path(ckpt_path).is_file():
+    if ckpt_path is not None and (Path(ckpt_path).is_file() or is_distributed_checkpoint(ckpt_path)):
         check_checkpoint_model(ckpt_path, _get(config, "model"))
         if subcommand == "fit":
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
@@ -338,13 +380,16 @@ def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> Non
 
 
 def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's contents, memory-mapped (the weights are not read until used).
+    """A checkpoint's contents, memory-mapped (the weights are not read until used). Of a distributed checkpoint
+    folder (FSDP2), everything but the sharded weights and optimizer states: its :data:`DISTRIBUTED_METADATA`.
 
     Raises:
         LmtrainError: the file is not a checkpoint (truncated, another format, not a file).
     """
     import torch
 
+    if is_distributed_checkpoint(ckpt_path):
+        ckpt_path = Path(ckpt_path) / DISTRIBUTED_METADATA
     try:
         return torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors alike: the file is no checkpoint
@@ -410,11 +455,11 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
                                f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
         ckpt_path = str(found)
         _set(config, "ckpt_path", ckpt_path)
-    elif Path(ckpt_path).is_dir():
+    elif Path(ckpt_path).is_dir() and not is_distributed_checkpoint(ckpt_path):
         raise LmtrainError("ckpt_path", f"{ckpt_path} is a folder, not a checkpoint file.",
                            f"give a file inside it, e.g. {Path(ckpt_path) / 'checkpoints' / LAST} or "
                            f"{Path(ckpt_path) / LAST}, or use --ckpt_path last.")
-    elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).is_file():
+    elif ckpt_path not in ("best", "hpc", "registry") and not Path(ckpt_path).exists():
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
     if ckpt_path in ("best", "hpc", "registry"):

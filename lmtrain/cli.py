@@ -38,6 +38,7 @@ BENCH_COMMANDS: dict[str, str] = {
     "overhead": "lmtrain.bench.overhead",
     "callbacks": "lmtrain.bench.callbacks",
     "optimizer": "lmtrain.bench.optimizer",
+    "comm": "lmtrain.bench.comm",
 }
 #: Other commands, same protocol. ``analyze`` may be missing from a checkout: help then says so.
 TOOL_COMMANDS: dict[str, str] = {"estimate": "lmtrain.estimate", "analyze": "lmtrain.analysis.cli",

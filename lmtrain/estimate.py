@@ -1,16 +1,22 @@
-"""Memory plan of a config: parameters, gradients, AdamW states, activations, peak, and the largest context that fits.
+"""Memory plan and step time of a config: memory per GPU, the largest context that fits, step time and tokens/s.
 
     python -m lmtrain estimate --config configs/tiny.yaml [--model.context_length 1024] [--data.batch_size 8]
         [--trainer.precision bf16-mixed] [--model.attention naive] [--gpu-memory-gib 80] [--mode train]
         [--model.activation_checkpointing full] [--model.optimizer_in_backward true] [--model.loss_chunk_tokens 4096]
         [--model.float8 tensorwise]
-        [--trainer.strategy ddp --trainer.devices 2]
+        [--trainer.strategy ddp --trainer.devices 2] [--trainer.num_nodes 2]
+        [--calibrate bench_model.json] [--comm bench_comm.json] [--mfu 0.4] [--inter-node-gbps 45]
 
 "Fits" is judged against the device's usable capacity: its total memory (``torch.cuda.mem_get_info`` when a GPU
 is visible, else ``--gpu-memory-gib``) less 1 GiB for the CUDA context and kernel images and 5% for the caching
 allocator's fragmentation (``lmtrain.memory_plan.device_capacity_bytes``). Under ``--trainer.strategy ddp`` or
 FSDP2 (``ModelParallelStrategy``) the plan is per GPU, with ``--trainer.devices`` x ``--trainer.num_nodes`` GPUs
 (``data.batch_size`` is per GPU).
+
+The step time (``lmtrain.step_time``; the model is stated in ``docs/distributed.md``, "Predicting step time") scales a
+one-GPU step (``--calibrate``: a ``bench model`` record or a calibration file; otherwise the step's FLOPs at
+``--mfu``, printed as an assumption) to the GPUs of the trainer with the bus bandwidths of a ``bench comm`` record
+(``--comm``; otherwise ``--intra-node-gbps``), and under several GPUs compares FSDP2 with DDP.
 
 The config is resolved by the parser of ``python -m lmtrain fit`` (``lmtrain.cli_config``): the same
 sections, links, defaults and dotted overrides, so any option of ``fit`` is accepted here. The formula is in
@@ -67,6 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="total memory of the GPU to plan for, GiB, used when no GPU is visible (default "
                              f"{H100_80GB_GIB}, what CUDA reports for an 80 GB H100); the allowances for the CUDA "
                              "context and fragmentation are taken off")
+    step = parser.add_argument_group("step time (the model: docs/distributed.md, Predicting step time)")
+    step.add_argument("--calibrate", default=None, metavar="FILE",
+                      help="the one-GPU step: a `bench model --out` JSON record (a timed training row at this size, "
+                           'batch, context and precision) or {"forward_ms": F, "backward_ms": B, "optimizer_ms": O}; '
+                           "without it the step's FLOPs at --mfu")
+    step.add_argument("--comm", default=None, metavar="FILE",
+                      help="a `bench comm --out` JSON record: the bus bandwidths per message size; without it "
+                           "--intra-node-gbps")
+    step.add_argument("--mfu", type=float, default=0.4,
+                      help="model FLOPs utilisation assumed without --calibrate (default 0.4)")
+    step.add_argument("--memory-gbps", type=float, default=3000.0,
+                      help="device memory bandwidth for AdamW assumed without --calibrate, GB/s (default 3000, what a "
+                           "copy reaches on an H100 SXM)")
+    step.add_argument("--intra-node-gbps", type=float, default=350.0,
+                      help="bus bandwidth inside a node assumed without --comm, GB/s (default 350: NVLink 4)")
+    step.add_argument("--inter-node-gbps", type=float, default=45.0,
+                      help="bus bandwidth per GPU between nodes, GB/s, assumed (default 45: one 400 Gb/s network "
+                           "interface per GPU at 90%%)")
 
 
 def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
@@ -141,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{plan.needed / GIB:.2f} GiB{needed} {verdict} in {capacity / GIB:.2f} GiB usable (device total less 1 GiB "
           f"for the CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch "
           f"at context {cfg.context_length}: {max_b}.")
+    print()
+    print(step_time_text(args, resolved, cfg, batch, precision, strategy, world))
     if cfg.attention == "flash_triton":
         print()
         print(flash_kernel_lines(cfg.context_length, cfg.d_model // cfg.num_heads, precision))
@@ -155,6 +181,84 @@ def float8_line(cfg: ModelConfig) -> str:
     total = cfg.num_layers * len(shapes) + 1
     return (f"float8 {cfg.float8} on {per_block * cfg.num_layers + head} of {total} linear layers (in and out "
             f"features >= {cfg.float8_min_features}, head {'included' if head else 'not converted'})")
+
+
+def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: ModelConfig, batch: int, precision: str,
+                   strategy: str, world: int) -> str:
+    """The step-time prediction (``lmtrain.step_time``) with its inputs, and under several GPUs FSDP2 against DDP."""
+    import torch
+
+    from lmtrain.bench.comm import read_record
+    from lmtrain.flops import peak_flops
+    from lmtrain.step_time import (
+        describe,
+        network_from_record,
+        one_gpu_from_flops,
+        one_gpu_from_record,
+        predict,
+        units,
+    )
+
+    nodes = max(1, int(resolved.trainer.get("num_nodes") or 1))
+    if args.calibrate:
+        one = one_gpu_from_record(_read_json(args.calibrate, "--calibrate"), args.calibrate,
+                                  resolved.model.get("size"), batch, cfg.context_length, precision, cfg.attention,
+                                  cfg.compile)
+    else:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100"
+        peak = peak_flops(device, precision)
+        if peak is None:
+            return (f"step time: not predicted: no peak FLOP/s is known for {device!r} to assume the step from "
+                    "(give a measured one-GPU step with --calibrate FILE).")
+        one = one_gpu_from_flops(cfg, batch, cfg.context_length, peak, args.mfu, args.memory_gbps)
+    record = read_record(args.comm) if args.comm else None
+    network = network_from_record(record, args.comm or "assumed", args.intra_node_gbps, args.inter_node_gbps)
+    where = (f"{args.comm} ({record['meta'].get('device')}, {record['meta'].get('world_size')} ranks)" if record
+             else f"assumed {args.intra_node_gbps:g} GB/s for every collective")
+    u = units(cfg, batch, cfg.context_length, precision)
+    tokens = batch * cfg.context_length
+    inputs = [f"one-GPU step: forward {one.forward_ms:.2f} ms, backward {one.backward_ms:.2f} ms, optimizer "
+              f"{one.optimizer_ms:.2f} ms; from {one.source}",
+              f"bus bandwidth inside a node: {where}",
+              f"bus bandwidth between nodes: {args.inter_node_gbps:g} GB/s per GPU (assumed)" if nodes > 1 else
+              f"one node ({world} GPUs)",
+              f"FSDP units: {u.layers} blocks of {u.block_params:,} parameters and the root of {u.root_params:,}; "
+              f"all-gather {u.gather_bytes} bytes per parameter, gradients reduced in {u.grad_bytes}",
+              "overlap: each block's all-gather hides behind the previous block's compute (the root's and the first "
+              "block's are exposed); in backward the next all-gather and the previous reduce-scatter hide behind a "
+              "block's backward, the last two reduce-scatters are exposed; DDP: all but the last 25 MiB bucket of the "
+              "all-reduce hides behind the backward"]
+    # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
+    ranks = 1 if strategy == "single" else world
+    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens)
+    lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication",
+             describe(chosen, inputs)]
+    if world > 1:
+        single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens)
+        body = []
+        for kind in ("fsdp", "ddp"):
+            p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens)
+            body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.tokens_per_s:,.0f}",
+                         f"{p.tokens_per_s / world:,.0f}", f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
+        from lmtrain.bench.tables import markdown_table
+
+        lines += ["", f"on {world} GPUs (1 GPU: {single.step_ms:.2f} ms, {single.tokens_per_s:,.0f} tokens/s):",
+                  markdown_table(["strategy", "step ms", "exposed ms", "tokens/s", "tokens/s per GPU", "scaling"],
+                                 body)]
+    return "\n".join(lines)
+
+
+def _read_json(path: str, option: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise LmtrainError(option, f"{path} cannot be read as JSON ({exc}).", "give a JSON file.") from None
+    if not isinstance(data, dict):
+        raise LmtrainError(option, f"{path} holds no JSON object.", "give a record or a calibration file.")
+    return data
 
 
 def flash_kernel_lines(seq_len: int, head_dim: int, precision: str) -> str:

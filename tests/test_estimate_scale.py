@@ -1,0 +1,180 @@
+"""The step-time model behind ``estimate --trainer.devices N`` (``lmtrain.step_time``), on constructed inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmtrain.cli import main
+from lmtrain.config import ModelConfig
+from lmtrain.errors import LmtrainError
+from lmtrain.flops import flops_per_step, parameter_count
+from lmtrain.step_time import (
+    DDP_BUCKET_BYTES,
+    BusBandwidth,
+    Network,
+    Units,
+    collective_ms,
+    network_from_record,
+    one_gpu_from_flops,
+    one_gpu_from_record,
+    predict,
+    units,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _network(gbps: float, inter: float = 1.0) -> Network:
+    flat = BusBandwidth.constant(gbps)
+    return Network(flat, flat, flat, inter)
+
+
+def test_collective_times_follow_the_bus_bandwidth_definition() -> None:
+    # 1 GB over 4 ranks at 100 GB/s: each rank's link carries 3/4 of it (all-reduce: twice).
+    assert collective_ms("all_gather", 10**9, 4, 100.0) == pytest.approx(7.5)
+    assert collective_ms("reduce_scatter", 10**9, 4, 100.0) == pytest.approx(7.5)
+    assert collective_ms("all_reduce", 10**9, 4, 100.0) == pytest.approx(15.0)
+    assert collective_ms("all_gather", 10**9, 1, 100.0) == 0.0
+
+
+def test_bandwidth_is_interpolated_on_log_size_and_clamped() -> None:
+    curve = BusBandwidth((1000, 100_000), (10.0, 30.0))
+    assert curve.at(10_000) == pytest.approx(20.0)
+    assert curve.at(10) == 10.0 and curve.at(10**9) == 30.0
+    network = Network(curve, curve, curve, inter_node_gbps=12.0)
+    assert network.busbw("all_gather", 10**9, nodes=1) == 30.0
+    assert network.busbw("all_gather", 10**9, nodes=2) == 12.0  # across nodes the network interface limits
+
+
+# Three blocks of 1000 parameters (30% of the FLOPs each), a root of 500; bf16 gathers, fp32 gradients. At 1e-3 GB/s
+# on 2 ranks an all-gather or reduce-scatter of S bytes takes S * (1/2) / 1e6 s = S * 0.5e-3 ms: of a block (2000
+# bytes) 1 ms, of the root 0.5 ms; reduce-scatter of a block (4000 bytes) 2 ms, of the root 1 ms.
+SMALL = Units(layers=3, block_params=1000, root_params=500, block_flops_share=0.3, gather_bytes=2, grad_bytes=4)
+
+
+def test_fsdp_step_when_compute_hides_the_collectives() -> None:
+    p = predict(SMALL, forward_ms=10.0, backward_ms=20.0, optimizer_ms=8.0, strategy="fsdp", world_size=2, nodes=1,
+                network=_network(1e-3), tokens_per_step=1000)
+    assert p.terms == pytest.approx({"all_gather_block": 1.0, "all_gather_root": 0.5, "reduce_scatter_block": 2.0,
+                                     "reduce_scatter_root": 1.0})
+    # Forward: root + first block exposed (1.5); blocks of 3 ms hide the next 1 ms gathers. Backward: blocks of 6 ms
+    # hide 2, 3 and 1 ms; block 0's and the root's reduce-scatters (2 + 1) are exposed.
+    assert p.exposed_ms == pytest.approx(4.5)
+    # Gathers: root, 3 blocks forward, 2 blocks again backward; 3 block and one root reduce-scatters.
+    assert p.communication_ms == pytest.approx(0.5 + 3 + 2 + 6 + 1)
+    assert p.optimizer_ms == 4.0  # the shard's half
+    assert p.step_ms == pytest.approx(10 + 20 + 4 + 4.5)
+    assert p.tokens_per_s == pytest.approx(2 * 1000 / 38.5e-3)
+
+
+def test_fsdp_step_when_the_collectives_outlast_the_compute() -> None:
+    p = predict(SMALL, forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.0, strategy="fsdp", world_size=2, nodes=1,
+                network=_network(1e-3), tokens_per_step=1000)
+    # Forward blocks of 0.3 ms: 0.7 ms of each later gather shows. Backward blocks of 0.6 ms under 2, 3 and 1 ms.
+    forward = 0.5 + 1.0 + 2 * 0.7
+    backward = (2 - 0.6) + (3 - 0.6) + (1 - 0.6) + 2 + 1
+    assert p.exposed_ms == pytest.approx(forward + backward)
+
+
+def test_ddp_step_exposes_what_the_backward_does_not_hide() -> None:
+    big = Units(layers=3, block_params=10_000_000, root_params=5_000_000, block_flops_share=0.3, gather_bytes=2,
+                grad_bytes=4)
+    p = predict(big, forward_ms=1.0, backward_ms=1.0, optimizer_ms=8.0, strategy="ddp", world_size=2, nodes=1,
+                network=_network(100.0), tokens_per_step=1000)
+    # 35M fp32 gradients, 140 MB: an all-reduce over 2 ranks at 100 GB/s takes 1.4 ms, one 25 MiB bucket 0.262 ms.
+    assert p.communication_ms == pytest.approx(1.4)
+    assert p.terms["all_reduce_last_bucket"] == pytest.approx(DDP_BUCKET_BYTES / 1e11 * 1e3)
+    assert p.exposed_ms == pytest.approx(0.4)
+    assert p.optimizer_ms == 8.0  # every rank updates every parameter
+    slow = predict(big, 1.0, 10.0, 8.0, "ddp", 2, 1, _network(100.0), 1000)
+    assert slow.exposed_ms == pytest.approx(DDP_BUCKET_BYTES / 1e11 * 1e3)  # only the last bucket
+
+
+def test_one_gpu_and_inter_node_cases() -> None:
+    one = predict(SMALL, 10.0, 20.0, 8.0, "fsdp", world_size=1, nodes=1, network=_network(1e-3), tokens_per_step=100)
+    assert one.step_ms == 38.0 and one.exposed_ms == 0.0
+    # Two nodes: the inter-node ceiling (half the bandwidth here) doubles every collective.
+    across = predict(SMALL, 10.0, 20.0, 8.0, "fsdp", 2, nodes=2, network=_network(1e-3, inter=0.5e-3),
+                     tokens_per_step=1000)
+    assert across.terms["all_gather_block"] == pytest.approx(2.0)
+
+
+def test_units_of_a_model_add_up_to_its_parameters() -> None:
+    cfg = ModelConfig.from_size("tiny", vocab_size=256)
+    u = units(cfg, 4, 64, "bf16-mixed")
+    assert u.layers * u.block_params + u.root_params == parameter_count(cfg)
+    assert (u.gather_bytes, u.grad_bytes) == (2, 4)
+    assert units(cfg, 4, 64, "32-true").gather_bytes == 4 and units(cfg, 4, 64, "bf16-true").grad_bytes == 2
+    head = 6 * 4 * 64 * cfg.d_model * 256
+    assert u.layers * u.block_flops_share == pytest.approx(1 - head / flops_per_step(cfg, 4, 64))
+
+
+def test_one_gpu_step_from_flops() -> None:
+    cfg = ModelConfig.from_size("tiny", vocab_size=256)
+    one = one_gpu_from_flops(cfg, 4, 64, peak_flops=1e12, mfu=0.5, memory_gbps=100.0)
+    compute = flops_per_step(cfg, 4, 64) / 0.5e12 * 1e3
+    assert one.forward_ms == pytest.approx(compute / 3) and one.backward_ms == pytest.approx(2 * compute / 3)
+    assert one.optimizer_ms == pytest.approx(28 * parameter_count(cfg) / 100e9 * 1e3)
+    assert "MFU 0.5" in one.source
+
+
+def _row(**kw: object) -> dict:
+    return {"status": "ok", "mode": "train", "size": "tiny", "batch_size": 4, "context": 64, "precision": "bf16-mixed",
+            "attention": "sdpa", "compile": "off", "forward_ms_mean": 1.0, "backward_ms_mean": 2.0,
+            "optimizer_ms_mean": 3.0, "key": "k", **kw}
+
+
+def test_one_gpu_step_from_a_bench_model_record() -> None:
+    record = {"meta": {}, "rows": [_row(context=128, forward_ms_mean=9.0), _row(attention="naive", key="naive"),
+                                   _row(forward_ms_mean=5.0, key="sdpa")]}
+    one = one_gpu_from_record(record, "r.json", "tiny", 4, 64, "bf16-mixed", attention="sdpa", compile=False)
+    assert (one.forward_ms, one.backward_ms, one.optimizer_ms) == (5.0, 2.0, 3.0) and "sdpa" in one.source
+    with pytest.raises(LmtrainError, match="no timed training step of tiny at batch 8") as info:
+        one_gpu_from_record(record, "r.json", "tiny", 8, 64, "bf16-mixed")
+    assert "tiny batch 4 context 64 bf16-mixed" in str(info.value)
+    given = one_gpu_from_record({"forward_ms": 1, "backward_ms": 2, "optimizer_ms": 0.5}, "c.json", "tiny", 4, 64,
+                                "bf16-mixed")
+    assert (given.forward_ms, given.backward_ms, given.optimizer_ms) == (1.0, 2.0, 0.5)
+
+
+def test_network_from_a_bench_comm_record() -> None:
+    rows = [{"op": "all_gather", "bytes": 1000, "busbw_gbps": 10.0}, {"op": "all_gather", "bytes": 100_000,
+                                                                      "busbw_gbps": 30.0}]
+    network = network_from_record({"meta": {"world_size": 2}, "rows": rows}, "c.json", 99.0, 7.0)
+    assert network.all_gather.at(10_000) == pytest.approx(20.0)
+    assert network.reduce_scatter.at(10_000) == 99.0  # not measured: the assumed value
+    assert network.inter_node_gbps == 7.0
+
+
+def test_estimate_prints_the_prediction_with_its_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calibration = tmp_path / "one.json"
+    calibration.write_text(json.dumps({"forward_ms": 10.0, "backward_ms": 20.0, "optimizer_ms": 8.0}))
+    comm = tmp_path / "comm.json"
+    comm.write_text(json.dumps({"meta": {"world_size": 2, "device": "X"}, "rows": [
+        {"op": op, "bytes": 10**6, "busbw_gbps": 1.0} for op in ("all_gather", "reduce_scatter", "all_reduce")]}))
+    args = ["estimate", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.devices", "4",
+            "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--calibrate", str(calibration), "--comm",
+            str(comm), "--inter-node-gbps", "0.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    cfg = ModelConfig.from_size("tiny", vocab_size=256, context_length=128)
+    u = units(cfg, 16, 128, "32-true")
+    flat = BusBandwidth.constant(1.0)
+    expected = predict(u, 10.0, 20.0, 8.0, "ddp", 8, 2, Network(flat, flat, flat, 0.5), 16 * 128)
+    assert f"= step {expected.step_ms:.2f} ms" in out
+    assert f"from {calibration}" in out and f"{comm} (X, 2 ranks)" in out
+    assert "between nodes: 0.5 GB/s per GPU (assumed)" in out
+    assert "| fsdp " in out and "| ddp " in out and "on 8 GPUs" in out
+
+
+def test_estimate_at_64_gpus_states_its_assumptions(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--config", str(ROOT / "configs" / "2.7B_bf16_fsdp.yaml"), "--trainer.devices", "8",
+            "--trainer.num_nodes", "8", "--mfu", "0.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, fsdp over 64 GPUs" in out and "prediction: fsdp on 64 GPU(s) over 8 nodes" in out
+    assert "from assumed: the step's FLOPs at MFU 0.5" in out
+    assert "assumed 350 GB/s for every collective" in out and "45 GB/s per GPU (assumed)" in out
