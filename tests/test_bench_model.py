@@ -327,3 +327,13 @@ def test_every_step_option_reaches_the_table_and_the_csv_columns() -> None:
     row = bench.base_row(cell)
     assert options_text(row) == "checkpointing full, checkpoint layers 2"
     assert cell.slug.endswith("_acfull_cl2")
+
+
+def test_row_of_a_config_yaml_shows_the_options_that_ran() -> None:
+    """A cell named by a config YAML runs with the YAML's options; its row says so instead of the flag defaults."""
+    cell = bench.Cell("configs/small_bf16_fast.yaml", 512, 4, "bf16-mixed", "sdpa", True, "train", 3, 10)
+    row = bench.base_row(cell)
+    assert cell.cuda_graphs is False and cell.master_weights is False  # the cell's own (default) values
+    assert row["cuda_graphs"] is True and row["master_weights"] is True
+    assert row["optimizer_state_dtype"] == "bfloat16"
+    assert row["size"] == "small_bf16_fast"

@@ -379,6 +379,8 @@ def base_row(cell: Cell) -> dict[str, Any]:
     row["key"] = cell.key()
     try:
         cfg = cell_config(cell)
+        # The options that ran: a config YAML's own values where the cell leaves them at their defaults.
+        row.update({k: getattr(cfg, k) for k in cell.defaults if k != "runner" and hasattr(cfg, k)})
         row["params"] = parameter_count(cfg)
         row["vocab_size"] = cfg.vocab_size
         if cell.precision in PRECISIONS:
