@@ -230,14 +230,17 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
               "all-reduce hides behind the backward"]
     # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
     ranks = 1 if strategy == "single" else world
-    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens)
+    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens,
+                      reshard=cfg.fsdp_reshard_after_forward)
     lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication",
              describe(chosen, inputs)]
     if world > 1:
-        single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens)
+        single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens,
+                      reshard=cfg.fsdp_reshard_after_forward)
         body = []
         for kind in ("fsdp", "ddp"):
-            p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens)
+            p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens,
+                      reshard=cfg.fsdp_reshard_after_forward)
             body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.tokens_per_s:,.0f}",
                          f"{p.tokens_per_s / world:,.0f}", f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
         from lmtrain.bench.tables import markdown_table

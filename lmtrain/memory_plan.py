@@ -123,7 +123,7 @@ memory with 69.5 GiB allocated and 8.1 GiB reserved but free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lmtrain.config import ModelConfig, step_fields
@@ -826,21 +826,29 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
     # FSDP2.
     from lmtrain.distributed import FSDP_PRECISIONS
 
-    if cfg.master_weights:
-        raise LmtrainError("model.master_weights", "is not available with FSDP2 (its mixed-precision policy casts "
-                           "the sharded fp32 weights itself).", "set model.master_weights: false under FSDP2.")
+    if cfg.master_weights and precision != "bf16-mixed":
+        raise LmtrainError("model.master_weights", f"needs trainer.precision bf16-mixed, got {precision}.",
+                           "use trainer.precision: bf16-mixed, or model.master_weights: false.")
     if precision not in FSDP_PRECISIONS:
         raise ValueError(f"FSDP2 runs in {FSDP_PRECISIONS}, got {precision!r}")
     # param_dtype: bf16 under bf16-mixed (the policy), else the parameters' own; reduce_dtype: fp32 or w.
     gather, reduce = (2, 4) if precision == "bf16-mixed" else (w, w)
     act_precision = "bf16-true" if precision == "bf16-mixed" else precision
+    # The activations and transients as under bf16-true; master weights change only the optimizer state (below).
+    act_cfg = replace(cfg, master_weights=False, optimizer_state_dtype="float32") if cfg.master_weights else cfg
     root_shapes, block_shapes = _root_and_block_shapes(cfg)
     sharded = sum(shard_numel(s, world_size) for s in parameter_shapes(cfg))
     root_full = world_size * sum(shard_numel(s, world_size) for s in root_shapes)
     block_full = world_size * sum(shard_numel(s, world_size) for s in block_shapes)
+    # With master weights the fp32 shards are the masters (MasterWeightAdamW(params_are_masters=True)): the state of
+    # a linear weight is its two moments, bf16 under the compact state. The linear share of the shards is taken in
+    # proportion to the parameter counts (padding aside).
+    moment_bytes = 2 if cfg.master_weights and cfg.optimizer_state_dtype == "bfloat16" else w
+    linear_sharded = sharded * linear_parameter_count(cfg) // parameter_count(cfg) if cfg.master_weights else 0
+    states = 2 * linear_sharded * moment_bytes + 2 * (sharded - linear_sharded) * w + parameter_tensor_count(cfg) * 4
     static = {
         "parameters": sharded * w + rope,
-        "optimizer_states": 2 * sharded * w + parameter_tensor_count(cfg) * 4 if mode == "train" else 0,
+        "optimizer_states": states if mode == "train" else 0,
         "root_unsharded": root_full * gather,
         "workspace": workspace,
     }
@@ -854,19 +862,23 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
     in_flight = 2 * gathered_block if cfg.num_layers > 1 else gathered_block
     details["float8_gathered_numel"] = float8_gathered
     if mode == "forward":
-        single = _single_plan(cfg, batch_size, t, act_precision, mode, device_type)
+        single = _single_plan(act_cfg, batch_size, t, act_precision, mode, device_type)
         components = {**static, "blocks_in_flight": in_flight, "transients": single.components["transients"]}
         return MemoryEstimate(components, sum(components.values()), single.moment, details)
-    moments, loss_cache = _activation_moments(cfg, batch_size, t, act_precision, device_type)
+    moments, loss_cache = _activation_moments(act_cfg, batch_size, t, act_precision, device_type)
     block_reduce = block_full * (gather + reduce)  # a block's unsharded gradients + reduce-scatter input
+    # fsdp_reshard_after_forward none: every block stays gathered from its forward to its backward, so all of them
+    # are held when the backward starts (planned at every moment before the end of the backward: an upper bound).
+    held = (cfg.num_layers - 1) * gathered_block if cfg.fsdp_reshard_after_forward == "none" else 0
+    details["blocks_held_bytes"] = held
     totals: dict[str, tuple[int, int, int, int]] = {}  # gradients, buffers, activations, transients
     for k, (activations, transients) in moments.items():
         if k == "end of backward":
             totals[k] = (sharded * w, root_full * (gather + reduce), activations, transients)
         elif k == "last layer backward":
-            totals[k] = (0, in_flight + block_reduce, activations, transients)
+            totals[k] = (0, held + in_flight + block_reduce, activations, transients)
         else:
-            totals[k] = (0, in_flight, activations, transients)
+            totals[k] = (0, held + in_flight, activations, transients)
     moment = max(totals, key=lambda k: sum(totals[k]))
     grads, buffers, activations, transients = totals[moment]
     components = {**static, "gradients": grads, "fsdp_buffers": buffers, "activations": activations,

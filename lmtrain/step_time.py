@@ -154,10 +154,12 @@ def units(cfg: object, batch_size: int, seq_len: int, precision: str) -> Units:
 
 
 def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float, strategy: str, world_size: int,
-            nodes: int, network: Network, tokens_per_step: int) -> StepPrediction:
+            nodes: int, network: Network, tokens_per_step: int, reshard: str = "blocks") -> StepPrediction:
     """The step on ``world_size`` GPUs over ``nodes`` nodes under ``strategy`` (``fsdp``, ``ddp`` or ``single``),
     from one GPU's ``forward_ms``, ``backward_ms`` and ``optimizer_ms`` at the same per-GPU batch (see the module
-    docstring for the model)."""
+    docstring for the model). ``reshard`` is ``model.fsdp_reshard_after_forward``: ``blocks`` (every block but the
+    last is all-gathered again in the backward), ``all`` (the last too, exposed at the backward's start) or ``none``
+    (no all-gather in the backward)."""
     n = world_size
     pred = StepPrediction(strategy, n, nodes, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0, tokens_per_step)
     if strategy == "single" or n < 2:
@@ -185,12 +187,18 @@ def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float
     exposed_fwd = ag_root + ag_block + (L - 1) * max(0.0, ag_block - fwd_block)
     # Backward, block k = L-1 .. 0: k-1's all-gather (none for k = 0) and k+1's reduce-scatter (none for k = L-1)
     # run under k's backward; then block 0's and the root's reduce-scatters are left.
-    hidden = [(ag_block if k >= 1 else 0.0) + (rs_block if k <= L - 2 else 0.0) for k in range(L)]
+    if reshard not in ("blocks", "all", "none"):
+        raise ValueError(f"reshard must be 'blocks', 'all' or 'none', got {reshard!r}")
+    regather = reshard != "none"
+    hidden = [(ag_block if k >= 1 and regather else 0.0) + (rs_block if k <= L - 2 else 0.0) for k in range(L)]
     exposed_bwd = sum(max(0.0, c - bwd_block) for c in hidden) + rs_block + rs_root
+    if reshard == "all":  # the last block, resharded after its forward, is gathered again before any backward
+        exposed_bwd += ag_block
     pred.terms = {"all_gather_block": ag_block, "all_gather_root": ag_root, "reduce_scatter_block": rs_block,
                   "reduce_scatter_root": rs_root}
-    # Forward: every unit once; backward: the L - 1 resharded blocks again; every unit reduce-scattered.
-    pred.communication_ms = ag_root + L * ag_block + (L - 1) * ag_block + L * rs_block + rs_root
+    # Forward: every unit once; backward: the resharded blocks again; every unit reduce-scattered.
+    regathered = {"blocks": L - 1, "all": L, "none": 0}[reshard]
+    pred.communication_ms = ag_root + L * ag_block + regathered * ag_block + L * rs_block + rs_root
     pred.exposed_ms = exposed_fwd + exposed_bwd
     return pred
 

@@ -169,6 +169,8 @@ def test_real_timer_and_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixtur
     logs = list((tmp_path / "tb").glob("*"))
     assert len(logs) == 1
     assert len(scalars(str(logs[0])).get("time/step_ms", [])) == 2
+    cell_logs = list(tmp_path.glob("r_cells/*.log"))
+    assert len(cell_logs) == 1 and "Tip:" not in cell_logs[0].read_text()  # no product tips in a cell's log
 
 
 def test_study_presets_and_overrides() -> None:

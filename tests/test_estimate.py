@@ -143,8 +143,10 @@ def test_master_weights_plans_are_refused_where_the_run_is() -> None:
     cfg = tiny("sdpa").replace(master_weights=True)
     with pytest.raises(LmtrainError, match="bf16-mixed"):
         estimate_memory(cfg, B, T, "32-true", "train")
-    with pytest.raises(LmtrainError, match="FSDP2"):
-        estimate_memory(cfg, B, T, "bf16-mixed", strategy="fsdp", world_size=2)
+    with pytest.raises(LmtrainError, match="bf16-mixed"):
+        estimate_memory(cfg, B, T, "32-true", strategy="fsdp", world_size=2)
+    # Under FSDP2 the run takes master weights (the fp32 shards are the masters), and so does the plan.
+    assert estimate_memory(cfg, B, T, "bf16-mixed", strategy="fsdp", world_size=2).peak_gib > 0
     with pytest.raises(LmtrainError, match="model.optimizer_state_dtype"):
         tiny("sdpa").replace(optimizer_state_dtype="bfloat16")
 

@@ -178,3 +178,48 @@ def test_estimate_at_64_gpus_states_its_assumptions(capsys: pytest.CaptureFixtur
     assert "per GPU, fsdp over 64 GPUs" in out and "prediction: fsdp on 64 GPU(s) over 8 nodes" in out
     assert "from assumed: the step's FLOPs at MFU 0.5" in out
     assert "assumed 350 GB/s for every collective" in out and "45 GB/s per GPU (assumed)" in out
+
+
+def test_fsdp_reshard_policy_changes_the_backward_gathers() -> None:
+    """``none`` keeps every block gathered (no all-gather in the backward); ``all`` gathers the last block again too,
+    before any backward compute can hide it."""
+    kwargs = dict(forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.0, strategy="fsdp", world_size=2, nodes=1,
+                  network=_network(1e-3), tokens_per_step=1000)
+    blocks = predict(SMALL, **kwargs)
+    none = predict(SMALL, **kwargs, reshard="none")
+    every = predict(SMALL, **kwargs, reshard="all")
+    forward = 0.5 + 1.0 + 2 * 0.7
+    # none: blocks 0 and 1 hide only a 2 ms reduce-scatter each, block 2 nothing; then 2 + 1 ms exposed.
+    assert none.exposed_ms == pytest.approx(forward + 2 * (2 - 0.6) + 2 + 1)
+    assert none.communication_ms == pytest.approx(0.5 + 3 + 0 + 6 + 1)
+    assert every.exposed_ms == pytest.approx(blocks.exposed_ms + 1.0)
+    assert every.communication_ms == pytest.approx(blocks.communication_ms + 1.0)
+    with pytest.raises(ValueError, match="reshard"):
+        predict(SMALL, **kwargs, reshard="sometimes")
+
+
+def test_fsdp_memory_plan_of_master_weights_and_reshard_none() -> None:
+    """Under FSDP2 the fp32 shards are the masters: the compact state halves the linear weights' moments; reshard
+    ``none`` holds every block's gathered weights."""
+    from lmtrain.memory_plan import estimate_memory, linear_parameter_count
+
+    base = ModelConfig.from_size("tiny", vocab_size=512, context_length=64)
+    plain = estimate_memory(base, 2, 64, "bf16-mixed", strategy="fsdp", world_size=2, device_type="cpu")
+    fp32 = estimate_memory(ModelConfig.from_size("tiny", vocab_size=512, context_length=64, master_weights=True),
+                           2, 64, "bf16-mixed", strategy="fsdp", world_size=2, device_type="cpu")
+    compact = estimate_memory(ModelConfig.from_size("tiny", vocab_size=512, context_length=64, master_weights=True,
+                                                    optimizer_state_dtype="bfloat16"),
+                              2, 64, "bf16-mixed", strategy="fsdp", world_size=2, device_type="cpu")
+    assert fp32.components["optimizer_states"] == plain.components["optimizer_states"]  # fp32 moments either way
+    sharded = plain.details["sharded_numel"]
+    linear = sharded * linear_parameter_count(base) // parameter_count(base)
+    assert plain.components["optimizer_states"] - compact.components["optimizer_states"] == 2 * linear * 2
+    held = estimate_memory(ModelConfig.from_size("tiny", vocab_size=512, context_length=64,
+                                                 fsdp_reshard_after_forward="none"),
+                           2, 64, "bf16-mixed", strategy="fsdp", world_size=2, device_type="cpu")
+    block = plain.details["block_unsharded_numel"] * 2  # bf16 gathers
+    assert held.details["blocks_held_bytes"] == (base.num_layers - 1) * block
+    assert held.components["fsdp_buffers"] - plain.components["fsdp_buffers"] == (base.num_layers - 1) * block
+    with pytest.raises(LmtrainError, match="bf16-mixed"):
+        estimate_memory(ModelConfig.from_size("tiny", vocab_size=512, master_weights=True), 2, 64, "32-true",
+                        strategy="fsdp", world_size=2, device_type="cpu")

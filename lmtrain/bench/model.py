@@ -249,13 +249,16 @@ def measure_cell(cell: Cell, logdir: str | None, on_result: Any = None) -> dict[
             if on_result is not None:
                 on_result(result)
 
-    trainer = pl.Trainer(
-        accelerator="auto", devices=1, precision=cell.precision, max_steps=total, max_epochs=1,
-        limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, logger=logger, callbacks=[timer, events, _Collect()], log_every_n_steps=1,
-        default_root_dir=logdir or None,
-    )
-    trainer.fit(module, datamodule=data)
+    from lmtrain.cli_config import lightning_notices_off
+
+    with lightning_notices_off():  # a cell's log holds the run, not Lightning's product tips
+        trainer = pl.Trainer(
+            accelerator="auto", devices=1, precision=cell.precision, max_steps=total, max_epochs=1,
+            limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, logger=logger, callbacks=[timer, events, _Collect()], log_every_n_steps=1,
+            default_root_dir=logdir or None,
+        )
+        trainer.fit(module, datamodule=data)
     return result
 
 
