@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -48,6 +50,29 @@ HEAD = "lm_head"
 Importer = Callable[[str], ModuleType]
 
 
+class _DropImportNotes(logging.Filter):
+    """Drops the lines importing torchao logs that concern nothing float8 training uses: its optional C++ extensions
+    (MX formats, CUTLASS kernels) that a build without them cannot load, and torch's deprecation of the way torchao
+    registers an enum with ``torch.compile``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("Failed to load") or "register_constant()" in text)
+
+
+@contextmanager
+def _import_notes_off() -> Iterator[None]:
+    drop = _DropImportNotes()
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
 def load_float8(importer: Importer = importlib.import_module) -> ModuleType:
     """``torchao.float8``, or one ``LmtrainError`` naming ``model.float8`` whose fix installs it.
 
@@ -58,7 +83,8 @@ def load_float8(importer: Importer = importlib.import_module) -> ModuleType:
         LmtrainError: torchao is not installed.
     """
     try:
-        return importer("torchao.float8")
+        with _import_notes_off():
+            return importer("torchao.float8")
     except ImportError as error:
         raise LmtrainError("model.float8", f"needs torchao's float8 training, which is not installed ({error}).",
                            "pip install lmtrain[float8]") from None

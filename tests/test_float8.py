@@ -395,3 +395,15 @@ def test_bench_model_has_a_float8_axis() -> None:
                                                       "--float8-min-features", "2048,512"]))
     assert [(c.float8, c.float8_min_features) for c in cells] == [("none", 2048), ("tensorwise", 2048),
                                                                    ("tensorwise", 512)]
+
+
+def test_loading_torchao_prints_nothing() -> None:
+    """Importing torchao logs notes about extensions float8 training does not use; a float8 run shows none of them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = "from lmtrain.float8 import load_float8; load_float8()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "register_constant" not in result.stderr and "Failed to load" not in result.stderr, result.stderr
