@@ -13,6 +13,16 @@ for weights). The attention term counts QK^T and PV (2 * T**2 * d_model each per
 forward), halved for the causal mask since a causal kernel can skip the upper triangle; backward is
 twice the forward. Forward-only steps are one third of each term. RoPE, softmax, norms, the loss and
 the optimizer are not counted, as is customary for MFU (PaLM, Appendix B).
+
+Float8 (``model.float8``): the linear layers that ``lmtrain.float8`` converts run their three GEMMs as float8 on
+Hopper's tensor cores, at twice the bf16 rate; everything else (the other linears, attention) stays at bf16.
+``throughput/mfu`` stays against the bf16 peak for every run, so one number compares recipes: a float8 run that
+does the same work faster shows a higher MFU, and a value above what bf16 alone could reach shows the float8 gain.
+What fraction of the step's own ceiling a float8 run reaches is a second figure, MFU against the step's float8
+peak (:func:`float8_step_peak_flops`): the time the step's FLOPs would take at peak, its converted-linear FLOPs
+(:func:`float8_flops_per_step`) at the float8 peak and the rest at bf16, turned back into one FLOP/s::
+
+    float8_step_peak = train / (float8 / float8_peak + (train - float8) / bf16_peak)
 """
 
 from __future__ import annotations
@@ -20,22 +30,25 @@ from __future__ import annotations
 import torch
 
 from lmtrain.config import STEP_MODES, ModelConfig
+from lmtrain.float8 import block_linear_shapes, converts_shape
 
-__all__ = ["STEP_MODES", "flops_per_step", "mfu", "parameter_count", "peak_flops"]
+__all__ = ["STEP_MODES", "float8_flops_per_step", "float8_step_peak_flops", "flops_per_step", "mfu",
+           "parameter_count", "peak_flops"]
 
 #: Dense peak FLOP/s by device-name substring and compute dtype, from the vendors' datasheets (no
 #: sparsity). ``fp32`` is plain fp32 (no tensor cores); ``tf32`` applies when
-#: ``torch.backends.cuda.matmul.allow_tf32`` is on. Matched in order: the first substring found in
+#: ``torch.backends.cuda.matmul.allow_tf32`` is on; ``fp8`` (float8 tensor cores, Ada and Hopper only) is
+#: the rate of ``model.float8``'s converted GEMMs. Matched in order: the first substring found in
 #: ``torch.cuda.get_device_name()`` wins. Override per run with the ``peak_flops`` argument of the
 #: callbacks and benchmarks, or add entries here.
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.8e12, "fp32": 60.0e12}),
-    ("H100 PCIe", {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378.0e12, "fp32": 51.2e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
-    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.8e12, "fp32": 60.0e12}),
+    ("H100 PCIe", {"bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513.0e12, "tf32": 378.0e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362.1e12, "fp16": 362.1e12, "tf32": 183.0e12, "fp32": 91.6e12}),
+    ("L40S", {"bf16": 362.1e12, "fp16": 362.1e12, "fp8": 733.0e12, "tf32": 183.0e12, "fp32": 91.6e12}),
     ("RTX 5090", {"bf16": 209.5e12, "fp16": 209.5e12, "tf32": 104.8e12, "fp32": 104.8e12}),
     ("RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
     ("A10G", {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12}),
@@ -71,6 +84,50 @@ def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = 
     return forward if mode == "forward" else 3.0 * forward
 
 
+def float8_parameter_count(cfg: ModelConfig) -> int:
+    """Weights of the linear layers that ``model.float8`` converts (``lmtrain.float8.converts_shape``): 0 with
+    ``float8: none``."""
+    block = sum(i * o for i, o in block_linear_shapes(cfg).values() if converts_shape(i, o, False, cfg))
+    head = cfg.d_model * cfg.vocab_size if converts_shape(cfg.d_model, cfg.vocab_size, True, cfg) else 0
+    return cfg.num_layers * block + head
+
+
+def float8_flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train") -> float:
+    """The part of :func:`flops_per_step` that runs as float8 GEMMs: the converted linears' products (forward
+    ``2 * N_float8 * B * T``, a training step three times that); 0 with ``float8: none``."""
+    if mode not in STEP_MODES:
+        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    forward = 2.0 * float8_parameter_count(cfg) * batch_size * seq_len
+    return forward if mode == "forward" else 3.0 * forward
+
+
+def float8_step_peak_flops(flops: float, float8_flops: float, peak: float | None, float8_peak: float | None
+                           ) -> float | None:
+    """The peak FLOP/s of a step that runs ``float8_flops`` of its ``flops`` at ``float8_peak`` and the rest at
+    ``peak``: ``flops / (float8_flops / float8_peak + (flops - float8_flops) / peak)``. MFU against it is the
+    fraction of the step's own ceiling a float8 run reaches (the module docstring).
+
+    Args:
+        flops: model FLOPs of the step (:func:`flops_per_step`).
+        float8_flops: the part that runs as float8 GEMMs (:func:`float8_flops_per_step`), 0 to ``flops``.
+        peak: peak FLOP/s of the step's precision (bf16), None when unknown.
+        float8_peak: float8 peak FLOP/s of the device (``peak_flops(name, "fp8")``), None when unknown; with
+            ``float8_flops == 0`` it is not needed.
+
+    Returns:
+        The blended peak, ``peak`` itself without float8 FLOPs, or None when a needed peak is unknown.
+    """
+    if not 0 <= float8_flops <= flops:
+        raise ValueError(f"float8_flops must lie in [0, flops={flops}], got {float8_flops}")
+    if not peak or flops <= 0:
+        return None
+    if float8_flops == 0:
+        return peak
+    if not float8_peak:
+        return None
+    return flops / (float8_flops / float8_peak + (flops - float8_flops) / peak)
+
+
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype the matrix products run in under a Lightning precision (``bf16-mixed`` -> bfloat16, ``16-true`` ->
     float16, anything else float32)."""
@@ -78,8 +135,10 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def compute_dtype_key(precision: str | torch.dtype) -> str:
-    """Peak-table key for a Lightning precision string (``bf16-mixed``, ``32-true`` ...) or a dtype."""
+    """Peak-table key for a Lightning precision string (``bf16-mixed``, ``32-true`` ...), ``fp8`` or a dtype."""
     text = str(precision).lower()
+    if "fp8" in text or "float8" in text:
+        return "fp8"
     if "bf16" in text or "bfloat16" in text:
         return "bf16"
     if "16" in text:

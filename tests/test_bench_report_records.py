@@ -1,4 +1,5 @@
-"""The records folder: every Markdown record is linked from its index, every link of the index resolves."""
+"""The records folder: every Markdown record and every script is linked from its index, every link of the index
+resolves."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def test_every_record_is_indexed() -> None:
     records = {p.name for p in RECORDS.glob("*.md")} - {"README.md"}
     assert records, "no records found"
     assert sorted(records - index_links()) == []
+
+
+def test_every_script_is_listed() -> None:
+    scripts = {f"scripts/{p.name}" for p in (RECORDS / "scripts").glob("*.py")}
+    assert scripts, "no scripts found"
+    assert sorted(scripts - index_links()) == []
 
 
 def test_index_links_resolve() -> None:

@@ -61,6 +61,7 @@ def test_speed_study_cells_variants_order_and_keys() -> None:
             assert cell.compile == (variant.get("compile") == ["on"])
             assert cell.runner == variant.get("runner", ["lightning"])[0]
             assert cell.cuda_graphs == (variant.get("cuda_graphs") == ["on"])
+            assert cell.float8 == variant.get("float8", ["none"])[0]
     assert {(c.precision, c.batch_size, c.mode, c.attention, c.warmup, c.steps) for c in cells} == {
         ("bf16-mixed", 4, "train", "sdpa", 5, 20)}
     overlap = [c for c in cells if c.optimizer_overlap]
@@ -87,6 +88,25 @@ def test_speed_study_cells_variants_order_and_keys() -> None:
     ] == ["eager_train_w5_s20", "compiled_train_w5_s20", "compiled_train_w5_s20_graphs",
           "compiled_train_w5_s20_ib_graphs_ovl", "compiled_train_w5_s20_graphs_mw",
           "compiled_train_w5_s20_graphs_mw_statebfloat16", "compiled_train_w5_s20_graphs_plain"]
+
+
+def test_speed_study_float8_variants_are_the_fast_recipe_with_each_recipe() -> None:
+    variants = _speed_variants()
+    fast = {"compile": ["on"], "cuda_graphs": ["on"], "master_weights": ["on"], "optimizer_state_dtype": ["bfloat16"]}
+    assert [v for v in variants if "float8" in v] == [{**fast, "float8": ["tensorwise"]},
+                                                      {**fast, "float8": ["rowwise"]}]
+    assert fast in variants  # the bf16 fast recipe they are read against
+    cells, _ = plan("--study", "speed", "--sizes", "2.7B", "--contexts", "512")
+    float8 = [c for c in cells if c.float8 != "none"]
+    assert [(name(c), c.float8_min_features, c.float8_head) for c in float8] == [
+        ("compile+graphs+master+bf16 state+float8 tensorwise", 2048, False),
+        ("compile+graphs+master+bf16 state+float8 rowwise", 2048, False)]
+    assert all(c.master_weights and c.optimizer_state_dtype == "bfloat16" and c.cuda_graphs and c.compile
+               and c.runner == "lightning" for c in float8)
+    assert [c.slug.rsplit("_", 1)[1] for c in float8] == ["f8tensorwise", "f8rowwise"]
+    # --float8 given explicitly overrides every variant, as any flag does.
+    cells, _ = plan("--study", "speed", "--sizes", "small", "--contexts", "512", "--float8", "none")
+    assert {c.float8 for c in cells} == {"none"}
 
 
 def test_speed_study_overrides_and_other_studies_unchanged() -> None:
@@ -142,19 +162,21 @@ def speed_row(cell: bench.Cell, ms: float | None, **values: Any) -> dict[str, An
 
 
 def test_render_speed_tables() -> None:
-    cells, _ = plan("--study", "speed", "--sizes", "small", "--contexts", "512")
+    cells = {name(c): c for c in plan("--study", "speed", "--sizes", "small", "--contexts", "512")[0]}
     eager_losses = [10.0, 9.0, 8.0]
     rows = [
-        speed_row(cells[0], 100.0, events_step_ms_mean=98.0, pipeline_step_ms=104.0, timer_vs_events_pct=2.04,
+        speed_row(cells["eager"], 100.0, events_step_ms_mean=98.0, pipeline_step_ms=104.0, timer_vs_events_pct=2.04,
                   losses=eager_losses),
-        speed_row(cells[1], 80.0, events_step_ms_mean=80.0, pipeline_step_ms=81.0, timer_vs_events_pct=0.0,
+        speed_row(cells["compile"], 80.0, events_step_ms_mean=80.0, pipeline_step_ms=81.0, timer_vs_events_pct=0.0,
                   losses=[10.0, 9.009, 8.0, 7.0]),
-        speed_row(cells[2], 50.0, events_step_ms_mean=49.5, pipeline_step_ms=50.0, timer_vs_events_pct=1.01,
-                  losses=[10.0, 9.0, 7.996]),
-        speed_row(cells[3], None),
-        speed_row(cells[5], 45.0, events_step_ms_mean=45.0, pipeline_step_ms=45.1, timer_vs_events_pct=0.0,
-                  losses=[10.0, 9.0, 8.008]),
-        speed_row(cells[6], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
+        speed_row(cells["compile+graphs"], 50.0, events_step_ms_mean=49.5, pipeline_step_ms=50.0,
+                  timer_vs_events_pct=1.01, losses=[10.0, 9.0, 7.996]),
+        speed_row(cells["compile+graphs+overlap"], None),
+        speed_row(cells["compile+graphs+master+bf16 state"], 45.0, events_step_ms_mean=45.0, pipeline_step_ms=45.1,
+                  timer_vs_events_pct=0.0, losses=[10.0, 9.0, 8.008]),
+        speed_row(cells["compile+graphs+master+bf16 state+float8 tensorwise"], 25.0, events_step_ms_mean=25.0,
+                  pipeline_step_ms=25.0, timer_vs_events_pct=0.0, losses=[10.0, 9.09, 8.0]),
+        speed_row(cells["plain compile+graphs"], 40.0, pipeline_step_ms=40.4, losses=[10.5, 9.5, 8.5]),
     ]
     text = re.sub(" +", " ", render_speed(rows))
     assert "`small`, context 512, batch 4, bf16-mixed, sdpa, train" in text
@@ -163,11 +185,14 @@ def test_render_speed_tables() -> None:
     assert "| compile+graphs | 50.00 ± 0.50 | 49.50 | 50.00 | +1.0% | 40,960 | 25.0% | 10.00 | 2.00x |" in text
     assert "| compile+graphs+overlap | OOM | - | - | - | - | - | - | - |" in text
     assert "| plain compile+graphs | 40.00 ± 0.50 | - | 40.40 | - | 51,200 | 25.0% | 10.00 | 2.50x |" in text
+    assert ("| compile+graphs+master+bf16 state+float8 tensorwise | 25.00 ± 0.50 | 25.00 | 25.00 | +0.0% | 81,920 "
+            "| 25.0% | 10.00 | 4.00x |") in text
     losses = text[text.index("### Losses vs eager"):]
     # compile: steps 0-2 compared (the fourth has no eager counterpart), |9.009 - 9| = 9e-3, relative 1e-3
     assert "| small | 512 | compile | 3 | 9.00e-03 | 1.00e-03 |" in losses
     assert "| small | 512 | compile+graphs | 3 | 4.00e-03 | 5.00e-04 |" in losses
     assert "| small | 512 | compile+graphs+master+bf16 state | 3 | 8.00e-03 | 1.00e-03 |" in losses
+    assert "| small | 512 | compile+graphs+master+bf16 state+float8 tensorwise | 3 | 9.00e-02 | 1.00e-02 |" in losses
     assert "overlap" not in losses and "plain" not in losses.split("left out.")[1]
 
 

@@ -22,8 +22,9 @@ study fits a short GPU session; raise ``--steps`` for tighter error bars.
                         whether it said "fits", and the planner's record over the study (docs/long_context.md)
     speed               the five sizes at context 512 and small at 128, bf16-mixed, batch 4, train, warm-up 5,
                         20 steps; variants eager, compile, compile+graphs, compile+graphs+overlap,
-                        compile+graphs+master (full and compact optimizer state) and the plain-PyTorch reference
-                        (torch.compile reduce-overhead):
+                        compile+graphs+master (full and compact optimizer state), that fast recipe with float8
+                        linears (tensorwise, rowwise) and the plain-PyTorch reference (torch.compile
+                        reduce-overhead):
                         step time by the timer, by the cell's own CUDA events and per step of the pipeline,
                         tokens/s, MFU, peak, speed-up vs eager, and each variant's losses against eager's
 """
@@ -169,9 +170,10 @@ def render_attention(rows: Rows) -> str:
 
 def variant_name(row: dict[str, Any]) -> str:
     """How a speed-study row computes its step: ``eager``, ``compile``, ``compile+graphs``,
-    ``compile+graphs+overlap``, ``compile+graphs+master``, ``compile+graphs+master+bf16 state``
-    (``in-backward`` where the in-backward optimizer runs without overlap; ``compile(MODE)`` for a compile mode
-    other than the default), and ``plain ...`` for the plain-PyTorch reference loop."""
+    ``compile+graphs+overlap``, ``compile+graphs+master``, ``compile+graphs+master+bf16 state``, with
+    ``+float8 tensorwise`` or ``+float8 rowwise`` for float8 linears (``in-backward`` where the in-backward
+    optimizer runs without overlap; ``compile(MODE)`` for a compile mode other than the default), and
+    ``plain ...`` for the plain-PyTorch reference loop."""
     parts = [name for name, key in (("compile", "compile"), ("graphs", "cuda_graphs")) if is_on(row.get(key))]
     if parts and row.get("compile_mode") not in (None, "", "default"):
         parts[0] = f"compile({row['compile_mode']})"
@@ -183,6 +185,8 @@ def variant_name(row: dict[str, Any]) -> str:
         parts.append("master")
         if row.get("optimizer_state_dtype") == "bfloat16":
             parts.append("bf16 state")
+    if row.get("float8") not in (None, "", "none"):
+        parts.append(f"float8 {row['float8']}")
     name = "+".join(parts) or "eager"
     return f"plain {name}" if row.get("runner") == "plain" else name
 
@@ -248,6 +252,10 @@ _SPEED_VARIANTS = [
     {"compile": ["on"], "cuda_graphs": ["on"], "optimizer_in_backward": ["on"], "optimizer_overlap": ["on"]},
     {"compile": ["on"], "cuda_graphs": ["on"], "master_weights": ["on"]},
     {"compile": ["on"], "cuda_graphs": ["on"], "master_weights": ["on"], "optimizer_state_dtype": ["bfloat16"]},
+    # The fast recipe with float8 linears; the size rule (float8_min_features 2048) leaves the sizes below 2.7B
+    # in bf16, so there the variants measure what a float8 setting costs where nothing converts.
+    *({"compile": ["on"], "cuda_graphs": ["on"], "master_weights": ["on"], "optimizer_state_dtype": ["bfloat16"],
+       "float8": [recipe]} for recipe in ("tensorwise", "rowwise")),
     {"runner": ["plain"], "compile": ["on"], "cuda_graphs": ["on"]},  # torch.compile(mode="reduce-overhead")
 ]
 

@@ -25,10 +25,14 @@ dtype before their matrix products. fp32 products use ``input_precision="ieee"``
 (Z, H) with their own strides; the grid is one-dimensional (blocks x batch-heads) and offsets are int64.
 
 Block sizes are autotuned per (head dim, sequence-length bucket, causal, dtype) among a few configurations chosen
-for Hopper GPUs (``autotune=False`` in the settings takes the first that fits). Under Triton's interpreter
+for Hopper GPUs (``autotune=False`` in the settings takes the first that fits). With Triton 3.4 and later the
+autotuner keeps each choice's timings in Triton's cache folder (``cache_results``), which lmtrain's compile cache
+points at, so a later process skips the tuning. Under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before the first use) the kernels run on CPU tensors with one small configuration, for
 tests.
 """
+
+import inspect
 
 import torch
 import triton
@@ -49,6 +53,12 @@ from lmtrain.kernels.flash.common import (  # shared with the TMA kernels
     _softmax_step,
     _tuning_bench,
 )
+
+#: ``triton.autotune(cache_results=True)`` where Triton has it (3.4 and later): the timings of each tuning key go to
+#: Triton's cache folder (``TRITON_CACHE_DIR``), keyed by Triton, the GPU architecture, the kernel's source, the key
+#: and the candidates, and a later process reads them instead of timing again. Older Triton versions, which run
+#: these kernels too (the dispatcher falls back to them), lack the argument.
+_AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 #: The kernels as a profiler names them.
 KERNEL_NAMES = ("_flash_ptr_fwd", "_flash_ptr_bwd_dq", "_flash_ptr_bwd_dkdv")
@@ -138,7 +148,7 @@ def _fwd_inner(
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
-                 do_bench=_tuning_bench)
+                 do_bench=_tuning_bench, **_AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _flash_ptr_fwd(
     Q, K, V, OUT, LSE,
@@ -210,7 +220,7 @@ def _bwd_dq_inner(
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_m},
-                 do_bench=_tuning_bench)
+                 do_bench=_tuning_bench, **_AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _flash_ptr_bwd_dq(
     Q, K, V, OUT, DO, LSE, DELTA, DQ,
@@ -291,7 +301,7 @@ def _bwd_dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_held_n},
-                 do_bench=_tuning_bench)
+                 do_bench=_tuning_bench, **_AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _flash_ptr_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
