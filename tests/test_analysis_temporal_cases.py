@@ -60,6 +60,7 @@ def test_nccl_on_another_stream_overlapping_compute() -> None:
     assert t.communication_us * 2 == 60 and t.overlap_us * 2 == 35 and t.overlap_share == pytest.approx(35 / 60)
     assert _totals(t.idle_us, 2) == {"host_wait": 60, "kernel_wait": 0, "other": 0}
     assert idle_split(acts, per_stream=True) == {"host_wait": 148, "kernel_wait": 2, "other": 0}
+    assert _totals(t.idle_stream_us, 2) == {"host_wait": 148, "kernel_wait": 2, "other": 0}
 
 
 def test_sub_microsecond_activities_keep_their_times() -> None:
@@ -95,7 +96,10 @@ def test_a_trace_with_one_step_counts_every_activity() -> None:
 
 
 def test_analyze_trace_reports_the_window_per_step() -> None:
-    metrics = analyze_trace(traces.overlapped()).metrics
+    found = analyze_trace(traces.overlapped())
+    assert ("host wait 100.0%, kernel wait 0.0%, other 0.0%; each stream's gaps summed (HTA's split): host wait "
+            "98.7%, kernel wait 1.3%, other 0.0%.") in found.breakdown
+    metrics = found.metrics
     assert metrics["breakdown/span_ms_per_step"] == pytest.approx(0.0775)
     assert metrics["breakdown/idle_share"] == pytest.approx(60 / 155)
     assert metrics["breakdown/comm_overlap_share"] == pytest.approx(35 / 60)

@@ -174,6 +174,7 @@ class Temporal:
     kind_us: dict[str, float] = field(default_factory=dict)  # compute / communication / memory / idle
     by_phase: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> the same four
     idle_us: dict[str, float] = field(default_factory=dict)  # host_wait / kernel_wait / other
+    idle_stream_us: dict[str, float] = field(default_factory=dict)  # the same summed over streams (HTA's split)
     communication_us: float = 0.0  # union of the communication kernels (overlapped or not)
     overlap_us: float = 0.0  # communication and compute at once
 
@@ -224,12 +225,14 @@ def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
             by_phase[nxt.phase]["idle"] += dt
     out.span_us = points[-1] - points[0]
     out.idle_us = idle_split(acts, kernel_wait_us=kernel_wait_us)
+    out.idle_stream_us = idle_split(acts, per_stream=True, kernel_wait_us=kernel_wait_us)
     out.span_us /= steps
     out.communication_us /= steps
     out.overlap_us /= steps
     out.kind_us = {k: v / steps for k, v in out.kind_us.items()}
     out.by_phase = {p: {k: v / steps for k, v in d.items()} for p, d in by_phase.items()}
     out.idle_us = {k: v / steps for k, v in out.idle_us.items()}
+    out.idle_stream_us = {k: v / steps for k, v in out.idle_stream_us.items()}
     return out
 
 
@@ -332,6 +335,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _split_text(idle_us: dict[str, float]) -> str:
+    total = sum(idle_us.values())
+    return ", ".join(f"{k.replace('_', ' ')} {_pct(v / total if total else None)}" for k, v in idle_us.items())
+
+
 def temporal_text(t: Temporal, launch: LaunchStats, what: str = "GPU") -> str:
     """Markdown: the breakdown per phase, the idle split, the overlap and the launch statistics."""
     from lmtrain.analysis.tables import markdown_table
@@ -342,11 +350,12 @@ def temporal_text(t: Temporal, launch: LaunchStats, what: str = "GPU") -> str:
     rows = [[p, *[f"{v.get(k, 0.0) / 1e3:.3f}" for k in cols]] for p, v in sorted(t.by_phase.items())]
     rows.append(["**window**", *[f"{t.kind_us.get(k, 0.0) / 1e3:.3f} ({_pct(t.share(k))})" for k in cols]])
     idle = sum(t.idle_us.values())
-    split = ", ".join(f"{k.replace('_', ' ')} {_pct(v / idle if idle else None)}" for k, v in t.idle_us.items())
+    split = _split_text(t.idle_us)
     median, p90 = launch.delay(0.5), launch.delay(0.9)
     lines = [f"**Temporal breakdown** ({what} timeline, ms per step; span {t.span_us / 1e3:.3f} ms):", "",
              markdown_table(["phase", *cols], rows), "",
-             f"**Idle split** ({idle / 1e3:.3f} ms per step): {split}.",
+             f"**Idle split** ({idle / 1e3:.3f} ms per step): {split}; each stream's gaps summed (HTA's split): "
+             f"{_split_text(t.idle_stream_us)}.",
              f"**Communication hidden behind compute:** {_pct(t.overlap_share)}"
              + ("" if t.overlap_share is not None else " (no communication)") + ".",
              f"**Launches:** {launch.kernels_per_step:g} kernels per step, {launch.short_per_step:g} under "
