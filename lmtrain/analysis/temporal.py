@@ -1,15 +1,22 @@
 """Where a step's time goes on the GPU's timeline: the temporal breakdown, idle split, overlap and launch statistics.
 
 Pure functions of a ``torch.profiler`` Chrome trace (any trace: lmtrain's, or a plain script's
-``prof.export_chrome_trace``), answering what HolisticTraceAnalysis (HTA, ``hta/analyzers``) answers, with the same
-definitions, per trace (one profiled window) and per phase:
+``prof.export_chrome_trace``), answering what HolisticTraceAnalysis (HTA 0.5, ``hta/analyzers``) answers, with the
+same definitions, per trace (one profiled window) and per phase:
 
+Window (HTA's ``include_last_profiler_step=True``)
+    With two or more profiled steps (``ProfilerStep#`` ranges), an activity counts when the CPU call that launched
+    it (same correlation id) is in the trace and started before the last step ended (the later end of its CPU
+    range and its GPU annotation). So the GPU work still running from before the window opened (its launch is not
+    in the trace) and work launched after the last step are left out. With fewer steps every activity counts.
+    HTA run with its default ``include_last_profiler_step=False`` also leaves out the last step.
 Temporal breakdown (HTA ``get_temporal_breakdown``)
-    The span runs from the start of the first GPU activity (kernel, memcpy, memset) to the end of the last. Every
-    instant of it is one of: *compute* (some compute kernel runs), else *communication* (an NCCL kernel runs), else
-    *memory* (a memcpy / memset runs), else *idle*. So compute is the union of the compute kernels' intervals, and
-    communication + memory is HTA's "non-compute" time; the four add up to the span. Kinds follow HTA's name
-    patterns: ``nccl...`` is communication, ``Memcpy`` / ``Memset`` memory, everything else compute.
+    The span runs from the start of the window's first GPU activity (kernel, memcpy, memset) to the end of the
+    last. Every instant of it is one of: *compute* (some compute kernel runs), else *communication* (an NCCL kernel
+    runs), else *memory* (a memcpy / memset runs), else *idle*. So compute is the union of the compute kernels'
+    intervals, and communication + memory is HTA's "non-compute" time; the four add up to the span. Kinds follow
+    HTA's name patterns (``hta/utils/utils.py``): ``nccl...Kernel`` is communication, ``Memcpy...`` /
+    ``Memset...`` (and any name holding ``Memcpy``) memory, everything else compute.
 Phases
     An activity belongs to the phase range (``forward``, ``backward``, ``optimizer``, ``cuda graph``: see
     ``lmtrain.analysis.kernels``) in which the CPU launched it, found through the launch's correlation id; a trace
@@ -20,11 +27,12 @@ Idle split (HTA ``get_idle_time_breakdown``)
     Each idle gap is *host wait* when the CUDA runtime call that launched the activity ending the gap started after
     the gap began (the CPU had not enqueued the work yet), else *kernel wait* when the gap is shorter than
     ``kernel_wait_us`` (HTA's ``consecutive_kernel_delay``: 30 µs as HTA applies it; the overhead between queued
-    kernels), else *other* (the queued work waited longer: on another stream, an event, a synchronisation). HTA
-    splits each stream's gaps; :func:`idle_split` does that with ``per_stream=True``, and by default splits the gaps
-    of the whole GPU, which add up to the breakdown's idle time. On CPU traces the "activities" are the CPU
-    operators (nested ones included: a busy instant goes to the innermost) and every gap is host time (Python
-    between operators).
+    kernels), else *other* (the queued work waited longer: on another stream, an event, a synchronisation). The
+    kernels of a CUDA graph replay share the one ``cudaGraphLaunch`` (one correlation id), so only a gap before
+    the graph's first kernel can be host wait. HTA splits each stream's gaps; :func:`idle_split` does that with
+    ``per_stream=True``, and by default splits the gaps of the whole GPU, which add up to the breakdown's idle
+    time. On CPU traces the "activities" are the CPU operators (nested ones included: a busy instant goes to the
+    innermost) and every gap is host time (Python between operators).
 Communication–computation overlap (HTA ``get_comm_comp_overlap``)
     The time both an NCCL kernel and a compute kernel run, over the communication time: the share of
     communication hidden behind compute.
@@ -36,7 +44,22 @@ Launch statistics
     the profiler's own cost per launch (a few µs) adds to the host time, so small steps read more host-bound there
     than they run.
 
-All results are per step (divided by the number of ``ProfilerStep#`` ranges, at least 1).
+Where lmtrain deliberately differs from HTA 0.5 (``docs/callbacks.md`` shows the size of each):
+
+- Timestamps: HTA rounds every event of a trace with sub-µs timestamps inward to whole µs (start up, end down;
+  its ``HTA_DISABLE_NS_ROUNDING`` turns that off). Each activity loses up to 2 µs and each gap gains as much, so
+  on steps of many few-µs kernels (CUDA graphs) HTA reads several points more idle and more kernel wait. A
+  sub-µs activity even gets a negative duration, which trips HTA's own check (``non_compute_time >= 0``) when
+  it is a memset alone on the timeline. lmtrain keeps the profiler's timestamps.
+- Overlapping activities on one stream (parallel branches of a CUDA graph, reported on the launch stream): HTA
+  measures each gap from the previous activity's end and adds the negative "gaps" of overlaps into its split;
+  lmtrain measures from the latest end so far, so an overlap is no idle time.
+- Names: HTA also counts kernels whose name holds ``Sync``, and ``cuda_sync`` events that carry a stream (only
+  recorded with the profiler's experimental ``enable_cuda_sync_events``), as non-compute time; lmtrain counts
+  such kernels as compute and leaves synchronisation events out (they are the host waiting, not GPU work).
+
+All results are per step (divided by the number of profiled steps, the distinct ``ProfilerStep#`` ranges of the
+CPU, at least 1).
 """
 
 from __future__ import annotations
@@ -63,9 +86,11 @@ LAUNCH_BOUND_SHARE = 0.10
 #: HTA's default ``consecutive_kernel_delay``: shorter gaps with the work queued are kernel waits. HTA documents it
 #: in ns but compares it with the trace's timestamps, which are µs; this is what HTA computes.
 KERNEL_WAIT_US = 30.0
-#: HTA's name patterns (``hta/common/types.py``): communication and memory kernels; everything else computes.
-_COMM = re.compile(r"^nccl|ncclKernel|^hccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$")
-_MEMORY = re.compile(r"^(hip)?Memcpy|^(hip)?Memset|^dma", re.IGNORECASE)
+#: HTA's name patterns (``hta/utils/utils.py``): NCCL kernels communicate, memcpy / memset / DMA move memory
+#: (HTA calls a name holding ``Memcpy`` anywhere non-compute too); everything else computes. On CPU traces the
+#: collectives' operators (``nccl:all_reduce``, ``gloo:...``, ``c10d::...``) communicate.
+_COMM = re.compile(r"^nccl.*Kernel|^nccl:|^hccl|^gloo:|^_?c10d(_functional)?::|^record_param_comms$")
+_MEMORY = re.compile(r"^(hip)?Memset|^dma|Memcpy")
 
 
 @dataclass(frozen=True)
@@ -98,7 +123,9 @@ def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     ranges = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"], e.get("tid")) for e in events
               if e.get("cat") in ("user_annotation", "cpu_op") and e.get("name") in PHASE_RANGES]
-    steps = max(1, sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")))
+    step_events = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    # the GPU annotation of a step carries the step's name too: count the CPU's ranges
+    steps = max(1, len({e["name"] for e in step_events if e.get("cat") in ("user_annotation", "cpu_op")}))
     phases = _Intervals(ranges)
 
     def phase(t: float | None) -> str:
@@ -115,15 +142,27 @@ def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
         return out, steps
     launches = {int(e["args"]["correlation"]): (float(e["ts"]), "GraphLaunch" in e.get("name", ""))
                 for e in events if e.get("cat") in _LAUNCH_CATS and "correlation" in (e.get("args") or {})}
+    last_step_end = _last_step_end(step_events)
     for e in events:
         if e.get("cat") not in _GPU_CATS:
             continue
         args = e.get("args") or {}
         launch, graphed = launches.get(int(args.get("correlation", -1)), (None, False))
+        if last_step_end is not None and (launch is None or launch > last_step_end):
+            continue  # outside the window: still running from before it, or launched after its last step
         ts = float(e["ts"])
-        out.append(Activity(ts, ts + float(e.get("dur", 0)), e.get("name", "?"), kind_of(e.get("name", "")),
+        # a negative duration (no profiler writes one; a trace rounded to whole µs can hold one) is an instant
+        out.append(Activity(ts, ts + max(0.0, float(e.get("dur", 0))), e.get("name", "?"), kind_of(e.get("name", "")),
                             args.get("stream", e.get("tid")), launch, phase(launch), graphed or "graph id" in args))
     return out, steps
+
+
+def _last_step_end(step_events: Sequence[dict]) -> float | None:
+    """The end of the window's last step (its CPU range or its GPU annotation, whichever ends later), or None when
+    the trace has fewer than two steps (then, as in HTA, the window is the whole trace)."""
+    if len({e["name"] for e in step_events}) < 2:
+        return None
+    return max(float(e["ts"]) + float(e.get("dur", 0)) for e in step_events)
 
 
 @dataclass
@@ -135,6 +174,7 @@ class Temporal:
     kind_us: dict[str, float] = field(default_factory=dict)  # compute / communication / memory / idle
     by_phase: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> the same four
     idle_us: dict[str, float] = field(default_factory=dict)  # host_wait / kernel_wait / other
+    idle_stream_us: dict[str, float] = field(default_factory=dict)  # the same summed over streams (HTA's split)
     communication_us: float = 0.0  # union of the communication kernels (overlapped or not)
     overlap_us: float = 0.0  # communication and compute at once
 
@@ -185,12 +225,14 @@ def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
             by_phase[nxt.phase]["idle"] += dt
     out.span_us = points[-1] - points[0]
     out.idle_us = idle_split(acts, kernel_wait_us=kernel_wait_us)
+    out.idle_stream_us = idle_split(acts, per_stream=True, kernel_wait_us=kernel_wait_us)
     out.span_us /= steps
     out.communication_us /= steps
     out.overlap_us /= steps
     out.kind_us = {k: v / steps for k, v in out.kind_us.items()}
     out.by_phase = {p: {k: v / steps for k, v in d.items()} for p, d in by_phase.items()}
     out.idle_us = {k: v / steps for k, v in out.idle_us.items()}
+    out.idle_stream_us = {k: v / steps for k, v in out.idle_stream_us.items()}
     return out
 
 
@@ -293,6 +335,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _split_text(idle_us: dict[str, float]) -> str:
+    total = sum(idle_us.values())
+    return ", ".join(f"{k.replace('_', ' ')} {_pct(v / total if total else None)}" for k, v in idle_us.items())
+
+
 def temporal_text(t: Temporal, launch: LaunchStats, what: str = "GPU") -> str:
     """Markdown: the breakdown per phase, the idle split, the overlap and the launch statistics."""
     from lmtrain.analysis.tables import markdown_table
@@ -303,11 +350,12 @@ def temporal_text(t: Temporal, launch: LaunchStats, what: str = "GPU") -> str:
     rows = [[p, *[f"{v.get(k, 0.0) / 1e3:.3f}" for k in cols]] for p, v in sorted(t.by_phase.items())]
     rows.append(["**window**", *[f"{t.kind_us.get(k, 0.0) / 1e3:.3f} ({_pct(t.share(k))})" for k in cols]])
     idle = sum(t.idle_us.values())
-    split = ", ".join(f"{k.replace('_', ' ')} {_pct(v / idle if idle else None)}" for k, v in t.idle_us.items())
+    split = _split_text(t.idle_us)
     median, p90 = launch.delay(0.5), launch.delay(0.9)
     lines = [f"**Temporal breakdown** ({what} timeline, ms per step; span {t.span_us / 1e3:.3f} ms):", "",
              markdown_table(["phase", *cols], rows), "",
-             f"**Idle split** ({idle / 1e3:.3f} ms per step): {split}.",
+             f"**Idle split** ({idle / 1e3:.3f} ms per step): {split}; each stream's gaps summed (HTA's split): "
+             f"{_split_text(t.idle_stream_us)}.",
              f"**Communication hidden behind compute:** {_pct(t.overlap_share)}"
              + ("" if t.overlap_share is not None else " (no communication)") + ".",
              f"**Launches:** {launch.kernels_per_step:g} kernels per step, {launch.short_per_step:g} under "
