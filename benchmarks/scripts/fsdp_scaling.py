@@ -1,6 +1,6 @@
-"""Scaling of the shipped distributed configs on one node of 2 GPUs, next to a torchtitan-style baseline, in one run.
+"""Scaling of the shipped distributed configs on the GPUs of one node, next to a torchtitan-style baseline, in one run.
 
-Run from the repository root on a machine with 2 CUDA GPUs (planned: about 7 minutes, most of it building and
+Run from the repository root on a machine with 2 (or 4) CUDA GPUs (planned: about 7 minutes, most of it building and
 compiling the 2.7B and xl models once per cell; each cell stops after ``--cell-timeout`` seconds and the whole
 after ``--budget``, 150 and 530 by default, so that it ends within 9 minutes):
 
@@ -15,6 +15,8 @@ Cells (compiled, bf16-mixed, synthetic tokens, batch 4 per GPU):
     baseline2   the same on 2 GPUs
     ddp1        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml, 1 GPU (DDP over one rank)
     ddp2        the same on 2 GPUs
+
+Any GPU count works as the suffix (``fsdp4 baseline4 ddp4`` on a 4-GPU machine).
 
 lmtrain's cells time each step with ``CudaSyncTimer`` (CUDA events; its first 5 steps are warm-up) through
 :class:`StepTimesToJson`, a subclass that also writes its summary to a JSON file; the baseline times its steps with
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the
 from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-CELLS = ("fsdp1", "fsdp2", "baseline1", "baseline2", "ddp1", "ddp2")
+KINDS = ("fsdp", "baseline", "ddp")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
 
@@ -65,6 +67,19 @@ class StepTimesToJson(CudaSyncTimer):
             Path(self.path).write_text(json.dumps(self.summary()))
 
 
+def cell_devices(cell: str) -> int:
+    """The GPU count of a cell name (``fsdp4`` -> 4)."""
+    return int(cell[len(cell.rstrip("0123456789")):])
+
+
+def cell_name(text: str) -> str:
+    """Check a ``--cells`` entry: one of :data:`KINDS` followed by a GPU count of at least 1."""
+    kind = text.rstrip("0123456789")
+    if kind not in KINDS or kind == text or cell_devices(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, baselineN or ddpN (N GPUs, at least 1)")
+    return text
+
+
 def lmtrain_cell(config: str, devices: int, context: int, steps: int, out: Path, extra: list[str]) -> list[str]:
     """The command of one lmtrain cell (FSDP2 configs also get their data-parallel size)."""
     args = [sys.executable, "-m", "lmtrain", "fit", "--config", config, "--model.context_length", str(context),
@@ -79,7 +94,7 @@ def lmtrain_cell(config: str, devices: int, context: int, steps: int, out: Path,
 def run(cell: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str], timeout: float) -> dict:
     """Run one cell within ``timeout`` seconds; its step time, tokens/s per GPU and GPU count (or the tail of its
     output if it failed or ran out of time)."""
-    devices = int(cell[-1])
+    devices = cell_devices(cell)
     out = out_dir / f"{cell}.json"
     if cell.startswith("baseline"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
@@ -120,7 +135,7 @@ def table(results: dict[str, dict]) -> str:
         if "error" in r:
             lines.append(f"| {cell} | | failed: see {cell}.log | | | |")
             continue
-        one = results.get(cell[:-1] + "1", {})
+        one = results.get(cell.rstrip("0123456789") + "1", {})
         scaling = (f"{r['tokens_per_s_per_gpu'] / one['tokens_per_s_per_gpu']:.3f}"
                    if r["devices"] > 1 and "tokens_per_s_per_gpu" in one else "")
         base = results.get(f"baseline{r['devices']}", {})
@@ -134,7 +149,8 @@ def table(results: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fsdp_scaling", help="folder for each cell's JSON and log")
-    parser.add_argument("--cells", nargs="+", choices=CELLS, default=list(DEFAULT_CELLS))
+    parser.add_argument("--cells", nargs="+", type=cell_name, default=list(DEFAULT_CELLS),
+                        help="fsdpN, baselineN, ddpN: a config on N GPUs")
     parser.add_argument("--steps", type=int, default=20, help="steps of each lmtrain cell (5 of them warm-up)")
     parser.add_argument("--context", type=int, default=1024, help="context of the 2.7B FSDP2 and baseline cells")
     parser.add_argument("--ddp-context", type=int, default=1024, help="context of the xl DDP cells")
