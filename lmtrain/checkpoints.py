@@ -38,8 +38,10 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from lmtrain.config import weight_fields
 from lmtrain.errors import LmtrainError
@@ -362,8 +364,30 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
         check_checkpoint_model(ckpt_path, _get(config, "model"))
         if subcommand == "fit":
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
+    if ckpt_path is not None and is_distributed_checkpoint(ckpt_path):
+        _read_folder_unsharded(config, subcommand, ckpt_path)
 
 
+def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None:
+    """A distributed checkpoint folder given to a run without FSDP2: ``validate``/``test`` read it whole
+    (:class:`FullCheckpointIO` added to the trainer's plugins); ``fit`` stops, since its optimizer states are kept
+    in FSDP2's layout."""
+    from lmtrain.cli_config import strategy_of
+
+    trainer = _get(config, "trainer")
+    if trainer is None or strategy_of(trainer)[0] == "fsdp":
+        return
+    if subcommand == "fit":
+        raise LmtrainError("ckpt_path", f"{ckpt_path} is a distributed checkpoint (FSDP2), and fit resumes one only "
+                           "under FSDP2: its optimizer states are kept in FSDP2's layout.",
+                           "resume it with --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, "
+                           "or validate, test or generate from it on one device.")
+    plugins = _get(trainer, "plugins")
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    from jsonargparse import Namespace
+
+    _set(trainer, "plugins", [*plugins, Namespace(class_path=f"{__name__}.{FullCheckpointIO.__name__}",
+                                                  init_args=Namespace())])
 def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> None:
     """Stop when a checkpoint has already trained ``max_steps`` steps: resuming it would train nothing.
 
@@ -401,14 +425,81 @@ def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
                            "short by a full disk or a killed copy cannot be resumed.") from None
 
 
-def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
-    """Stop when a checkpoint's model differs from the requested one; warn about other options it replaces.
+def read_distributed_weights(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """The full (unsharded) model weights of a distributed checkpoint folder, read on one process without a process
+    group: ``torch.distributed.checkpoint.load(..., no_dist=True)`` into CPU tensors of the shapes and dtypes its
+    metadata records. The optimizer states in the folder are not read.
 
-    LightningCLI replaces the requested ``model`` options with the checkpoint's own hyperparameters right
-    after parsing, so without this check a run asking for another model would silently continue the old one.
+    Returns:
+        The LightningModule's ``state_dict`` (``model.embedding.weight``: tensor, ...), as a file checkpoint holds it.
+
+    Raises:
+        LmtrainError: the folder's shards cannot be read (missing or cut-short files, another format).
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # Lightning's ModelParallelStrategy saves {"state_dict": weights, "optimizer_0": ...}; the folder's metadata
+    # names every entry by its flattened path, "state_dict.<weight name>".
+    prefix = "state_dict."
+    try:
+        entries = FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+        weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
+                   for key, entry in entries.items()
+                   if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+        with warnings.catch_warnings():
+            # One process and no process group is what no_dist asks for; torch warns that it assumes so.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load({"state_dict": weights}, checkpoint_id=ckpt_path, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - missing or cut-short files alike
+        if isinstance(exc, CheckpointException):  # a BaseException wrapping each process's own: show the first
+            exc = next(iter(exc.failures.values()))[0]
+        reason = (str(exc).strip().splitlines() or ["no message"])[0][:160]
+        raise LmtrainError("ckpt_path", f"the weights of the distributed checkpoint {ckpt_path} cannot be read "
+                           f"({type(exc).__name__}: {reason}).",
+                           "give a checkpoint folder that fit wrote completely (every rank's shard file and "
+                           ".metadata beside meta.pt).") from None
+    return weights
+
+
+def read_full_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint with its full model weights under ``state_dict``, as one process can use it: a file as saved, a
+    distributed checkpoint folder (FSDP2) as its :data:`DISTRIBUTED_METADATA` plus :func:`read_distributed_weights`
+    (without optimizer states: enough to evaluate or sample, not to resume training).
+
+    Raises:
+        LmtrainError: the file or folder cannot be read as a checkpoint.
+    """
+    checkpoint = read_checkpoint(ckpt_path)
+    if is_distributed_checkpoint(ckpt_path):
+        checkpoint = {**checkpoint, "state_dict": read_distributed_weights(ckpt_path)}
+    return checkpoint
+
+
+class FullCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint reader and writer, which also reads a distributed checkpoint folder (FSDP2) as one full
+    checkpoint (:func:`read_full_checkpoint`), so that ``validate`` and ``test`` of it run on one device or under
+    DDP: each process loads every weight into its unsharded model. Writing is Lightning's, unchanged."""
+
+    @override
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if is_distributed_checkpoint(path):
+            return read_full_checkpoint(path)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
+    """Stop when a checkpoint's model differs from the requested one; warn about other options that differ.
+
+    LightningCLI replaces the requested ``model`` options with a checkpoint file's own hyperparameters right
+    after parsing, so without this check a run asking for another model would silently continue the old one. Of a
+    distributed checkpoint folder it takes none: the requested options apply, which the warning says.
 
     Args:
-        ckpt_path: a checkpoint file written by lmtrain.
+        ckpt_path: a checkpoint file or distributed checkpoint folder written by lmtrain.
         model: the requested ``model`` section (namespace or dict of LMModule arguments).
 
     Raises:
@@ -425,11 +516,15 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
     fields = ARCHITECTURE_FIELDS + ("context_length",)
     config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
     check_architecture(saved, requested, config)
-    replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
-                if _as_tuple(saved[k]) != _as_tuple(requested[k])]
-    if replaced:
+    differing = [k for k in sorted(saved.keys() & requested.keys()) if _as_tuple(saved[k]) != _as_tuple(requested[k])]
+    if differing and is_distributed_checkpoint(ckpt_path):
+        warnings.warn("the requested model options apply, not the distributed checkpoint's (LightningCLI takes a "
+                      "checkpoint's options from a file only): " + ", ".join(
+                          f"{k}={requested[k]!r} (checkpoint {saved[k]!r})" for k in differing) + ".", stacklevel=2)
+    elif differing:
         warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
-                      "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+                      "checkpoint): " + ", ".join(f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in differing)
+                      + ".", stacklevel=2)
 
 
 def _as_tuple(value: Any) -> Any:
