@@ -17,8 +17,9 @@ Three pieces:
 
 Under FSDP2 (``ModelParallelStrategy``) ``last.ckpt`` is a folder, a distributed checkpoint: each rank writes its
 shards and rank 0 the rest (``meta.pt``); ``--ckpt_path last`` finds it and resumes it on the same number of ranks
-like a file. On several ranks ``CheckpointOnSignal`` also runs ``lmtrain.faults.RankWatchdog``, which stops every
-rank within a minute, naming it, when one dies.
+like a file. One process reads it whole (``read_full_checkpoint``): ``generate``, and through ``FullCheckpointIO``
+``validate``/``test`` without FSDP2. On several ranks ``CheckpointOnSignal`` also runs
+``lmtrain.faults.RankWatchdog``, which stops every rank within a minute, naming it, when one dies.
 
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
