@@ -359,7 +359,7 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is None:
         return
-    _resolve_in_log_dir(config, subcommand, ckpt_path)
+    logging_in = _resolve_in_log_dir(config, subcommand, ckpt_path)
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is not None and (Path(ckpt_path).is_file() or is_distributed_checkpoint(ckpt_path)):
         check_checkpoint_model(ckpt_path, _get(config, "model"))
@@ -367,6 +367,8 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
     if ckpt_path is not None and is_distributed_checkpoint(ckpt_path):
         _read_folder_unsharded(config, subcommand, ckpt_path)
+    if logging_in is not None:  # said once every check passed: a refused checkpoint gets its one line only
+        rank_zero_info(logging_in)
 
 
 def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None:
@@ -533,10 +535,12 @@ def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
+def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> str | None:
+    """Resolve ``last`` and point the logger at the checkpoint's run folder; returns the line that says so (None
+    for a checkpoint outside the logger's runs)."""
     logger = _get(_get(config, "trainer"), "logger")
     if not str(_get(logger, "class_path", "")).endswith("TensorBoardLogger"):
-        return
+        return None
     init_args = _get(logger, "init_args")
     save_dir, name = _get(init_args, "save_dir", "logs"), _get(init_args, "name", "lightning_logs")
     if ckpt_path == "last":
@@ -546,7 +550,7 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
             if subcommand == "fit":
                 warnings.warn(f"--ckpt_path last: no last.ckpt under {where} yet; starting a new run.", stacklevel=2)
                 _set(config, "ckpt_path", None)
-                return
+                return None
             raise LmtrainError("ckpt_path", f"'last' asks for the newest run's last.ckpt, and there is none under "
                                f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
         ckpt_path = str(found)
@@ -559,12 +563,13 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
     if ckpt_path in ("best", "hpc", "registry"):
-        return
+        return None
     version = run_version(ckpt_path, save_dir, name)
     if version is not None:
         _set(init_args, "version", version)
         what = "Resuming" if subcommand == "fit" else f"{subcommand.capitalize()} of"
-        rank_zero_info(f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}.")
+        return f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}."
+    return None
 
 
 def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: Any) -> None:

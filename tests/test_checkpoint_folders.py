@@ -115,15 +115,17 @@ def test_generate_refuses_a_broken_folder_in_one_line(tmp_path: Path, capsys: py
 
 
 def test_fit_without_fsdp2_refuses_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = tmp_path / "last.ckpt"
+    logs = tmp_path / "logs"
+    folder = logs / "lmtrain" / "version_0" / "checkpoints" / "last.ckpt"
     _save_folder(_module_checkpoint(), folder)
+    before = sorted(tmp_path.rglob("*"))
     model = [f"--model.{k}={v}" for k, v in TINY.items()]
     rc = main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), *model, "--trainer.accelerator", "cpu",
-               "--trainer.max_steps", "9", "--ckpt_path", str(folder),
-               "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+               "--trainer.max_steps", "9", "--ckpt_path", "last", "--trainer.logger.init_args.save_dir", str(logs)])
     err = capsys.readouterr().err
-    assert rc == 2 and "error: ckpt_path: " in err and "ModelParallelStrategy" in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing written
+    assert rc == 2 and err.splitlines()[-1].startswith("error: ckpt_path: ") and "ModelParallelStrategy" in err, err
+    assert "Resuming" not in err  # no word of a run folder for a run that does not start
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_validate_without_fsdp2_reads_the_folder_whole(tmp_path: Path) -> None:
