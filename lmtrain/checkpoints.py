@@ -375,11 +375,17 @@ def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None
     """A distributed checkpoint folder given to a run without FSDP2: ``validate``/``test`` read it whole
     (:class:`FullCheckpointIO` added to the trainer's plugins); ``fit`` stops, since its optimizer states are kept
     in FSDP2's layout."""
-    from lmtrain.cli_config import strategy_of
+    from lmtrain.memory_plan import strategy_kind
 
     trainer = _get(config, "trainer")
-    if trainer is None or strategy_of(trainer)[0] == "fsdp":
-        return
+    strategy = _get(trainer, "strategy") if trainer is not None else None
+    if strategy is not None and not isinstance(strategy, str):  # a class_path entry, or a strategy object
+        strategy = _get(strategy, "class_path", strategy)
+    try:
+        if trainer is None or strategy_kind(strategy or "auto") == "fsdp":
+            return
+    except ValueError:
+        return  # a strategy of its own: left to it (and Lightning) to read the folder or say why not
     if subcommand == "fit":
         raise LmtrainError("ckpt_path", f"{ckpt_path} is a distributed checkpoint (FSDP2), and fit resumes one only "
                            "under FSDP2: its optimizer states are kept in FSDP2's layout.",
