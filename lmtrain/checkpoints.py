@@ -375,6 +375,8 @@ def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None
     """A distributed checkpoint folder given to a run without FSDP2: ``validate``/``test`` read it whole
     (:class:`FullCheckpointIO` added to the trainer's plugins); ``fit`` stops, since its optimizer states are kept
     in FSDP2's layout."""
+    from jsonargparse import Namespace
+
     from lmtrain.memory_plan import strategy_kind
 
     trainer = _get(config, "trainer")
@@ -391,12 +393,13 @@ def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None
                            "under FSDP2: its optimizer states are kept in FSDP2's layout.",
                            "resume it with --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, "
                            "or validate, test or generate from it on one device.")
+    # A class_path entry, as the command line's own parse gives: LightningCLI builds the plugin with the trainer.
     plugins = _get(trainer, "plugins")
     plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-    from jsonargparse import Namespace
-
     _set(trainer, "plugins", [*plugins, Namespace(class_path=f"{__name__}.{FullCheckpointIO.__name__}",
                                                   init_args=Namespace())])
+
+
 def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> None:
     """Stop when a checkpoint has already trained ``max_steps`` steps: resuming it would train nothing.
 
