@@ -17,8 +17,9 @@ Three pieces:
 
 Under FSDP2 (``ModelParallelStrategy``) ``last.ckpt`` is a folder, a distributed checkpoint: each rank writes its
 shards and rank 0 the rest (``meta.pt``); ``--ckpt_path last`` finds it and resumes it on the same number of ranks
-like a file. On several ranks ``CheckpointOnSignal`` also runs ``lmtrain.faults.RankWatchdog``, which stops every
-rank within a minute, naming it, when one dies.
+like a file. One process reads it whole (``read_full_checkpoint``): ``generate``, and through ``FullCheckpointIO``
+``validate``/``test`` without FSDP2. On several ranks ``CheckpointOnSignal`` also runs
+``lmtrain.faults.RankWatchdog``, which stops every rank within a minute, naming it, when one dies.
 
 Checkpoint cost: a checkpoint holds the fp32 weights and AdamW's two fp32 moments, 12 bytes per
 parameter (also under ``bf16-mixed``, whose weights and optimizer state stay fp32; gradients are not
@@ -38,8 +39,10 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from lmtrain.config import weight_fields
 from lmtrain.errors import LmtrainError
@@ -356,12 +359,45 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is None:
         return
-    _resolve_in_log_dir(config, subcommand, ckpt_path)
+    logging_in = _resolve_in_log_dir(config, subcommand, ckpt_path)
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is not None and (Path(ckpt_path).is_file() or is_distributed_checkpoint(ckpt_path)):
         check_checkpoint_model(ckpt_path, _get(config, "model"))
         if subcommand == "fit":
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
+    if ckpt_path is not None and is_distributed_checkpoint(ckpt_path):
+        _read_folder_unsharded(config, subcommand, ckpt_path)
+    if logging_in is not None:  # said once every check passed: a refused checkpoint gets its one line only
+        rank_zero_info(logging_in)
+
+
+def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None:
+    """A distributed checkpoint folder given to a run without FSDP2: ``validate``/``test`` read it whole
+    (:class:`FullCheckpointIO` added to the trainer's plugins); ``fit`` stops, since its optimizer states are kept
+    in FSDP2's layout."""
+    from jsonargparse import Namespace
+
+    from lmtrain.memory_plan import strategy_kind
+
+    trainer = _get(config, "trainer")
+    strategy = _get(trainer, "strategy") if trainer is not None else None
+    if strategy is not None and not isinstance(strategy, str):  # a class_path entry, or a strategy object
+        strategy = _get(strategy, "class_path", strategy)
+    try:
+        if trainer is None or strategy_kind(strategy or "auto") == "fsdp":
+            return
+    except ValueError:
+        return  # a strategy of its own: left to it (and Lightning) to read the folder or say why not
+    if subcommand == "fit":
+        raise LmtrainError("ckpt_path", f"{ckpt_path} is a distributed checkpoint (FSDP2), and fit resumes one only "
+                           "under FSDP2: its optimizer states are kept in FSDP2's layout.",
+                           "resume it with --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, "
+                           "or validate, test or generate from it on one device.")
+    # A class_path entry, as the command line's own parse gives: LightningCLI builds the plugin with the trainer.
+    plugins = _get(trainer, "plugins")
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    _set(trainer, "plugins", [*plugins, Namespace(class_path=f"{__name__}.{FullCheckpointIO.__name__}",
+                                                  init_args=Namespace())])
 
 
 def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> None:
@@ -401,14 +437,81 @@ def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
                            "short by a full disk or a killed copy cannot be resumed.") from None
 
 
-def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
-    """Stop when a checkpoint's model differs from the requested one; warn about other options it replaces.
+def read_distributed_weights(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """The full (unsharded) model weights of a distributed checkpoint folder, read on one process without a process
+    group: ``torch.distributed.checkpoint.load(..., no_dist=True)`` into CPU tensors of the shapes and dtypes its
+    metadata records. The optimizer states in the folder are not read.
 
-    LightningCLI replaces the requested ``model`` options with the checkpoint's own hyperparameters right
-    after parsing, so without this check a run asking for another model would silently continue the old one.
+    Returns:
+        The LightningModule's ``state_dict`` (``model.embedding.weight``: tensor, ...), as a file checkpoint holds it.
+
+    Raises:
+        LmtrainError: the folder's shards cannot be read (missing or cut-short files, another format).
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # Lightning's ModelParallelStrategy saves {"state_dict": weights, "optimizer_0": ...}; the folder's metadata
+    # names every entry by its flattened path, "state_dict.<weight name>".
+    prefix = "state_dict."
+    try:
+        entries = FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+        weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
+                   for key, entry in entries.items()
+                   if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+        with warnings.catch_warnings():
+            # One process and no process group is what no_dist asks for; torch warns that it assumes so.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load({"state_dict": weights}, checkpoint_id=ckpt_path, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - missing or cut-short files alike
+        if isinstance(exc, CheckpointException):  # a BaseException wrapping each process's own: show the first
+            exc = next(iter(exc.failures.values()))[0]
+        reason = (str(exc).strip().splitlines() or ["no message"])[0][:160]
+        raise LmtrainError("ckpt_path", f"the weights of the distributed checkpoint {ckpt_path} cannot be read "
+                           f"({type(exc).__name__}: {reason}).",
+                           "give a checkpoint folder that fit wrote completely (every rank's shard file and "
+                           ".metadata beside meta.pt).") from None
+    return weights
+
+
+def read_full_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint with its full model weights under ``state_dict``, as one process can use it: a file as saved, a
+    distributed checkpoint folder (FSDP2) as its :data:`DISTRIBUTED_METADATA` plus :func:`read_distributed_weights`
+    (without optimizer states: enough to evaluate or sample, not to resume training).
+
+    Raises:
+        LmtrainError: the file or folder cannot be read as a checkpoint.
+    """
+    checkpoint = read_checkpoint(ckpt_path)
+    if is_distributed_checkpoint(ckpt_path):
+        checkpoint = {**checkpoint, "state_dict": read_distributed_weights(ckpt_path)}
+    return checkpoint
+
+
+class FullCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint reader and writer, which also reads a distributed checkpoint folder (FSDP2) as one full
+    checkpoint (:func:`read_full_checkpoint`), so that ``validate`` and ``test`` of it run on one device or under
+    DDP: each process loads every weight into its unsharded model. Writing is Lightning's, unchanged."""
+
+    @override
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if is_distributed_checkpoint(path):
+            return read_full_checkpoint(path)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
+    """Stop when a checkpoint's model differs from the requested one; warn about other options that differ.
+
+    LightningCLI replaces the requested ``model`` options with a checkpoint file's own hyperparameters right
+    after parsing, so without this check a run asking for another model would silently continue the old one. Of a
+    distributed checkpoint folder it takes none: the requested options apply, which the warning says.
 
     Args:
-        ckpt_path: a checkpoint file written by lmtrain.
+        ckpt_path: a checkpoint file or distributed checkpoint folder written by lmtrain.
         model: the requested ``model`` section (namespace or dict of LMModule arguments).
 
     Raises:
@@ -425,11 +528,15 @@ def check_checkpoint_model(ckpt_path: str | os.PathLike, model: Any) -> None:
     fields = ARCHITECTURE_FIELDS + ("context_length",)
     config = ModelConfig.from_size(requested["size"], **{k: requested.get(k) for k in fields if k in requested})
     check_architecture(saved, requested, config)
-    replaced = [f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in sorted(saved.keys() & requested.keys())
-                if _as_tuple(saved[k]) != _as_tuple(requested[k])]
-    if replaced:
+    differing = [k for k in sorted(saved.keys() & requested.keys()) if _as_tuple(saved[k]) != _as_tuple(requested[k])]
+    if differing and is_distributed_checkpoint(ckpt_path):
+        warnings.warn("the requested model options apply, not the distributed checkpoint's (LightningCLI takes a "
+                      "checkpoint's options from a file only): " + ", ".join(
+                          f"{k}={requested[k]!r} (checkpoint {saved[k]!r})" for k in differing) + ".", stacklevel=2)
+    elif differing:
         warnings.warn("the checkpoint's model options replace the requested ones (LightningCLI takes them from the "
-                      "checkpoint): " + ", ".join(replaced) + ".", stacklevel=2)
+                      "checkpoint): " + ", ".join(f"{k}={saved[k]!r} (requested {requested[k]!r})" for k in differing)
+                      + ".", stacklevel=2)
 
 
 def _as_tuple(value: Any) -> Any:
@@ -437,10 +544,12 @@ def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
+def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> str | None:
+    """Resolve ``last`` and point the logger at the checkpoint's run folder; returns the line that says so (None
+    for a checkpoint outside the logger's runs)."""
     logger = _get(_get(config, "trainer"), "logger")
     if not str(_get(logger, "class_path", "")).endswith("TensorBoardLogger"):
-        return
+        return None
     init_args = _get(logger, "init_args")
     save_dir, name = _get(init_args, "save_dir", "logs"), _get(init_args, "name", "lightning_logs")
     if ckpt_path == "last":
@@ -450,7 +559,7 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
             if subcommand == "fit":
                 warnings.warn(f"--ckpt_path last: no last.ckpt under {where} yet; starting a new run.", stacklevel=2)
                 _set(config, "ckpt_path", None)
-                return
+                return None
             raise LmtrainError("ckpt_path", f"'last' asks for the newest run's last.ckpt, and there is none under "
                                f"{where}.", "run fit first (it keeps last.ckpt), or pass a checkpoint file.")
         ckpt_path = str(found)
@@ -463,12 +572,13 @@ def _resolve_in_log_dir(config: Any, subcommand: str, ckpt_path: str) -> None:
         raise LmtrainError("ckpt_path", f"checkpoint {ckpt_path} does not exist.",
                            "check the path, or use --ckpt_path last for the newest run's last.ckpt.")
     if ckpt_path in ("best", "hpc", "registry"):
-        return
+        return None
     version = run_version(ckpt_path, save_dir, name)
     if version is not None:
         _set(init_args, "version", version)
         what = "Resuming" if subcommand == "fit" else f"{subcommand.capitalize()} of"
-        rank_zero_info(f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}.")
+        return f"{what} {ckpt_path}: logging in {Path(save_dir) / name / f'version_{version}'}."
+    return None
 
 
 def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config: Any) -> None:

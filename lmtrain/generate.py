@@ -3,10 +3,12 @@
     python -m lmtrain generate --ckpt_path last --prompt "def "
     python -m lmtrain generate --ckpt_path run.ckpt --prompt "Once" --num-samples 3 --temperature 0.8 --top-p 0.95
 
-``--ckpt_path last`` is the newest ``last.ckpt`` under ``logs/lmtrain/`` (as for ``validate`` and ``test``).
-The checkpoint's hyperparameters give the model; its data module state gives the tokenizer the run trained
-with (raw UTF-8 bytes for ``data.source: text``, decoded with U+FFFD for a cut character; the ``tokenizer.json``
-of a ``prepare`` folder for ``data.source: tokens``); ``--tokenizer FILE`` overrides it.
+``--ckpt_path last`` is the newest ``last.ckpt`` under ``logs/lmtrain/`` (as for ``validate`` and ``test``): a file,
+or under FSDP2 a distributed checkpoint folder, whose shards are read into one full model on this process (no
+process group). The checkpoint's hyperparameters (of a folder: its ``meta.pt``) give the model; its data module
+state gives the tokenizer the run trained with (raw UTF-8 bytes for ``data.source: text``, decoded with U+FFFD for a
+cut character; the ``tokenizer.json`` of a ``prepare`` folder for ``data.source: tokens``); ``--tokenizer FILE``
+overrides it.
 
 Sampling is a plain loop over the model's forward pass (no KV cache): each new token sees at most the model's
 ``context_length`` last tokens (the window is cropped), the logits of the last position are divided by the
@@ -207,22 +209,30 @@ def codec_of_checkpoint(checkpoint: dict[str, Any]) -> Codec | None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` (on the CPU), checked to hold an lmtrain model.
+    """The checkpoint at ``path`` (on the CPU), checked to hold an lmtrain model: a file, or the folder that FSDP2
+    runs save (a distributed checkpoint, read whole on this one process, without its optimizer states).
 
     Raises:
-        LmtrainError: the file is missing, unreadable or not an lmtrain checkpoint.
+        LmtrainError: the file or folder is missing, unreadable or not an lmtrain checkpoint.
     """
+    from lmtrain.checkpoints import DISTRIBUTED_METADATA, is_distributed_checkpoint, read_full_checkpoint
+
     path = Path(path)
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
+    if is_distributed_checkpoint(path):
+        checkpoint = read_full_checkpoint(path)
+    elif not path.is_file():
+        what = f"is a folder without {DISTRIBUTED_METADATA}" if path.is_dir() else "does not exist"
         raise LmtrainError("--ckpt_path", f"checkpoint {path} {what}.",
-                           "give a .ckpt file, or --ckpt_path last for the newest run's last.ckpt.")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated or foreign files fail in many ways (pickle, zip, EOF)
-        raise LmtrainError("--ckpt_path", f"{path} is not a readable checkpoint "
-                           f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}).",
-                           "give a checkpoint written by lmtrain fit (logs/lmtrain/version_N/checkpoints/).") from None
+                           "give a .ckpt file or a distributed checkpoint folder (last.ckpt of an FSDP2 run), or "
+                           "--ckpt_path last for the newest run's last.ckpt.")
+    else:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated or foreign files fail in many ways (pickle, zip, EOF)
+            raise LmtrainError("--ckpt_path", f"{path} is not a readable checkpoint "
+                               f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}).",
+                               "give a checkpoint written by lmtrain fit (logs/lmtrain/version_N/checkpoints/)."
+                               ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
         raise LmtrainError("--ckpt_path", f"{path} holds no lmtrain model (no state_dict and hyper_parameters).",
                            "give a checkpoint written by lmtrain fit.")
@@ -335,7 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lmtrain.cli_config import LOG_DIR
 
     parser.add_argument("--ckpt_path", "--ckpt-path", dest="ckpt_path", default="last",
-                        help="checkpoint file, or last: the newest last.ckpt under LOG_DIR/lmtrain (default)")
+                        help="checkpoint file or FSDP2 checkpoint folder, or last: the newest last.ckpt under "
+                        "LOG_DIR/lmtrain (default)")
     parser.add_argument("--prompt", default="", help="text to continue (empty: start from <|endoftext|>)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (0.8)")

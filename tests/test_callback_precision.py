@@ -177,3 +177,24 @@ def test_path_pattern() -> None:
     assert path_pattern("model.blocks.12.attn.qkv.weight") == "model.blocks.{i}.attn.qkv.weight"
     assert path_pattern("0.weight") == "{i}.weight"
     assert path_pattern("lm_head") == "lm_head"
+
+
+def test_master_weights_say_at_setup_that_there_is_no_fp32_reference(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """With ``model.master_weights`` the step computes with bf16 copies: the inspector says so once, at setup."""
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                     attention="naive", master_weights=True)
+    trainer = pl.Trainer(max_steps=1, precision="bf16-mixed", accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    notes = []
+    for inspector, master_weights in ((PrecisionInspector(), True), (PrecisionInspector(), False),
+                                      (PrecisionInspector(reference=False), True)):
+        model.config = model.config.replace(master_weights=master_weights)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            inspector.setup(trainer, model, "fit")
+        notes.append([r.getMessage() for r in caplog.records if "no fp32 reference" in r.getMessage()])
+    assert len(notes[0]) == 1 and notes[0][0].startswith("PrecisionInspector: no fp32 reference with "
+                                                         "model.master_weights")
+    assert notes[1] == [] and notes[2] == []  # no master weights, or no reference asked for: nothing to say

@@ -206,6 +206,10 @@ class PrecisionInspector(Callback):
         if self._beyond:  # said now, once, rather than after the whole run
             self._warn(f"PrecisionInspector: step {self.step} lies beyond the last step of max_steps "
                        f"{trainer.max_steps}; nothing will be inspected. Lower step or train for more steps.")
+        if self.reference and getattr(getattr(pl_module, "config", None), "master_weights", False):
+            rank_zero_info("PrecisionInspector: no fp32 reference with model.master_weights (the step computes with "
+                           "bf16 copies of the fp32 master weights); logits_max_abs_err, logits_rel_err and "
+                           "loss_abs_err are not logged, the dtypes are.")
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info(f"PrecisionInspector: step {self.step} runs eagerly (a CUDA graph replay runs no module "
                            "hooks); the steps around it replay the graph.")
