@@ -25,7 +25,7 @@ from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kw
 from lmtrain.distributed import check_strategy_options
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import check_float8_trainer, convert_model
-from lmtrain.flops import compute_dtype, flops_per_step
+from lmtrain.flops import compute_dtype, float8_flops_per_step, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
@@ -165,6 +165,16 @@ class LMModule(pl.LightningModule):
         if self._tokens_per_batch is None:
             return None
         return flops_per_step(self.config, *self._tokens_per_batch, mode=self.step_mode)
+
+    @property
+    def float8_flops_per_batch(self) -> float | None:
+        """The part of ``flops_per_batch`` that runs as float8 GEMMs (``model.float8``'s converted layers); 0 without
+        float8, None before the first batch."""
+        if self._tokens_per_batch is None:
+            return None
+        if self.config.float8 == "none":
+            return 0.0
+        return float8_flops_per_step(self.config, *self._tokens_per_batch, mode=self.step_mode)
 
     def note_batch(self, batch: torch.Tensor) -> None:
         """Record the shape of a batch of windows (B, T + 1) that a step trains on (for ``flops_per_batch``)."""

@@ -13,6 +13,7 @@ from tb import scalars, texts
 import lmtrain.callbacks.timer as timer_module
 from lmtrain.callbacks import CudaSyncTimer
 from lmtrain.data import LMDataModule
+from lmtrain.errors import LmtrainError
 from lmtrain.flops import flops_per_step
 from lmtrain.module import LMModule
 
@@ -165,3 +166,39 @@ def test_phases_of_a_graphed_step_from_marks_recorded_inside_the_graph() -> None
     assert replayed["optimizer_ms"] == pytest.approx(0.5)
     assert replayed["step_ms"] != pytest.approx(6.5)  # the host's marks, not the graph's
     assert by_step[1]["forward_ms"] != pytest.approx(2.0)  # eager warm-up steps keep their own marks
+
+
+class HalfFloat8Module(LMModule):
+    """A module whose steps run half their FLOPs as float8 GEMMs (float8 itself needs a GPU; the timer only reads
+    ``float8_flops_per_batch``)."""
+
+    @property
+    def float8_flops_per_batch(self) -> float | None:
+        flops = self.flops_per_batch
+        return None if flops is None else flops / 2
+
+
+def test_mfu_against_the_float8_steps_own_peak(tmp_path, fake_clock):
+    peak, float8_peak = 1e9, 2e9
+    timer = CudaSyncTimer(warmup_steps=1, sync="synchronize", peak_flops=peak, float8_peak_flops=float8_peak,
+                          print_summary=False)
+    pl.seed_everything(0)
+    module = HalfFloat8Module(size="tiny", vocab_size=256, context_length=T, warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=B, context_length=T, vocab_size=256, train_batches=64)
+    pl.Trainer(max_steps=3, accelerator="cpu", callbacks=[timer], logger=TensorBoardLogger(tmp_path, name="tb"),
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+               limit_val_batches=0).fit(module, data)
+    logged = scalars(tmp_path)
+    mfu = flops_per_step(module.config, B, T, "train") / 1.0 / peak  # 1000 ms steps (the fake clock)
+    # Half the FLOPs at 2e9 and half at 1e9: the step's own peak is 1 / (0.25e-9 + 0.5e-9) = 4/3 e9.
+    assert [v for _, v in logged["throughput/mfu"]] == pytest.approx([mfu] * 2, rel=1e-6)
+    assert [v for _, v in logged["throughput/mfu_float8_peak"]] == pytest.approx([mfu * 0.75] * 2, rel=1e-6)
+    assert "``throughput/mfu_float8_peak``" in CudaSyncTimer.__doc__
+
+
+def test_no_float8_figure_without_float8_layers(tmp_path, fake_clock):
+    fit(tmp_path, CudaSyncTimer(warmup_steps=0, sync="synchronize", peak_flops=1e9, float8_peak_flops=2e9,
+                                print_summary=False), steps=2)
+    assert "throughput/mfu_float8_peak" not in scalars(tmp_path)
+    with pytest.raises(LmtrainError, match="float8_peak_flops"):
+        CudaSyncTimer(float8_peak_flops=-1.0).check_arguments()

@@ -32,6 +32,7 @@ from lmtrain.callbacks._common import (
     timing_perturbed_by,
 )
 from lmtrain.errors import LmtrainError
+from lmtrain.flops import float8_step_peak_flops
 from lmtrain.flops import peak_flops as peak_flops_for
 
 SyncMode = Literal["events", "synchronize"]
@@ -51,6 +52,7 @@ class _Step:
     batches: list[dict[str, Any]] = field(default_factory=list)  # mark name -> CUDA event or seconds
     tokens: int | None = 0
     flops: float | None = 0.0
+    float8_flops: float = 0.0  # the part of flops run as float8 GEMMs (the module's float8_flops_per_batch)
     graphed: bool = False  # replayed as a CUDA graph: only the whole step has host-side marks
     graph_marks: dict[str, Any] | None = None  # marks recorded inside the graph (the module's graph_phase_marks)
 
@@ -93,7 +95,11 @@ class CudaSyncTimer(pl.Callback):
       several ranks the tokens of all ranks over the slowest rank's step time.
     - ``throughput/mfu``: model FLOPs utilisation per device in [0, 1], from ``pl_module.flops_per_batch`` and
       the peak FLOP/s of one device and precision (``lmtrain.flops.PEAK_FLOPS``) or ``peak_flops``; on several
-      ranks the mean model FLOPs of one rank / (slowest rank's step time x peak of one device).
+      ranks the mean model FLOPs of one rank / (slowest rank's step time x peak of one device). Float8 runs are
+      measured against the bf16 peak too, so that recipes compare on one scale.
+    - ``throughput/mfu_float8_peak``: float8 runs only (``pl_module.float8_flops_per_batch`` > 0): the same MFU
+      against the step's own ceiling, its float8 GEMMs at the device's float8 peak and the rest at the bf16 peak
+      (``lmtrain.flops.float8_step_peak_flops``).
 
     On several ranks the ``time/*_ms`` tags above are rank 0's own; every logged step's times of all ranks are
     gathered (one small ``all_gather``; in events mode at the next step's start, on every rank), and rank 0 logs:
@@ -117,16 +123,20 @@ class CudaSyncTimer(pl.Callback):
         warmup_steps: steps measured and logged separately, not summarised.
         sync: ``events`` (CUDA events, no host sync inside the step) or ``synchronize``.
         peak_flops: peak FLOP/s for MFU; None looks the device and precision up in the table.
+        float8_peak_flops: the device's float8 peak FLOP/s for ``throughput/mfu_float8_peak``; None looks the device
+            up in the table (its ``fp8`` column).
         log_every_n_steps: log the scalars of every n-th step (all steps are still measured).
         print_summary: print the summary tables at the end of training.
     """
 
     def __init__(self, warmup_steps: int = 5, sync: SyncMode = "events", peak_flops: float | None = None,
-                 log_every_n_steps: int = 1, print_summary: bool = True) -> None:
+                 log_every_n_steps: int = 1, print_summary: bool = True, float8_peak_flops: float | None = None
+                 ) -> None:
         super().__init__()
         self.warmup_steps = warmup_steps
         self.sync = sync
         self.peak_flops = peak_flops
+        self.float8_peak_flops = float8_peak_flops
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.step_times: list[dict[str, float]] = []
@@ -139,6 +149,7 @@ class CudaSyncTimer(pl.Callback):
         self._current: _Step | None = None
         self._batch: dict[str, Any] | None = None
         self._peak: float | None = None
+        self._float8_peak: float | None = None
         self._event_pool: list[torch.cuda.Event] = []
         self._summarised = False
         self._model_row: tuple[str, int] | None = None
@@ -159,10 +170,11 @@ class CudaSyncTimer(pl.Callback):
                                "use events or synchronize.")
         check_int("CudaSyncTimer", "warmup_steps", self.warmup_steps, 0)
         check_int("CudaSyncTimer", "log_every_n_steps", self.log_every_n_steps, 1)
-        peak = self.peak_flops
-        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
-            raise LmtrainError("callbacks.CudaSyncTimer.peak_flops", f"{self.peak_flops!r} is not a positive number.",
-                               "give the device's peak FLOP/s, e.g. 989.4e12, or leave it unset.")
+        for name, example in (("peak_flops", "989.4e12"), ("float8_peak_flops", "1978.9e12")):
+            peak = getattr(self, name)
+            if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
+                raise LmtrainError(f"callbacks.CudaSyncTimer.{name}", f"{peak!r} is not a positive number.",
+                                   f"give the device's peak FLOP/s, e.g. {example}, or leave it unset.")
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,6 +190,8 @@ class CudaSyncTimer(pl.Callback):
             rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
         name = torch.cuda.get_device_name(trainer.strategy.root_device) if self._cuda else None
         self._peak = peak if peak is not None else peak_flops_for(name, trainer.precision) if name else None
+        self._float8_peak = (self.float8_peak_flops if self.float8_peak_flops is not None
+                             else peak_flops_for(name, "fp8") if name else None)
         if self._peak is None:
             self._warn(f"CudaSyncTimer: no peak FLOP/s known for {name or 'a CPU'!r} at precision "
                        f"{trainer.precision!r}; throughput/mfu is not logged. Pass peak_flops=... .")
@@ -268,6 +282,7 @@ class CudaSyncTimer(pl.Callback):
         step = self._current
         flops = getattr(pl_module, "flops_per_batch", None)
         step.flops = None if flops is None or step.flops is None else step.flops + float(flops)
+        step.float8_flops += float(getattr(pl_module, "float8_flops_per_batch", None) or 0.0)
         if step.graphed and callable(getattr(pl_module, "graph_phase_marks", None)):
             step.graph_marks = pl_module.graph_phase_marks()
         if ended:  # the optimizer stepped (StepPhases: every batch is a step without accumulation)
@@ -329,6 +344,10 @@ class CudaSyncTimer(pl.Callback):
                        "measured time is wrong; throughput/mfu is clipped to 1.")
         if step.flops is None:
             self._warn("CudaSyncTimer: the module has no flops_per_batch; throughput/mfu is not logged.")
+        elif raw is not None and step.float8_flops > 0:
+            own = float8_step_peak_flops(step.flops, min(step.float8_flops, step.flops), self._peak, self._float8_peak)
+            if own is not None:
+                metrics["throughput/mfu_float8_peak"] = min(1.0, raw * self._peak / own)
         log_scalars(trainer, metrics, step=step.index)
 
     def _finish(self, trainer: pl.Trainer, log: bool = True) -> None:
