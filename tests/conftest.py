@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tb.py and friends importable as plain modules
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``benchmarks/scripts/<name>.py`` as a module, without running its ``main`` (the scripts are not a package).
+
+    It is registered in ``sys.modules`` under ``name`` (dataclasses and pickling look their module up there), with
+    the scripts folder on the path while it loads, so a script can import its neighbours.
+    """
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

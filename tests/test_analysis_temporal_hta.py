@@ -8,7 +8,6 @@ default figures), and its failure on a sub-µs memset is pinned down."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -17,20 +16,15 @@ from types import ModuleType
 
 import pytest
 import temporal_traces as traces
+from conftest import load_script
 
 pytest.importorskip("hta.trace_analysis")
-
-_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "scripts" / "hta_compare.py"
 
 
 @pytest.fixture(scope="module")
 def hta_compare() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("hta_compare", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield load_script("hta_compare")
+    del sys.modules["hta_compare"]
 
 
 def _file(tmp_path: Path, trace: dict) -> Path:

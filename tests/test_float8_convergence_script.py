@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scripts" / "float8_convergence.py"
 
 
 @pytest.fixture(scope="module")
-def driver() -> SimpleNamespace:
-    return SimpleNamespace(**runpy.run_path(str(SCRIPT)))  # the script's names, without running main
+def driver() -> ModuleType:
+    return load_script("float8_convergence")
 
 
 def _rows(table: str) -> dict[str, list[str]]:

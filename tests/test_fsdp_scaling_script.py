@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "fsdp_scaling.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def driver():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("fsdp_scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fsdp_scaling")
 
 
 def test_cells_name_any_gpu_count(driver) -> None:  # noqa: ANN001
