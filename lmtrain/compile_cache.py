@@ -19,8 +19,9 @@ own, add it to the trainer's callbacks. It prints two lines::
 ``hit``: every graph compiled in this fit so far came from the cache; ``miss``: none did (the first run of a
 config, or after a change of torch, Triton, the model or the options); ``partial``: some did. A graph that the
 caches cannot hold (``bypassed``) is compiled every time. Triton's compiled kernels, lmtrain's own included, are
-cached in the same folder; the autotuning of lmtrain's flash kernels (``lmtrain.kernels.flash``) is not, and runs
-again in each process.
+cached in the same folder, and so is the autotuning of lmtrain's pointer flash kernels (``triton.autotune``'s
+``cache_results``, Triton 3.4 and later); the TMA kernels' autotuning (configs with a ``pre_hook``, which Triton does
+not cache) runs again in each process.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ from typing import Any
 from lmtrain.config import ModelConfig, step_fields
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import block_linear_shapes, converts_shape
-from lmtrain.flops import STEP_MODES, parameter_count
+from lmtrain.flops import STEP_MODES, matmul_parameter_count, parameter_count
 
 GIB = 1024**3
 
@@ -174,8 +174,8 @@ def _weights_cast(cfg: ModelConfig, precision: str) -> bool:
 
 def linear_parameter_count(cfg: ModelConfig) -> int:
     """P_mm: parameters used in matrix products, all but the embedding table and the RMSNorm gains (those
-    ``master_weights`` stores in bf16)."""
-    return parameter_count(cfg) - cfg.vocab_size * cfg.d_model - (2 * cfg.num_layers + 1) * cfg.d_model
+    ``master_weights`` stores in bf16): ``lmtrain.flops.matmul_parameter_count``."""
+    return matmul_parameter_count(cfg)
 
 
 def float8_block_elements(cfg: ModelConfig) -> int:

@@ -85,12 +85,18 @@ class Network:
         return min(gbps, self.inter_node_gbps) if nodes > 1 else gbps
 
 
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw of ``op`` on ``world_size`` ranks (nccl-tests' factors; ``lmtrain.bench.comm`` measures with
+    them)."""
+    n = world_size
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
 def collective_ms(op: str, size: int, world_size: int, busbw_gbps: float) -> float:
     """Milliseconds of ``op`` on a ``size``-byte buffer over ``world_size`` ranks at ``busbw_gbps`` (nccl-tests)."""
     if world_size < 2:
         return 0.0
-    factor = (2 if op == "all_reduce" else 1) * (world_size - 1) / world_size
-    return size * factor / (busbw_gbps * 1e9) * 1e3
+    return size * bus_factor(op, world_size) / (busbw_gbps * 1e9) * 1e3
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any
 
 from lmtrain.bench.tables import markdown_table
 from lmtrain.errors import LmtrainError
+from lmtrain.step_time import bus_factor
 
 OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce")
 #: The dtype each operation moves by default: FSDP2's bf16 parameters, fp32 gradients.
@@ -56,12 +57,6 @@ class Row:
     ms: float  # the slowest rank's mean time per call
     algbw_gbps: float  # GB/s (1e9 bytes)
     busbw_gbps: float
-
-
-def bus_factor(op: str, world_size: int) -> float:
-    """busbw / algbw of ``op`` on ``world_size`` ranks (nccl-tests' factors)."""
-    n = world_size
-    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
 def bandwidths(op: str, size_bytes: int, ms: float, world_size: int) -> tuple[float, float]:
