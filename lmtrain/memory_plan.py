@@ -750,8 +750,9 @@ def strategy_kind(strategy: Any) -> str:
 def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     """Shapes of the parameters of ``TransformerLM(cfg)`` in registration order (embedding, blocks, final
     norm, output head); a block's are attn_norm, qkv, out, mlp_norm, w1, w2, w3."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    block = [(d,), (3 * d, d), (d, d), (d,), (f, d), (d, f), (f, d)]
+    d, v = cfg.d_model, cfg.vocab_size
+    weight = {name: (out_f, in_f) for name, (in_f, out_f) in block_linear_shapes(cfg).items()}  # nn.Linear: (out, in)
+    block = [(d,), weight["attn.qkv"], weight["attn.out"], (d,), weight["mlp.w1"], weight["mlp.w2"], weight["mlp.w3"]]
     return [(v, d), *block * cfg.num_layers, (d,), (v, d)]
 
 

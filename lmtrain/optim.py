@@ -262,9 +262,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         ``params_are_masters``: only the moments, ``p`` stays as it is)."""
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state[moment] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
         if self.params_are_masters:
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
             return
         given = self._given_masters.pop(id(p), None)
         if given is not None:
@@ -275,8 +275,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             weight, state["master_low"] = split_master(master)
         else:
             weight, state["master"] = master.to(torch.bfloat16), master
-        state["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
-        state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
         if given is not None:
             p.data.copy_(weight)  # in place: a wrapper may hold views of it (the same unless the split rounded a tie)
             return

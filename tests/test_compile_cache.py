@@ -13,7 +13,7 @@ import pytest
 
 from lmtrain.cli import main
 from lmtrain.compile_cache import FOLDER_NAME, CompileCache, describe_outcome
-from tests.subprocs import own_job_env
+from subprocs import own_job_env
 
 #: A compiled model small enough that inductor's CPU kernels compile in seconds.
 CONFIG = """seed_everything: 0

@@ -255,6 +255,16 @@ def test_parameter_shapes_add_up_to_the_parameter_count() -> None:
         assert sum(torch.Size(s).numel() for s in shapes) == parameter_count(cfg)
 
 
+def test_parameter_shapes_are_the_models_own_in_registration_order() -> None:
+    from lmtrain.config import ModelConfig
+    from lmtrain.memory_plan import parameter_shapes
+    from lmtrain.model import TransformerLM
+
+    # d_ff unlike 3 d_model and unlike d_model, so a swapped or transposed width shows
+    cfg = ModelConfig(vocab_size=97, context_length=16, d_model=48, num_layers=2, num_heads=4, d_ff=136)
+    assert parameter_shapes(cfg) == [tuple(p.shape) for p in TransformerLM(cfg).parameters()]
+
+
 def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
     from lmtrain.memory_plan import estimate_memory
 

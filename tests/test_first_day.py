@@ -18,7 +18,7 @@ from lmtrain.callbacks._profiler import kineto_markers_dropped
 from lmtrain.cli_config import run_lightning
 from lmtrain.data import LMDataModule
 from lmtrain.module import LMModule
-from tests.subprocs import own_job_env
+from subprocs import own_job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
