@@ -183,7 +183,10 @@ _LMCLI: type | None = None
 
 def strategy_of(trainer: Any) -> tuple[str, int | None]:
     """The strategy kind (``lmtrain.module.strategy_kind_of``'s names) and the number of processes of a parsed
-    ``trainer`` section; None processes where ``devices`` is ``auto`` or -1 (known only once the trainer exists)."""
+    ``trainer`` section; None processes where ``devices`` is ``auto`` or -1 (known only once the trainer exists).
+
+    ``strategy: auto`` on more than one process is ``ddp``: Lightning's ``auto`` then builds a ``DDPStrategy`` (with
+    PyTorch's own DDP arguments, not lmtrain's ``DDP_DEFAULTS``)."""
     from lmtrain.memory_plan import strategy_kind
 
     strategy = trainer.get("strategy") if hasattr(trainer, "get") else None
@@ -206,7 +209,10 @@ def strategy_of(trainer: Any) -> tuple[str, int | None]:
     if count is not None and count < 1:
         count = None
     nodes = trainer.get("num_nodes", 1) if hasattr(trainer, "get") else 1
-    return kind, None if count is None else count * int(nodes or 1)
+    processes = None if count is None else count * int(nodes or 1)
+    if kind == "single" and processes is not None and processes > 1 and str(strategy or "auto") == "auto":
+        kind = "ddp"
+    return kind, processes
 
 
 def parser_kwargs() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmtrain.cli_config import ResolvedConfig, resolve_args
+from lmtrain.cli_config import ResolvedConfig, resolve_args, strategy_of
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import block_linear_shapes, converts_shape
@@ -39,7 +39,6 @@ from lmtrain.memory_plan import (
     estimate_memory,
     fits,
     max_fitting,
-    strategy_kind,
 )
 
 #: Total memory CUDA reports for an 80 GB H100 ("GPU 0 has a total capacity of 79.18 GiB" in its out-of-memory
@@ -103,24 +102,41 @@ def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
     return resolved, mode
 
 
-def world_size(trainer: dict) -> int:
-    """GPUs in the data-parallel group of the resolved trainer arguments (devices x nodes; ``auto`` counts 1)."""
-    devices = trainer.get("devices", "auto")
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
-        count = int(devices)
-    else:
-        count = 1
-    return max(1, count) * max(1, int(trainer.get("num_nodes") or 1))
+def parallel_of(trainer: dict) -> tuple[str, int, dict]:
+    """(strategy kind, GPUs, DDP arguments) of the resolved trainer arguments.
+
+    The kind and the process count are ``lmtrain.cli_config.strategy_of``'s (``auto`` on several GPUs is DDP;
+    ``devices`` ``auto`` or -1 counts one GPU); DDP on one GPU is the one-GPU step. The DDP arguments are those the
+    trainer builds (:func:`ddp_arguments_of`), empty under the other strategies.
+
+    Raises:
+        LmtrainError: a strategy the planner has no plan for (e.g. Lightning's ``fsdp``, FSDP1).
+    """
+    kind, processes = strategy_of(trainer)
+    if kind == "other":
+        strategy = trainer.get("strategy")
+        name = strategy.get("class_path") if isinstance(strategy, dict) else strategy
+        raise LmtrainError("trainer.strategy", f"the memory planner has no plan for {name!r}.",
+                           "plan ddp, lightning.pytorch.strategies.ModelParallelStrategy (FSDP2, how lmtrain shards; "
+                           "docs/distributed.md) or auto.")
+    world = processes or 1
+    if kind == "ddp" and world == 1:
+        kind = "single"  # DDP on one device is the single-device step
+    return kind, world, ddp_arguments_of(trainer) if kind == "ddp" else {}
 
 
-def strategy_of(trainer: dict) -> str:
-    """``single``, ``ddp`` or ``fsdp`` for the resolved ``trainer.strategy`` (a name or a class_path mapping)."""
+def ddp_arguments_of(trainer: dict) -> dict:
+    """The ``DDPStrategy`` arguments a resolved ``trainer`` section builds: lmtrain's (``ddp_arguments``) for
+    ``strategy: ddp`` (the name, as ``fit``'s command line builds it), the ``init_args`` of a ``class_path`` entry,
+    else none (``auto`` on several GPUs and the other ``ddp_*`` names: PyTorch's defaults)."""
+    from lmtrain.distributed import ddp_arguments
+
     strategy = trainer.get("strategy", "auto")
+    if strategy == "ddp":
+        return ddp_arguments(int(trainer.get("accumulate_grad_batches") or 1))
     if isinstance(strategy, dict):
-        strategy = strategy.get("class_path", "auto")
-    return strategy_kind(strategy)
+        return dict(strategy.get("init_args") or {})
+    return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,10 +144,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolved.model_config()
     batch = int(resolved.data["batch_size"])
     precision = resolved.precision
-    strategy, world = strategy_of(resolved.trainer), world_size(resolved.trainer)
-    if world == 1 and strategy == "ddp":
-        strategy = "single"  # DDP on one device is the single-device step
-    parallel = {"strategy": strategy, "world_size": world}
+    strategy, world, ddp_kwargs = parallel_of(resolved.trainer)
+    parallel = {"strategy": strategy, "world_size": world,
+                "gradient_as_bucket_view": bool(ddp_kwargs.get("gradient_as_bucket_view", False))}
     plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode, **parallel)
 
     def largest(budget: int, **kw: int | None) -> int:
@@ -166,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
           f"for the CUDA context and 5% for fragmentation). Largest context at batch {batch}: {max_t}; largest batch "
           f"at context {cfg.context_length}: {max_b}.")
     print()
-    print(step_time_text(args, resolved, cfg, batch, precision, strategy, world))
+    print(step_time_text(args, resolved, cfg, batch, precision, strategy, world, ddp_kwargs))
     if cfg.attention == "flash_triton":
         print()
         print(flash_kernel_lines(cfg.context_length, cfg.d_model // cfg.num_heads, precision))
@@ -184,13 +199,17 @@ def float8_line(cfg: ModelConfig) -> str:
 
 
 def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: ModelConfig, batch: int, precision: str,
-                   strategy: str, world: int) -> str:
-    """The step-time prediction (``lmtrain.step_time``) with its inputs, and under several GPUs FSDP2 against DDP."""
+                   strategy: str, world: int, ddp_kwargs: dict | None = None) -> str:
+    """The step-time prediction (``lmtrain.step_time``) with its inputs, and under several GPUs FSDP2 against DDP.
+
+    DDP's bucket is that of ``ddp_kwargs`` under ``ddp`` (the trainer's DDP arguments), else that of lmtrain's
+    ``strategy: ddp`` (the comparison's DDP)."""
     import torch
 
     from lmtrain.bench.comm import read_record
     from lmtrain.flops import peak_flops
     from lmtrain.step_time import (
+        ddp_bucket_bytes,
         describe,
         network_from_record,
         one_gpu_from_flops,
@@ -216,6 +235,7 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
     where = (f"{args.comm} ({record['meta'].get('device')}, {record['meta'].get('world_size')} ranks)" if record
              else f"assumed {args.intra_node_gbps:g} GB/s for every collective")
     u = units(cfg, batch, cfg.context_length, precision)
+    bucket = ddp_bucket_bytes(ddp_kwargs if strategy == "ddp" else None)
     tokens = batch * cfg.context_length
     inputs = [f"one-GPU step: forward {one.forward_ms:.2f} ms, backward {one.backward_ms:.2f} ms, optimizer "
               f"{one.optimizer_ms:.2f} ms; from {one.source}",
@@ -223,24 +243,26 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
               f"bus bandwidth between nodes: {args.inter_node_gbps:g} GB/s per GPU (assumed)" if nodes > 1 else
               f"one node ({world} GPUs)",
               f"FSDP units: {u.layers} blocks of {u.block_params:,} parameters and the root of {u.root_params:,}; "
-              f"all-gather {u.gather_bytes} bytes per parameter, gradients reduced in {u.grad_bytes}",
+              f"all-gather {u.gather_bytes} bytes per parameter, gradients reduce-scattered in {u.grad_bytes} bytes; "
+              f"DDP all-reduces {u.ddp_gradient_bytes() / 2**20:,.0f} MiB of gradients"
+              + (f" (the {u.ddp_bf16_grads:,} linear weights' in bf16: master weights)" if u.ddp_bf16_grads else ""),
               "overlap: each block's all-gather hides behind the previous block's compute (the root's and the first "
               "block's are exposed); in backward the next all-gather and the previous reduce-scatter hide behind a "
-              "block's backward, the last two reduce-scatters are exposed; DDP: all but the last 25 MiB bucket of the "
-              "all-reduce hides behind the backward"]
+              f"block's backward, the last two reduce-scatters are exposed; DDP: all but the last {bucket / 2**20:g} "
+              "MiB bucket of the all-reduce hides behind the backward"]
     # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
     ranks = 1 if strategy == "single" else world
     chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward)
+                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
     lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication",
              describe(chosen, inputs)]
     if world > 1:
         single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward)
+                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
         body = []
         for kind in ("fsdp", "ddp"):
             p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward)
+                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
             body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.tokens_per_s:,.0f}",
                          f"{p.tokens_per_s / world:,.0f}", f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
         from lmtrain.bench.tables import markdown_table

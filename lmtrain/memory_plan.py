@@ -654,16 +654,47 @@ def _largest(fits: Any, limit: int) -> int:
     return lo
 
 
+def trainer_plan_arguments(trainer: Any) -> dict[str, Any] | None:
+    """The arguments of ``estimate_memory`` that a Lightning trainer sets: its precision, its strategy's kind, the
+    world size and, under DDP, the strategy's own ``gradient_as_bucket_view`` (lmtrain's ``strategy: ddp`` sets it,
+    ``lmtrain.distributed.DDP_DEFAULTS``; Lightning's ``auto`` on several devices does not). None for a precision or
+    strategy the planner does not know."""
+    precision = str(trainer.precision)
+    if precision not in PRECISIONS:
+        return None
+    try:
+        kind = strategy_kind(trainer.strategy)
+    except ValueError:
+        return None
+    # DDPStrategy keeps the DistributedDataParallel arguments it was built with, and has no public accessor for them.
+    ddp_kwargs = getattr(trainer.strategy, "_ddp_kwargs", None) or {}
+    return {"precision": precision, "strategy": kind, "world_size": int(trainer.world_size) if kind != "single" else 1,
+            "gradient_as_bucket_view": kind == "ddp" and bool(ddp_kwargs.get("gradient_as_bucket_view", False))}
+
+
+def fit_plan(module: Any, datamodule: Any, trainer: Any) -> MemoryEstimate | None:
+    """The plan of ``fit`` on each GPU of ``trainer`` (on a CUDA device): ``estimate_memory`` with the module's
+    options and step mode, the data module's batch size and :func:`trainer_plan_arguments`; None where those are
+    None."""
+    planned = trainer_plan_arguments(trainer)
+    if planned is None:
+        return None
+    batch = int(getattr(datamodule, "batch_size", 1) or 1)
+    return estimate_memory(module.config, batch, None, mode=module.step_mode, **planned)
+
+
 def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstimate | None:
-    """Warn (once, rank 0) when the plan of ``fit`` exceeds the GPU's memory. Call before ``trainer.fit``.
+    """Warn (once, rank 0) when the plan of ``fit`` on each GPU exceeds the GPU's memory. Call before ``trainer.fit``.
 
     Args:
         module: an ``LMModule`` (its ``config`` and ``step_mode`` are read).
-        datamodule: an ``LMDataModule`` (its ``batch_size``), or None for batch size 1.
-        trainer: the ``Trainer`` (its precision and root device).
+        datamodule: an ``LMDataModule`` (its ``batch_size``, per GPU), or None for batch size 1.
+        trainer: the ``Trainer`` (its precision, strategy, world size and root device:
+            :func:`trainer_plan_arguments`).
 
     Returns:
-        The estimate, or None when the trainer does not run on a CUDA device.
+        The estimate, or None when the trainer does not run on a CUDA device or its precision or strategy is not
+        planned.
     """
     import torch
     from lightning.pytorch.utilities import rank_zero_warn
@@ -671,17 +702,18 @@ def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstim
     device = getattr(trainer.strategy, "root_device", None)
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
-    precision = str(trainer.precision)
-    if precision not in PRECISIONS:
+    plan = fit_plan(module, datamodule, trainer)
+    if plan is None:
         return None
-    batch = int(getattr(datamodule, "batch_size", 1) or 1)
-    plan = estimate_memory(module.config, batch, None, precision, getattr(module, "step_mode", "train"))
     capacity = device_capacity_bytes(device=device)
     if not fits(plan, capacity):
-        cfg = module.config
-        fit_t = max_fitting(cfg, capacity, batch_size=batch, precision=precision, mode=module.step_mode)
+        planned = trainer_plan_arguments(trainer)
+        batch = int(getattr(datamodule, "batch_size", 1) or 1)
+        fit_t = max_fitting(module.config, capacity, batch_size=batch, mode=module.step_mode, **planned)
+        where = "" if planned["strategy"] == "single" else f" per GPU ({planned['strategy']} over " \
+            f"{planned['world_size']} GPUs)"
         rank_zero_warn(
-            f"The memory plan of this run needs {plan.needed / GIB:.1f} GiB (peak {plan.peak_gib:.1f} GiB at "
+            f"The memory plan of this run needs {plan.needed / GIB:.1f} GiB{where} (peak {plan.peak_gib:.1f} GiB at "
             f"{plan.moment}{', and the whole loss buffers still cached' if plan.cached else ''}) but "
             f"{torch.cuda.get_device_name(device)} leaves {capacity / GIB:.1f} GiB to tensors (its total less the "
             f"CUDA context and an allowance for fragmentation): expect CUDA out of memory. "
@@ -698,12 +730,14 @@ def warn_if_too_large(module: Any, datamodule: Any, trainer: Any) -> MemoryEstim
 # Per-GPU plans of ``estimate_memory(strategy="ddp" | "fsdp")``. ``b`` is the batch size *per GPU*, N the world size.
 #
 # **DDP** (``trainer.strategy: ddp``): every GPU holds the single-GPU plan at batch b, plus DDP's gradient
-# buckets. ``bucket_cap_mb`` (25 MB; the first bucket 1 MB) only sets how the parameters are grouped for
-# all-reduce: DDP's reducer allocates one flat buffer per bucket when it is built, and the buckets together
-# cover every parameter, so they add P * w bytes for the whole run (from the first forward on). By default
-# (``gradient_as_bucket_view=False``) ``param.grad`` tensors are separate and copied into the buckets, so at
-# the end of the backward pass the gradients count twice; with ``gradient_as_bucket_view=True`` the
-# gradients are views into the buckets and count once (but the buckets exist at every moment).
+# buckets. ``bucket_cap_mb`` (PyTorch's 25 MiB, the first bucket 1 MiB; 100 MiB under lmtrain's ``strategy: ddp``,
+# ``lmtrain.distributed.DDP_DEFAULTS``) only sets how the parameters are grouped for all-reduce: DDP's reducer
+# allocates one flat buffer per bucket when it is built, and the buckets together cover every parameter, so they
+# add P * w bytes for the whole run (from the first forward on). With PyTorch's default
+# (``gradient_as_bucket_view=False``, what Lightning's ``auto`` builds) ``param.grad`` tensors are separate and
+# copied into the buckets, so at the end of the backward pass the gradients count twice; with
+# ``gradient_as_bucket_view=True`` (lmtrain's ``strategy: ddp``) the gradients are views into the buckets and
+# count once (but the buckets exist at every moment).
 #
 # **FSDP2** (``ModelParallelStrategy`` + ``lmtrain.distributed.shard_model``): each tensor is split along dim
 # 0 into N chunks, each padded to ceil(rows / N) rows; parameters, gradients and AdamW state are those padded

@@ -12,7 +12,10 @@ The model (also in ``docs/distributed.md``, "Predicting step time"); every rank 
   across nodes the smaller of it and the inter-node bandwidth per GPU). FSDP2 all-gathers each unit's parameters in
   the compute dtype before its forward, again before its backward for every block resharded after forward (all but
   the last; the root stays unsharded), and reduce-scatters each unit's gradients in fp32 (``bf16-mixed``; the
-  parameters' own dtype otherwise). DDP all-reduces the gradients in buckets.
+  parameters' own dtype otherwise; FSDP2's ``reduce_dtype``, fp32 with ``model.master_weights`` too, whose masters
+  are the fp32 shards). DDP all-reduces the gradients in buckets of ``bucket_cap_mb`` in their own dtype: fp32 under
+  ``bf16-mixed``, but bf16 for the linear weights under ``model.master_weights`` (they are bf16 parameters before DDP
+  wraps the model), bf16 under ``bf16-true``.
 - **Overlap.** A collective overlaps the compute running while it runs and nothing else:
   forward: the root's and the first block's all-gathers are exposed, then block i+1's all-gather hides behind block
   i's forward (exposed: what exceeds it); backward: block k's backward hides block k-1's all-gather (prefetch) and
@@ -28,11 +31,26 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-#: Bytes DDP puts in one all-reduce bucket (``DistributedDataParallel``'s ``bucket_cap_mb`` default, 25 MiB).
-DDP_BUCKET_BYTES = 25 * 1024**2
+
+def ddp_bucket_bytes(ddp_kwargs: Mapping[str, Any] | None = None) -> int:
+    """Bytes of one DDP all-reduce bucket under ``DDPStrategy(**ddp_kwargs)``: their ``bucket_cap_mb`` MiB, else
+    ``DistributedDataParallel``'s own default (25 MiB). None: lmtrain's ``strategy: ddp``
+    (``lmtrain.distributed.DDP_DEFAULTS``)."""
+    if ddp_kwargs is None:
+        from lmtrain.distributed import DDP_DEFAULTS
+
+        ddp_kwargs = DDP_DEFAULTS
+    cap = ddp_kwargs.get("bucket_cap_mb")
+    if cap is None:
+        # DistributedDataParallel's default when bucket_cap_mb is None; PyTorch keeps it in this module constant.
+        from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
+
+        cap = _DEFAULT_BUCKET_CAP_MB
+    return int(cap * 1024**2)
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,9 @@ class Units:
         root_params: parameters of the root unit (embedding, final norm, output head).
         block_flops_share: share of the step's FLOPs in one block (the root has ``1 - layers * share``).
         gather_bytes: bytes per parameter all-gathered (the compute dtype under FSDP2's policy).
-        grad_bytes: bytes per gradient element reduced.
+        grad_bytes: bytes per gradient element reduced (FSDP2's ``reduce_dtype``; under DDP the gradients' dtype).
+        ddp_bf16_grads: gradient elements DDP all-reduces in bf16 whatever ``grad_bytes`` says: the linear weights
+            under ``model.master_weights``, which are bf16 parameters before DDP wraps the model.
     """
 
     layers: int
@@ -118,6 +138,12 @@ class Units:
     block_flops_share: float
     gather_bytes: int
     grad_bytes: int
+    ddp_bf16_grads: int = 0
+
+    def ddp_gradient_bytes(self) -> int:
+        """Bytes DDP all-reduces in one step: every gradient in its own dtype."""
+        params = self.layers * self.block_params + self.root_params
+        return self.ddp_bf16_grads * 2 + (params - self.ddp_bf16_grads) * self.grad_bytes
 
 
 @dataclass
@@ -146,8 +172,17 @@ class StepPrediction:
 
 
 def units(cfg: object, batch_size: int, seq_len: int, precision: str) -> Units:
-    """The FSDP units of ``TransformerLM(cfg)`` (``lmtrain.distributed.shard_model``): parameters and FLOP shares."""
-    from lmtrain.flops import flops_per_step, parameter_count
+    """The FSDP units of ``TransformerLM(cfg)`` (``lmtrain.distributed.shard_model``): parameters and FLOP shares,
+    and the dtypes the collectives move under ``precision``.
+
+    FSDP2 all-gathers in its policy's ``param_dtype`` and reduce-scatters in its ``reduce_dtype``
+    (``lmtrain.distributed.mixed_precision_policy``: bf16 and fp32 under ``bf16-mixed``, with or without master
+    weights, whose masters are the fp32 shards; the parameters' dtype otherwise). DDP all-reduces each gradient in
+    its parameter's dtype: fp32 under ``bf16-mixed`` and ``16-mixed``, bf16 under ``bf16-true``, and under
+    ``model.master_weights`` bf16 for the linear weights (``LMModule.configure_model`` makes them bf16 before DDP
+    wraps the model), fp32 for the embedding and the norm gains.
+    """
+    from lmtrain.flops import flops_per_step, matmul_parameter_count, parameter_count
 
     layers = cfg.num_layers
     root_params = 2 * cfg.vocab_size * cfg.d_model + cfg.d_model  # embedding, output head, final norm
@@ -156,16 +191,20 @@ def units(cfg: object, batch_size: int, seq_len: int, precision: str) -> Units:
     head = 3 * 2.0 * batch_size * seq_len * cfg.d_model * cfg.vocab_size  # the output projection's matmul
     gather = 2 if precision.startswith("bf16") or precision.startswith("16") else 4
     grad = 2 if precision in ("bf16-true", "16-true") else 4
-    return Units(layers, block_params, root_params, (total - head) / layers / total, gather, grad)
+    master_weights = getattr(cfg, "master_weights", False) and precision == "bf16-mixed"
+    bf16_grads = matmul_parameter_count(cfg) if master_weights else 0
+    return Units(layers, block_params, root_params, (total - head) / layers / total, gather, grad, bf16_grads)
 
 
 def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float, strategy: str, world_size: int,
-            nodes: int, network: Network, tokens_per_step: int, reshard: str = "blocks") -> StepPrediction:
+            nodes: int, network: Network, tokens_per_step: int, reshard: str = "blocks",
+            bucket_bytes: int | None = None) -> StepPrediction:
     """The step on ``world_size`` GPUs over ``nodes`` nodes under ``strategy`` (``fsdp``, ``ddp`` or ``single``),
     from one GPU's ``forward_ms``, ``backward_ms`` and ``optimizer_ms`` at the same per-GPU batch (see the module
     docstring for the model). ``reshard`` is ``model.fsdp_reshard_after_forward``: ``blocks`` (every block but the
     last is all-gathered again in the backward), ``all`` (the last too, exposed at the backward's start) or ``none``
-    (no all-gather in the backward)."""
+    (no all-gather in the backward). ``bucket_bytes`` is DDP's bucket (:func:`ddp_bucket_bytes`; None: that of
+    lmtrain's ``strategy: ddp``)."""
     n = world_size
     pred = StepPrediction(strategy, n, nodes, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0, tokens_per_step)
     if strategy == "single" or n < 2:
@@ -175,9 +214,9 @@ def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float
         return collective_ms(op, size, n, network.busbw(op, size, nodes))
 
     if strategy == "ddp":
-        grads = (u.layers * u.block_params + u.root_params) * u.grad_bytes
+        grads = u.ddp_gradient_bytes()
         total = ms("all_reduce", grads)
-        last = ms("all_reduce", min(grads, DDP_BUCKET_BYTES))
+        last = ms("all_reduce", min(grads, ddp_bucket_bytes() if bucket_bytes is None else bucket_bytes))
         pred.terms = {"all_reduce": total, "all_reduce_last_bucket": last}
         pred.communication_ms, pred.exposed_ms = total, max(last, total - backward_ms)
         return pred

@@ -18,6 +18,14 @@ def test_bus_bandwidth_factors() -> None:
     # 1 GB gathered in 10 ms over 4 ranks: 100 GB/s of algorithm bandwidth, 75 GB/s per link.
     assert bandwidths("all_gather", 10**9, 10.0, 4) == pytest.approx((100.0, 75.0))
     assert bandwidths("all_reduce", 10**9, 10.0, 4) == pytest.approx((100.0, 150.0))
+    # 256 MiB (268,435,456 bytes) in 2 ms over 8 ranks: algbw 268435456 / 2e-3 / 1e9 = 134.217728 GB/s; busbw x 7/8
+    # = 117.440512 (all-gather, reduce-scatter), x 2 * 7/8 = 234.881024 (all-reduce).
+    assert bandwidths("all_gather", 256 * 2**20, 2.0, 8) == pytest.approx((134.217728, 117.440512))
+    assert bandwidths("reduce_scatter", 256 * 2**20, 2.0, 8) == pytest.approx((134.217728, 117.440512))
+    assert bandwidths("all_reduce", 256 * 2**20, 2.0, 8) == pytest.approx((134.217728, 234.881024))
+    # Two ranks: each sends half of an all-gather's buffer (x 1/2) and all of an all-reduce's (x 1).
+    assert bandwidths("all_gather", 4096, 0.001, 2) == pytest.approx((4.096, 2.048))
+    assert bandwidths("all_reduce", 4096, 0.001, 2) == pytest.approx((4.096, 4.096))
 
 
 def test_sizes() -> None:
@@ -50,9 +58,13 @@ def test_two_gloo_ranks_write_a_record(tmp_path: Path, capsys: pytest.CaptureFix
     assert [(r["op"], r["dtype"], r["bytes"]) for r in rows] == [
         (op, dtype, size) for op, dtype in (("all_gather", "bf16"), ("reduce_scatter", "fp32"), ("all_reduce", "fp32"))
         for size in (4096, 65536)]
+    # nccl-tests' factors on 2 ranks, written out: (n-1)/n = 1/2 for all-gather and reduce-scatter, 2(n-1)/n = 1 for
+    # all-reduce; algbw is the whole buffer over the time.
+    factor = {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 1.0}
     for r in rows:
         assert r["ms"] > 0
-        assert r["busbw_gbps"] == pytest.approx(bandwidths(r["op"], r["bytes"], r["ms"], 2)[1])
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
+        assert r["busbw_gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6 * factor[r["op"]])
 
 
 def test_a_file_that_is_no_record_is_refused(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,6 +196,79 @@ def test_warn_if_too_large_is_silent_without_cuda() -> None:
         step_mode = "train"
 
     assert warn_if_too_large(Module(), None, Trainer()) is None
+
+
+def _cpu_trainer(strategy: object, devices: int = 2) -> object:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_the_fit_start_plan_is_that_of_the_trainers_strategy() -> None:
+    """The plan ``warn_if_too_large`` judges is per GPU under the trainer's strategy and world size: lmtrain's DDP
+    (buckets, gradients as views into them), Lightning's ``auto`` on 2 devices (DDP with PyTorch's defaults: the
+    gradients copied into the buckets), FSDP2 (shards); one device: the one-GPU plan."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from lmtrain.distributed import ddp_strategy
+    from lmtrain.memory_plan import fit_plan
+
+    class Module:
+        config = tiny()
+        step_mode = "train"
+
+    class Data:
+        batch_size = B
+
+    def planned(**parallel: object) -> MemoryEstimate:
+        return estimate_memory(tiny(), B, None, "bf16-mixed", "train", **parallel)
+
+    single = planned()
+    assert fit_plan(Module(), Data(), _cpu_trainer("auto", devices=1)).components == single.components
+    ours = fit_plan(Module(), Data(), _cpu_trainer(ddp_strategy()))
+    assert ours.details["strategy"] == "ddp" and ours.details["world_size"] == 2
+    assert ours.components == planned(strategy="ddp", world_size=2, gradient_as_bucket_view=True).components
+    assert ours.components["ddp_buckets"] > 0 and ours.components["gradients"] == 0
+    auto = fit_plan(Module(), Data(), _cpu_trainer("auto"))
+    assert auto.components == planned(strategy="ddp", world_size=2).components
+    assert auto.components["gradients"] > 0 and auto.needed > single.needed
+    fsdp = fit_plan(Module(), Data(), _cpu_trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)))
+    assert fsdp.details["strategy"] == "fsdp" and fsdp.details["world_size"] == 2
+    assert fsdp.components == planned(strategy="fsdp", world_size=2).components
+    # A strategy the planner has no plan for (Lightning's FSDP1) is not judged.
+    unplanned = type("Trainer", (), {"precision": "bf16-mixed", "strategy": FSDPStrategy(), "world_size": 2})()
+    assert fit_plan(Module(), Data(), unplanned) is None
+
+
+def test_estimate_reads_the_strategy_and_device_count_as_the_trainer_would(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``auto`` on 2 devices is Lightning's DDP (PyTorch's 25 MiB buckets, gradients copied into them); a device
+    list counts its devices; ``ddp`` is lmtrain's DDP (100 MiB buckets, gradients as views), a ``class_path``
+    DDPStrategy its own arguments; Lightning's ``fsdp`` has no plan: one line, exit 2."""
+    base = ["estimate", "--config", "configs/tiny.yaml", "--trainer.precision", "bf16-mixed"]
+    assert main([*base, "--trainer.devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, ddp over 2 GPUs" in out and "prediction: ddp on 2 GPU(s)" in out
+    assert "| ddp_buckets |" in out and "the last 25 MiB bucket" in out
+    assert main([*base, "--trainer.devices", "0,1", "--trainer.strategy", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, ddp over 2 GPUs" in out and "prediction: ddp on 2 GPU(s)" in out
+    assert "the last 100 MiB bucket" in out
+    strategy = tmp_path / "ddp.yaml"
+    strategy.write_text("trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n"
+                        "    init_args:\n      bucket_cap_mb: 50\n")
+    assert main([*base, "--config", str(strategy), "--trainer.devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU, ddp over 2 GPUs" in out and "the last 50 MiB bucket" in out
+    assert main([*base, "--trainer.devices", "0,1,2", "--trainer.strategy",
+                 "lightning.pytorch.strategies.ModelParallelStrategy"]) == 0
+    assert "per GPU, fsdp over 3 GPUs" in capsys.readouterr().out
+    assert main([*base, "--trainer.strategy", "fsdp", "--trainer.devices", "2"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: trainer.strategy:") and "Fix:" in errors[0]
+    assert "Traceback" not in captured.err
 
 
 def test_estimate_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,17 +6,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmtrain.cli import main
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.flops import flops_per_step, parameter_count
+from lmtrain.model import TransformerLM
+from lmtrain.optim import bf16_with_masters, linear_weights
 from lmtrain.step_time import (
-    DDP_BUCKET_BYTES,
     BusBandwidth,
     Network,
     Units,
     collective_ms,
+    ddp_bucket_bytes,
     network_from_record,
     one_gpu_from_flops,
     one_gpu_from_record,
@@ -84,13 +87,25 @@ def test_ddp_step_exposes_what_the_backward_does_not_hide() -> None:
                 grad_bytes=4)
     p = predict(big, forward_ms=1.0, backward_ms=1.0, optimizer_ms=8.0, strategy="ddp", world_size=2, nodes=1,
                 network=_network(100.0), tokens_per_step=1000)
-    # 35M fp32 gradients, 140 MB: an all-reduce over 2 ranks at 100 GB/s takes 1.4 ms, one 25 MiB bucket 0.262 ms.
+    # 35M fp32 gradients, 140 MB: an all-reduce over 2 ranks at 100 GB/s takes 1.4 ms. lmtrain's DDP buckets are
+    # 100 MiB (104,857,600 bytes): the last one takes 1.048576 ms, more than the 0.4 ms the backward leaves.
     assert p.communication_ms == pytest.approx(1.4)
-    assert p.terms["all_reduce_last_bucket"] == pytest.approx(DDP_BUCKET_BYTES / 1e11 * 1e3)
-    assert p.exposed_ms == pytest.approx(0.4)
+    assert p.terms["all_reduce_last_bucket"] == pytest.approx(1.048576)
+    assert p.exposed_ms == pytest.approx(1.048576)
     assert p.optimizer_ms == 8.0  # every rank updates every parameter
-    slow = predict(big, 1.0, 10.0, 8.0, "ddp", 2, 1, _network(100.0), 1000)
-    assert slow.exposed_ms == pytest.approx(DDP_BUCKET_BYTES / 1e11 * 1e3)  # only the last bucket
+    # PyTorch's default bucket (Lightning's `auto` on several GPUs), 25 MiB: 0.262144 ms; the backward leaves 0.4 ms.
+    torch_default = predict(big, 1.0, 1.0, 8.0, "ddp", 2, 1, _network(100.0), 1000, bucket_bytes=25 * 2**20)
+    assert torch_default.exposed_ms == pytest.approx(0.4)
+    slow = predict(big, 1.0, 10.0, 8.0, "ddp", 2, 1, _network(100.0), 1000, bucket_bytes=25 * 2**20)
+    assert slow.exposed_ms == pytest.approx(0.262144)  # only the last bucket
+
+
+def test_ddp_bucket_is_that_of_the_strategys_arguments() -> None:
+    """lmtrain's ``strategy: ddp`` buckets 100 MiB (``DDP_DEFAULTS``); DDPStrategy without ``bucket_cap_mb`` gets
+    DistributedDataParallel's 25 MiB."""
+    assert ddp_bucket_bytes() == 100 * 2**20
+    assert ddp_bucket_bytes({}) == ddp_bucket_bytes({"bucket_cap_mb": None}) == 25 * 2**20
+    assert ddp_bucket_bytes({"bucket_cap_mb": 50}) == 50 * 2**20
 
 
 def test_one_gpu_and_inter_node_cases() -> None:
@@ -102,14 +117,41 @@ def test_one_gpu_and_inter_node_cases() -> None:
     assert across.terms["all_gather_block"] == pytest.approx(2.0)
 
 
-def test_units_of_a_model_add_up_to_its_parameters() -> None:
+def test_units_are_the_models_own_blocks_and_root() -> None:
+    """The units' sizes are those of the parameters of ``TransformerLM(cfg)``: one block, and the embedding, final
+    norm and output head that the root unit shards."""
     cfg = ModelConfig.from_size("tiny", vocab_size=256)
+    model = TransformerLM(cfg)
     u = units(cfg, 4, 64, "bf16-mixed")
-    assert u.layers * u.block_params + u.root_params == parameter_count(cfg)
+    assert u.layers == len(model.blocks)
+    assert u.block_params == sum(p.numel() for p in model.blocks[0].parameters())
+    root = (model.embedding, model.final_norm, model.lm_head)
+    assert u.root_params == sum(p.numel() for m in root for p in m.parameters())
     assert (u.gather_bytes, u.grad_bytes) == (2, 4)
     assert units(cfg, 4, 64, "32-true").gather_bytes == 4 and units(cfg, 4, 64, "bf16-true").grad_bytes == 2
     head = 6 * 4 * 64 * cfg.d_model * 256
     assert u.layers * u.block_flops_share == pytest.approx(1 - head / flops_per_step(cfg, 4, 64))
+
+
+def test_collective_dtypes_are_those_the_code_builds() -> None:
+    """FSDP2 gathers and reduce-scatters in its policy's dtypes (fp32 reduce-scatter under master weights too: the
+    shards are the fp32 masters); DDP all-reduces each gradient in its parameter's dtype, and under master weights
+    ``configure_model`` has made the linear weights bf16 before DDP wraps the model."""
+    from lmtrain.distributed import mixed_precision_policy
+
+    cfg = ModelConfig.from_size("tiny", vocab_size=256, master_weights=True)
+    u = units(cfg, 4, 64, "bf16-mixed")
+    policy = mixed_precision_policy("bf16-mixed")
+    assert (u.gather_bytes, u.grad_bytes) == (policy.param_dtype.itemsize, policy.reduce_dtype.itemsize)
+    model = TransformerLM(cfg)
+    bf16_with_masters(linear_weights(model))  # what LMModule.configure_model does under DDP with master weights
+    assert u.ddp_gradient_bytes() == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert u.ddp_bf16_grads == sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    plain = units(ModelConfig.from_size("tiny", vocab_size=256), 4, 64, "bf16-mixed")
+    assert plain.ddp_bf16_grads == 0 and plain.ddp_gradient_bytes() == 4 * parameter_count(cfg)
+    # The DDP prediction moves those bytes: 2 ranks at 1 GB/s, all-reduce factor 1.
+    p = predict(u, 1.0, 1.0, 0.0, "ddp", 2, 1, _network(1.0), 100)
+    assert p.terms["all_reduce"] == pytest.approx(u.ddp_gradient_bytes() / 1e9 * 1e3)
 
 
 def test_one_gpu_step_from_flops() -> None:
