@@ -350,12 +350,13 @@ class SpeedOptions(OptionGroup):
         "(torch.compile's fullgraph=True), so that a graph break stops the run instead of splitting the unit into "
         "graphs with eager code between them. Needs model.compile: true.", short="fg")
     fsdp_reshard_after_forward: str = option(
-        "blocks", "under FSDP2 (ModelParallelStrategy), which units free their all-gathered bf16 parameters after "
-        "the forward pass: blocks (every block but the last, torchtitan's default: the backward pass all-gathers "
-        "each again, one block ahead; the last block, where the backward pass starts, and the root, which holds "
-        "the embedding, final norm and output head, stay unsharded), all (the last block too) or none (every "
-        "block stays gathered from its forward to its backward: no all-gathers in the backward pass, at the "
-        "memory of the whole model in bf16 on every GPU). Without FSDP2 it changes nothing.", short="reshard",
+        "blocks", "under FSDP2 (ModelParallelStrategy), which units free their all-gathered parameters (in the "
+        "compute dtype) after the forward pass: blocks (every block but the last, torchtitan's default: the backward "
+        "pass all-gathers each again, one block ahead; the last block, where the backward pass starts, and the root, "
+        "which holds the embedding, final norm and output head, stay unsharded), all (the last block too) or none "
+        "(every block stays gathered from its forward to its backward: no all-gathers in the backward pass, at the "
+        "memory of the whole model in the compute dtype on every GPU). Without FSDP2 it changes nothing.",
+        short="reshard",
         choices=RESHARD_POLICIES, kind="policy")
     fsdp_prefetch: bool = option(
         True, "under FSDP2, prefetch explicitly: each block's forward starts the next block's all-gather and each "
