@@ -241,6 +241,28 @@ def test_the_fit_start_plan_is_that_of_the_trainers_strategy() -> None:
     assert fit_plan(Module(), Data(), unplanned) is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fit_start_warning_plans_ddp_on_a_gpu() -> None:
+    """On a CUDA trainer under lmtrain's DDP the warning judges the DDP plan (buckets included) and says so."""
+    import lightning.pytorch as pl
+
+    from lmtrain.distributed import ddp_strategy
+
+    class Module:
+        config = ModelConfig.from_size("2.7B", context_length=16384, attention="sdpa")
+        step_mode = "train"
+
+    class Data:
+        batch_size = 4
+
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=ddp_strategy(), precision="bf16-mixed",
+                         logger=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"per GPU \(ddp over 1 GPUs\)"):
+        plan = warn_if_too_large(Module(), Data(), trainer)
+    assert plan.details["strategy"] == "ddp" and plan.components["ddp_buckets"] > 0
+
+
 def test_estimate_reads_the_strategy_and_device_count_as_the_trainer_would(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``auto`` on 2 devices is Lightning's DDP (PyTorch's 25 MiB buckets, gradients copied into them); a device
