@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -98,13 +99,21 @@ def _python(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended and waiting for its parent to read its status, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended within 5 s (a zombie, ended and waiting for its parent to read its status, has)."""
+    for _ in range(50):  # SIGKILL is delivered at once; the kernel may take a moment to end the process
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat[stat.rindex(")") + 2] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+_STUBBORN_CHILD = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "time.sleep(600)"]
 
 
 def test_cell_out_of_time_is_stopped_with_a_child_in_its_own_session(driver, tmp_path: Path) -> None:  # noqa: ANN001
@@ -113,9 +122,7 @@ def test_cell_out_of_time_is_stopped_with_a_child_in_its_own_session(driver, tmp
     pid_file = tmp_path / "child.pid"
     code = f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
-                                 start_new_session=True)
+        child = subprocess.Popen({_STUBBORN_CHILD!r}, start_new_session=True)
         open({str(pid_file)!r}, "w").write(str(child.pid))
         print("Traceback: the rank's last words", file=sys.stderr, flush=True)
         time.sleep(600)
@@ -125,13 +132,24 @@ def test_cell_out_of_time_is_stopped_with_a_child_in_its_own_session(driver, tmp
     assert row["error"].startswith("stopped after 3 s") and "the rank's last words" in row["error"], row
     assert "Traceback: the rank's last words" in (tmp_path / "hang2.stderr.log").read_text()
     child = int(pid_file.read_text())
-    for _ in range(50):  # SIGKILL is delivered at once, the kernel may take a moment to end the process
-        if not _alive(child):
-            break
-        import time
+    assert _ended(child), f"process {child} of the stopped cell still runs"
 
-        time.sleep(0.1)
-    assert not _alive(child), f"process {child} of the stopped cell still runs"
+
+def test_process_left_behind_by_a_finished_cell_is_stopped(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    """A cell that ends while a process it started (a rank, a compile worker) still runs: that one is stopped
+    before the next cell starts, and the cell's step time still counts."""
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess
+        child = subprocess.Popen({_STUBBORN_CHILD!r})
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print('{{"step_ms": 50.0}}')
+    """
+    row = driver.run(driver.Cell("ddp1", _python(code), 1, 16, driver.printed_step_ms), tmp_path, {}, timeout=60,
+                     grace_s=1)
+    assert row["step_ms"] == 50.0 and "error" not in row, row
+    child = int(pid_file.read_text())
+    assert _ended(child), f"process {child} left by the cell still runs"
 
 
 @pytest.mark.parametrize(("code", "reader", "reason"), [

@@ -220,16 +220,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _signal_groups(pids: list[int], sig: int) -> None:
-    """Send ``sig`` to the process group of each of ``pids`` (never to this process's own group)."""
-    own = os.getpgrp()
-    groups = set()
+def _signal_groups(pids: list[int], sig: int, groups: set[int]) -> None:
+    """Send ``sig`` to ``groups`` and to the process group of each of ``pids`` (never to this process's own)."""
+    groups = set(groups)
     for pid in pids:
         try:
             groups.add(os.getpgid(pid))
         except ProcessLookupError:
             continue
-    for group in groups - {own}:
+    for group in groups - {os.getpgrp()}:
         try:
             os.killpg(group, sig)
         except (ProcessLookupError, PermissionError):
@@ -237,19 +236,20 @@ def _signal_groups(pids: list[int], sig: int) -> None:
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """Stop ``proc`` (started with ``start_new_session=True``) and every process it started: SIGTERM to each
-    process group of the tree (torchrun passes it on to its workers and waits for them), up to ``grace_s`` seconds
-    for ``proc`` to end, then SIGKILL to the groups of whatever is left, found again (a worker whose parent died is
-    no longer below ``proc``: the first look's pids are kept). A process that left its session and the tree
-    before the first look is not found."""
-    tree = [proc.pid, *descendants(proc.pid)]
-    _signal_groups(tree, signal.SIGTERM)
+    """Stop ``proc`` (started with ``start_new_session=True``, so its process group is its pid) and every process
+    it started: SIGTERM to its group and to the group of each process of its tree (torchrun passes SIGTERM on to
+    its workers, in sessions of their own, and waits for them), up to ``grace_s`` seconds for ``proc`` to end, then
+    SIGKILL to the groups of whatever is left, found again (a worker whose parent died is no longer below
+    ``proc``: the first look's pids are kept). Not found: a process that left both the tree and the group before
+    the first look (a daemon of a daemon)."""
+    tree = [*descendants(proc.pid)] + ([proc.pid] if proc.returncode is None else [])
+    _signal_groups(tree, signal.SIGTERM, {proc.pid})
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         pass
     survivors = [pid for pid in dict.fromkeys(tree + descendants(proc.pid)) if Path(f"/proc/{pid}").exists()]
-    _signal_groups(survivors, signal.SIGKILL)
+    _signal_groups(survivors, signal.SIGKILL, {proc.pid})
     proc.wait()
 
 
