@@ -1,8 +1,16 @@
-"""The scaling driver's cell names and its table (benchmarks/scripts/fsdp_scaling.py), on constructed results."""
+"""The scaling driver (benchmarks/scripts/fsdp_scaling.py): cell names, commands and table on constructed results,
+and its cell runner on constructed commands (a cell that runs out of time with a child in a session of its own,
+one that prints no step time, one with no timed step): each gives an error row with its reason, results.json is
+written after every cell, and no process of a stopped cell is left."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 from conftest import load_script
@@ -13,24 +21,181 @@ def driver():  # noqa: ANN201
     return load_script("fsdp_scaling")
 
 
+def _args(driver, **changes) -> argparse.Namespace:  # noqa: ANN001
+    defaults = dict(warmup=3, steps=7, context=256, ddp_context=128, extra=["--trainer.num_nodes", "1"])
+    return argparse.Namespace(**(defaults | changes))
+
+
 def test_cells_name_any_gpu_count(driver) -> None:  # noqa: ANN001
-    assert [driver.cell_devices(c) for c in ("fsdp1", "baseline4", "ddp12")] == [1, 4, 12]
-    assert driver.cell_name("fsdp4") == "fsdp4"
-    for bad in ("fsdp", "fsdp0", "gpu4", "4"):
+    assert [driver.cell_devices(c) for c in ("fsdp1", "baseline4", "ddp12", "fsdp_same2")] == [1, 4, 12, 2]
+    assert [driver.cell_kind(c) for c in ("fsdp1", "fsdp_same2")] == ["fsdp", "fsdp_same"]
+    assert driver.cell_name("fsdp4") == "fsdp4" and driver.cell_name("fsdp_same2") == "fsdp_same2"
+    for bad in ("fsdp", "fsdp0", "gpu4", "4", "fsdp_same", "same2"):
         with pytest.raises(argparse.ArgumentTypeError, match="fsdpN"):
             driver.cell_name(bad)
 
 
-def test_table_scaling_and_baseline_ratio(driver) -> None:  # noqa: ANN001
+def test_every_cell_runs_the_same_warmup_and_timed_steps(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    cells = {c: driver.plan(c, _args(driver), tmp_path) for c in ("fsdp2", "fsdp_same2", "baseline2", "ddp1")}
+
+    def value(cmd: list[str], flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert value(cells["baseline2"].cmd, "--warmup") == "3" and value(cells["baseline2"].cmd, "--steps") == "7"
+    assert value(cells["baseline2"].cmd, "--nproc-per-node") == "2"
+    for name in ("fsdp2", "fsdp_same2", "ddp1"):
+        cmd = cells[name].cmd
+        assert value(cmd, "--trainer.max_steps") == "10" and value(cmd, "--trainer.callbacks.warmup_steps") == "3"
+        assert value(cmd, "--trainer.callbacks.path") == str(tmp_path / f"{name}.json")
+        assert cmd[-2:] == ["--trainer.num_nodes", "1"]  # the extra arguments come last: they win
+    assert cells["fsdp2"].context == 256 and cells["ddp1"].context == 128
+    # fsdp_same is the FSDP2 config with the baseline's recipe on top; fsdp is the config as shipped.
+    same = [str(tmp_path / "fsdp2.json") if a.endswith("fsdp_same2.json") else a for a in cells["fsdp_same2"].cmd]
+    fsdp = cells["fsdp2"].cmd
+    assert same[:len(fsdp) - 2] == fsdp[:-2]
+    recipe = dict(zip(same[len(fsdp) - 2:-2:2], same[len(fsdp) - 1:-2:2], strict=True))
+    assert recipe == {"--model.fsdp_reshard_after_forward": "blocks", "--model.fsdp_prefetch": "false",
+                      "--model.master_weights": "false", "--model.optimizer_state_dtype": "float32",
+                      "--model.compile_fullgraph": "true"}
+    assert value(fsdp, "--config") == value(same, "--config") == "configs/2.7B_bf16_fsdp.yaml"
+
+
+def test_baseline_recipe_options_are_lmtrain_options(driver) -> None:  # noqa: ANN001
+    """Each option the fsdp_same cells set is a field of lmtrain's model config, with a value it takes."""
+    import dataclasses
+
+    from lmtrain.config import ModelConfig
+
+    recipe = dict(zip(driver.BASELINE_RECIPE[::2], driver.BASELINE_RECIPE[1::2], strict=True))
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert {k.removeprefix("--model.") for k in recipe} <= fields, recipe
+    cfg = ModelConfig.from_size("tiny", vocab_size=128, context_length=16, compile=True, fsdp_prefetch=False,
+                                fsdp_reshard_after_forward="blocks", master_weights=False,
+                                optimizer_state_dtype="float32", compile_fullgraph=True)
+    assert (cfg.fsdp_reshard_after_forward, cfg.fsdp_prefetch, cfg.master_weights, cfg.compile_fullgraph) == (
+        "blocks", False, False, True)
+
+
+def test_table_scaling_baseline_and_recipe_ratios(driver) -> None:  # noqa: ANN001
     results = {
         "fsdp1": {"cell": "fsdp1", "devices": 1, "step_ms": 200.0, "tokens_per_s_per_gpu": 20480.0},
         "fsdp4": {"cell": "fsdp4", "devices": 4, "step_ms": 250.0, "tokens_per_s_per_gpu": 16384.0},
+        "fsdp_same4": {"cell": "fsdp_same4", "devices": 4, "step_ms": 320.0, "tokens_per_s_per_gpu": 12800.0},
         "baseline4": {"cell": "baseline4", "devices": 4, "step_ms": 256.0, "tokens_per_s_per_gpu": 16000.0},
-        "ddp2": {"cell": "ddp2", "error": "boom"},
+        "ddp2": {"cell": "ddp2", "devices": 2, "error": "exit 1; stderr ends: Traceback | boom"},
     }
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in driver.table(results).splitlines()[2:]}
-    assert rows["fsdp4"][4] == "0.800"  # 16384 / 20480
-    assert rows["fsdp4"][5] == "1.024"  # 16384 / 16000
-    assert rows["fsdp1"][4] == "" and rows["baseline4"][5] == ""
-    assert "failed" in rows["ddp2"][2]
+    assert rows["fsdp4"][5] == "0.800"  # 16384 / 20480
+    assert rows["fsdp4"][6] == "1.024"  # 16384 / 16000: framework and recipe together
+    assert rows["fsdp_same4"][6] == "0.800"  # 12800 / 16000: the framework alone
+    assert rows["fsdp4"][7] == "1.280"  # 16384 / 12800: the recipe's gain
+    assert rows["fsdp1"][5] == "" and rows["baseline4"][6] == "" and rows["fsdp_same4"][7] == ""
+    assert [rows[c][2] for c in ("fsdp4", "fsdp_same4", "baseline4")] == ["lmtrain config", "baseline's", "baseline"]
+    assert rows["ddp2"][3].startswith("failed: exit 1; stderr ends: Traceback / boom")
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended within 5 s (a zombie, ended and waiting for its parent to read its status, has)."""
+    for _ in range(50):  # SIGKILL is delivered at once; the kernel may take a moment to end the process
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat[stat.rindex(")") + 2] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+_STUBBORN_CHILD = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "time.sleep(600)"]
+
+
+def test_cell_out_of_time_is_stopped_with_a_child_in_its_own_session(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    """As torchrun starts its workers: the child has a session of its own and (worse than a worker) ignores
+    SIGTERM; both are gone after the cell, whose row keeps the stderr."""
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess, sys, time
+        child = subprocess.Popen({_STUBBORN_CHILD!r}, start_new_session=True)
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("Traceback: the rank's last words", file=sys.stderr, flush=True)
+        time.sleep(600)
+    """
+    cell = driver.Cell("hang2", _python(code), 2, 16, driver.printed_step_ms)
+    row = driver.run(cell, tmp_path, {}, timeout=3, grace_s=1)
+    assert row["error"].startswith("stopped after 3 s") and "the rank's last words" in row["error"], row
+    assert "Traceback: the rank's last words" in (tmp_path / "hang2.stderr.log").read_text()
+    child = int(pid_file.read_text())
+    assert _ended(child), f"process {child} of the stopped cell still runs"
+
+
+def test_process_left_behind_by_a_finished_cell_is_stopped(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    """A cell that ends while a process it started (a rank, a compile worker) still runs: that one is stopped
+    before the next cell starts, and the cell's step time still counts."""
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess
+        child = subprocess.Popen({_STUBBORN_CHILD!r})
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print('{{"step_ms": 50.0}}')
+    """
+    row = driver.run(driver.Cell("ddp1", _python(code), 1, 16, driver.printed_step_ms), tmp_path, {}, timeout=60,
+                     grace_s=1)
+    assert row["step_ms"] == 50.0 and "error" not in row, row
+    child = int(pid_file.read_text())
+    assert _ended(child), f"process {child} left by the cell still runs"
+
+
+@pytest.mark.parametrize(("code", "reader", "reason"), [
+    ("print('no JSON here')", "printed", "printed no JSON line"),
+    ("print('{\"cell\": \"baseline\"}')", "printed", "has no step_ms"),
+    ("print('done')", "timer", "was not written"),
+    ("import json, sys; open(sys.argv[1], 'w').write(json.dumps({}))", "timer", "has no timed step"),
+    ("import json, sys; open(sys.argv[1], 'w').write(json.dumps({'step_ms': {'count': 0}}))", "timer",
+     "has no timed step"),
+    ("import sys; sys.exit('Traceback: out of memory')", "printed", "exit 1; stderr ends: Traceback: out of memory"),
+])
+def test_cell_without_a_step_time_is_an_error_row(driver, tmp_path: Path, code: str, reader: str,  # noqa: ANN001
+                                                  reason: str) -> None:
+    read = driver.printed_step_ms if reader == "printed" else driver.timer_step_ms("cell1")
+    cell = driver.Cell("cell1", [sys.executable, "-c", code, str(tmp_path / "cell1.json")], 1, 16, read)
+    row = driver.run(cell, tmp_path, {}, timeout=60, grace_s=1)
+    assert "step_ms" not in row and reason in row["error"], row
+
+
+def test_results_are_written_after_every_cell(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    """Each cell sees the rows of the cells before it in results.json; a failed cell is a row, not the end."""
+    seen = tmp_path / "seen"
+    copy = (f"import shutil; shutil.copy({str(tmp_path / 'results.json')!r}, {str(seen)!r} + '{{}}')")
+    timed = driver.timer_step_ms
+    cells = [
+        driver.Cell("fsdp1", _python(f"""
+            import json
+            open({str(tmp_path / 'fsdp1.json')!r}, "w").write(json.dumps({{"step_ms": {{"median": 100.0}}}}))
+        """), 1, 256, timed("fsdp1")),
+        driver.Cell("baseline1", _python("print('crashed before its JSON line')"), 1, 256, driver.printed_step_ms),
+        driver.Cell("fsdp2", _python(copy.format(2) + "; print('{\"step_ms\": 125.0}')"), 2, 256,
+                    driver.printed_step_ms),
+    ]
+    results = driver.run_cells(cells, tmp_path, {}, cell_timeout=60, budget=600, grace_s=1)
+    assert list(json.loads((tmp_path / "seen2").read_text())) == ["fsdp1", "baseline1"]
+    assert results["fsdp1"]["tokens_per_s_per_gpu"] == pytest.approx(4 * 256 / 0.1)
+    assert "printed no JSON line" in results["baseline1"]["error"]
+    assert results["fsdp2"]["step_ms"] == 125.0
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert (tmp_path / "table.md").read_text() == driver.table(results) + "\n"
+
+
+def test_cells_past_the_budget_are_error_rows(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    marker = tmp_path / "ran"
+    cells = [driver.Cell(f"ddp{n}", _python(f"open({str(marker)!r}, 'w')"), n, 16, driver.printed_step_ms)
+             for n in (1, 2)]
+    results = driver.run_cells(cells, tmp_path, {}, cell_timeout=60, budget=0)
+    assert [r["error"] for r in results.values()] == ["not run: --budget spent"] * 2 and not marker.exists()
+    assert list(json.loads((tmp_path / "results.json").read_text())) == ["ddp1", "ddp2"]

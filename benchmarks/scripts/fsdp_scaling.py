@@ -5,25 +5,40 @@ compiling the 2.7B and xl models once per cell; each cell stops after ``--cell-t
 after ``--budget``, 150 and 530 by default, so that it ends within 9 minutes):
 
     python benchmarks/scripts/fsdp_scaling.py [--out DIR] [--cells fsdp1 fsdp2 baseline2 ddp1 ddp2]
-        [--steps 20] [--context 1024] [--ddp-context 1024] [-- EXTRA lmtrain fit ARGUMENTS]
+        [--warmup 5] [--steps 15] [--context 1024] [--ddp-context 1024] [-- EXTRA lmtrain fit ARGUMENTS]
 
 Cells (compiled, bf16-mixed, synthetic tokens, batch 4 per GPU):
 
-    fsdp1       python -m lmtrain fit --config configs/2.7B_bf16_fsdp.yaml, 1 GPU (FSDP2 over one rank)
-    fsdp2       the same on 2 GPUs
-    baseline1   benchmarks/scripts/fsdp_baseline.py under torchrun, 1 GPU (not run by default)
-    baseline2   the same on 2 GPUs
-    ddp1        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml, 1 GPU (DDP over one rank)
-    ddp2        the same on 2 GPUs
+    fsdpN       python -m lmtrain fit --config configs/2.7B_bf16_fsdp.yaml on N GPUs (FSDP2; lmtrain's recipe:
+                every block kept gathered until its backward, explicit prefetch, fp32 master shards with bf16
+                moments, blocks compiled without fullgraph)
+    fsdp_sameN  the same config with the baseline's recipe (--model.fsdp_reshard_after_forward blocks,
+                --model.fsdp_prefetch false, --model.master_weights false (fp32 AdamW state, fused),
+                --model.compile_fullgraph true); not run by default (the budget fits five 2.7B/xl cells)
+    baselineN   benchmarks/scripts/fsdp_baseline.py under torchrun on N GPUs (baseline1 is not run by default)
+    ddpN        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml on N GPUs (DDP)
 
-Any GPU count works as the suffix (``fsdp4 baseline4 ddp4`` on a 4-GPU machine).
+The default cells are ``fsdp1 fsdp2 baseline2 ddp1 ddp2``; to split lmtrain's speed into framework overhead and
+recipe gains, run ``--cells fsdp2 fsdp_same2 baseline2``. What is left between fsdp_same and the baseline: lmtrain's
+AdamW decays the matrices only (the baseline every parameter), its learning rate warms up (the baseline's is
+constant), its loss is computed inside the compiled model code (the baseline compiles it apart), and Lightning runs
+the loop.
 
-lmtrain's cells time each step with ``CudaSyncTimer`` (CUDA events; its first 5 steps are warm-up) through
-:class:`StepTimesToJson`, a subclass that also writes its summary to a JSON file; the baseline times its steps with
-CUDA events after 5 warm-up steps. Step time is the median. tokens/s per GPU = batch x context / step time;
-scaling = a 2-GPU cell's tokens/s per GPU over the 1-GPU cell's of the same config; the last column compares
-lmtrain's FSDP2 cells with the baseline at the same GPU count. NVLink multicast stays off in every process
-(``NCCL_NVLS_ENABLE=0`` and its companions are set in the environment every cell inherits).
+Every cell runs ``--warmup`` untimed steps then ``--steps`` timed ones: lmtrain's cells fit ``warmup + steps``
+steps and time them with ``CudaSyncTimer`` (CUDA events; its first ``warmup`` steps left out) through
+:class:`StepTimesToJson`, a subclass that also writes its summary to a JSON file; the baseline gets the same
+``--warmup`` and ``--steps`` and times its steps with CUDA events. Step time is the median. tokens/s per GPU =
+batch x context / step time; scaling = an N-GPU cell's tokens/s per GPU over the 1-GPU cell's of the same kind;
+"over baseline" = an lmtrain FSDP2 cell's tokens/s per GPU over the baseline's at the same GPU count (for fsdp it
+mixes framework and recipe, for fsdp_same it is the framework alone); "recipe gain" = fsdp over fsdp_same. NVLink
+multicast stays off in every process (``NCCL_NVLS_ENABLE=0`` and its companions are set in the environment every
+cell inherits).
+
+Each cell runs in a session of its own, its stdout and stderr in ``CELL.stdout.log`` and ``CELL.stderr.log``. A
+cell past its time is stopped with every process it started (:func:`stop_tree`: SIGTERM to each process group of
+the cell's process tree, torchrun's workers included, which torchrun starts in sessions of their own, then SIGKILL
+to what is left). A cell that fails, runs out of time or prints no step time becomes a row with its reason;
+``results.json`` and ``table.md`` are written again after every cell.
 """
 
 from __future__ import annotations
@@ -31,9 +46,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -43,9 +61,17 @@ sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the
 from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-KINDS = ("fsdp", "baseline", "ddp")
+KINDS = ("fsdp", "fsdp_same", "baseline", "ddp")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
+#: The baseline's recipe (benchmarks/scripts/fsdp_baseline.py) in lmtrain's options, on top of the FSDP2 config.
+BASELINE_RECIPE = ["--model.fsdp_reshard_after_forward", "blocks", "--model.fsdp_prefetch", "false",
+                   "--model.master_weights", "false", "--model.optimizer_state_dtype", "float32",
+                   "--model.compile_fullgraph", "true"]
+#: Which recipe each kind of cell runs (the table's "recipe" column).
+RECIPES = {"fsdp": "lmtrain config", "fsdp_same": "baseline's", "baseline": "baseline", "ddp": "lmtrain config"}
+#: Seconds a stopped cell's processes get between SIGTERM and SIGKILL (torchrun passes SIGTERM on to its workers).
+STOP_GRACE_S = 5.0
 
 
 class StepTimesToJson(CudaSyncTimer):
@@ -72,86 +98,251 @@ def cell_devices(cell: str) -> int:
     return int(cell[len(cell.rstrip("0123456789")):])
 
 
+def cell_kind(cell: str) -> str:
+    """The kind of a cell name (``fsdp_same2`` -> ``fsdp_same``)."""
+    return cell.rstrip("0123456789")
+
+
 def cell_name(text: str) -> str:
     """Check a ``--cells`` entry: one of :data:`KINDS` followed by a GPU count of at least 1."""
-    kind = text.rstrip("0123456789")
-    if kind not in KINDS or kind == text or cell_devices(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, baselineN or ddpN (N GPUs, at least 1)")
+    if cell_kind(text) not in KINDS or cell_kind(text) == text or cell_devices(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN or ddpN (N GPUs, at "
+                                         "least 1)")
     return text
 
 
-def lmtrain_cell(config: str, devices: int, context: int, steps: int, out: Path, extra: list[str]) -> list[str]:
-    """The command of one lmtrain cell (FSDP2 configs also get their data-parallel size)."""
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a whole number of at least 1")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One timed run: its command and how to read its step time.
+
+    Attributes:
+        name: the cell (``fsdp2``); its files are ``NAME.stdout.log``, ``NAME.stderr.log`` (and ``NAME.json``).
+        cmd: the command, run from the repository root in a session of its own.
+        devices: GPUs it runs on.
+        context: tokens per sequence (tokens/s per GPU = BATCH x context / step time).
+        read_step_ms: (the cell's stdout, its output folder) -> median step ms; raises ``ValueError`` with the
+            reason when the run left no step time.
+    """
+
+    name: str
+    cmd: list[str]
+    devices: int
+    context: int
+    read_step_ms: Callable[[str, Path], float]
+
+
+def lmtrain_cell(config: str, devices: int, context: int, warmup: int, steps: int, out: Path,
+                 extra: list[str]) -> list[str]:
+    """The command of one lmtrain cell: ``warmup + steps`` steps, the last ``steps`` timed into ``out`` (FSDP2
+    configs also get their data-parallel size)."""
     args = [sys.executable, "-m", "lmtrain", "fit", "--config", config, "--model.context_length", str(context),
-            "--data.batch_size", str(BATCH), "--trainer.devices", str(devices), "--trainer.max_steps", str(steps),
-            "--trainer.logger", "false", "--trainer.callbacks+=fsdp_scaling.StepTimesToJson",
-            "--trainer.callbacks.path", str(out)]
+            "--data.batch_size", str(BATCH), "--trainer.devices", str(devices),
+            "--trainer.max_steps", str(warmup + steps), "--trainer.logger", "false",
+            "--trainer.callbacks+=fsdp_scaling.StepTimesToJson", "--trainer.callbacks.path", str(out),
+            "--trainer.callbacks.warmup_steps", str(warmup)]
     if "fsdp" in config:
         args += ["--trainer.strategy.data_parallel_size", str(devices)]
     return args + extra
 
 
-def run(cell: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str], timeout: float) -> dict:
-    """Run one cell within ``timeout`` seconds; its step time, tokens/s per GPU and GPU count (or the tail of its
-    output if it failed or ran out of time)."""
-    devices = cell_devices(cell)
-    out = out_dir / f"{cell}.json"
-    if cell.startswith("baseline"):
+def timer_step_ms(name: str) -> Callable[[str, Path], float]:
+    """How an lmtrain cell's step time is read: the median of ``NAME.json``, which :class:`StepTimesToJson`
+    writes."""
+
+    def read(stdout: str, out_dir: Path) -> float:
+        path = out_dir / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(f"{path.name} was not written (the fit did not reach its end)")
+        summary = json.loads(path.read_text())
+        if "median" not in summary.get("step_ms", {}):
+            raise ValueError(f"{path.name} has no timed step (every step was a warm-up step): {summary}")
+        return float(summary["step_ms"]["median"])
+
+    return read
+
+
+def printed_step_ms(stdout: str, out_dir: Path) -> float:
+    """How the baseline's step time is read: ``step_ms`` of the last JSON line of its stdout."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return float(json.loads(line)["step_ms"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"its last JSON line has no step_ms ({type(exc).__name__}: {exc}): "
+                                 f"{line[:300]}") from None
+    raise ValueError("it printed no JSON line")
+
+
+def plan(cell: str, args: argparse.Namespace, out_dir: Path) -> Cell:
+    """The :class:`Cell` of a ``--cells`` entry."""
+    devices, kind = cell_devices(cell), cell_kind(cell)
+    if kind == "baseline":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
-               str(SCRIPTS / "fsdp_baseline.py"), "--context", str(args.context), "--batch", str(BATCH)]
-        context = args.context
-    elif cell.startswith("fsdp"):
-        cmd = lmtrain_cell("configs/2.7B_bf16_fsdp.yaml", devices, args.context, args.steps, out, args.extra)
-        context = args.context
-    else:
-        cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.steps, out, args.extra)
-        context = args.ddp_context
-    print(f"[{cell}] {' '.join(cmd)}", flush=True)
-    started = time.perf_counter()
+               str(SCRIPTS / "fsdp_baseline.py"), "--context", str(args.context), "--batch", str(BATCH),
+               "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        return Cell(cell, cmd, devices, args.context, printed_step_ms)
+    out = out_dir / f"{cell}.json"
+    if kind == "ddp":
+        cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.warmup, args.steps, out,
+                           args.extra)
+        return Cell(cell, cmd, devices, args.ddp_context, timer_step_ms(cell))
+    recipe = BASELINE_RECIPE if kind == "fsdp_same" else []
+    cmd = lmtrain_cell("configs/2.7B_bf16_fsdp.yaml", devices, args.context, args.warmup, args.steps, out,
+                       recipe + args.extra)
+    return Cell(cell, cmd, devices, args.context, timer_step_ms(cell))
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), read from ``/proc``: torchrun's workers are
+    among them even though they run in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended while we looked
+            continue
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # the name, in parentheses, may hold spaces
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _signal_groups(pids: list[int], sig: int, groups: set[int]) -> None:
+    """Send ``sig`` to ``groups`` and to the process group of each of ``pids`` (never to this process's own)."""
+    groups = set(groups)
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
+    for group in groups - {os.getpgrp()}:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop ``proc`` (started with ``start_new_session=True``, so its process group is its pid) and every process
+    it started: SIGTERM to its group and to the group of each process of its tree (torchrun passes SIGTERM on to
+    its workers, in sessions of their own, and waits for them), up to ``grace_s`` seconds for ``proc`` to end, then
+    SIGKILL to the groups of whatever is left, found again (a worker whose parent died is no longer below
+    ``proc``: the first look's pids are kept). Not found: a process that left both the tree and the group before
+    the first look (a daemon of a daemon)."""
+    tree = [*descendants(proc.pid)] + ([proc.pid] if proc.returncode is None else [])
+    _signal_groups(tree, signal.SIGTERM, {proc.pid})
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        (out_dir / f"{cell}.log").write_text(output)
-        return {"cell": cell, "error": f"stopped after {timeout:.0f} s (--cell-timeout, --budget)", "wall_s": timeout}
-    wall = time.perf_counter() - started
-    (out_dir / f"{cell}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"cell": cell, "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
-    if cell.startswith("baseline"):
-        line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{"))
-        step_ms = json.loads(line)["step_ms"]
-    else:
-        step_ms = json.loads(out.read_text())["step_ms"]["median"]
-    return {"cell": cell, "devices": devices, "step_ms": step_ms,
-            "tokens_per_s_per_gpu": BATCH * context / (step_ms / 1000), "wall_s": wall}
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    survivors = [pid for pid in dict.fromkeys(tree + descendants(proc.pid)) if Path(f"/proc/{pid}").exists()]
+    _signal_groups(survivors, signal.SIGKILL, {proc.pid})
+    proc.wait()
+
+
+def run(cell: Cell, out_dir: Path, env: dict[str, str], timeout: float, grace_s: float = STOP_GRACE_S) -> dict:
+    """Run one cell within ``timeout`` seconds: its step time, tokens/s per GPU and GPU count, or ``error`` (why
+    it has none: the tail of its stderr, its time running out, no step time printed or written)."""
+    print(f"[{cell.name}] {' '.join(cell.cmd)}", flush=True)
+    stdout_path, stderr_path = out_dir / f"{cell.name}.stdout.log", out_dir / f"{cell.name}.stderr.log"
+    (out_dir / f"{cell.name}.json").unlink(missing_ok=True)  # a step time left by an earlier run is not this one's
+    started = time.perf_counter()
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(cell.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                stderr=stderr, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            stop_tree(proc, grace_s)  # also after a normal end: a rank or compile worker may still be there
+    wall = round(time.perf_counter() - started, 1)
+    row = {"cell": cell.name, "devices": cell.devices, "wall_s": wall}
+    err_tail = stderr_path.read_text(errors="replace")[-1500:]
+    if returncode is None:
+        return row | {"error": f"stopped after {timeout:.0f} s (--cell-timeout, --budget); stderr ends: {err_tail}"}
+    if returncode != 0:
+        return row | {"error": f"exit {returncode}; stderr ends: {err_tail}"}
+    try:
+        step_ms = cell.read_step_ms(stdout_path.read_text(errors="replace"), out_dir)
+    except ValueError as exc:
+        return row | {"error": f"no step time: {exc}"}
+    return row | {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000)}
+
+
+def _ratio(numerator: dict, denominator: dict) -> str:
+    if "tokens_per_s_per_gpu" not in numerator or "tokens_per_s_per_gpu" not in denominator:
+        return ""
+    return f"{numerator['tokens_per_s_per_gpu'] / denominator['tokens_per_s_per_gpu']:.3f}"
 
 
 def table(results: dict[str, dict]) -> str:
-    """The results as Markdown: step time, tokens/s per GPU, scaling over the 1-GPU cell, ratio to the baseline."""
-    lines = ["| cell | GPUs | step ms (median) | tokens/s per GPU | scaling over 1 GPU | over baseline |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    """The results as Markdown: recipe, step time, tokens/s per GPU, scaling over the 1-GPU cell of the same kind,
+    lmtrain's FSDP2 cells over the baseline at the same GPU count, and fsdp over fsdp_same (the recipe's gain)."""
+    lines = ["| cell | GPUs | recipe | step ms (median) | tokens/s per GPU | scaling over 1 GPU | over baseline "
+             "| recipe gain (fsdp over fsdp_same) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for cell, r in results.items():
+        kind = cell_kind(cell)
         if "error" in r:
-            lines.append(f"| {cell} | | failed: see {cell}.log | | | |")
+            reason = r["error"].splitlines()[0][:120].replace("|", "/")
+            lines.append(f"| {cell} | {cell_devices(cell)} | {RECIPES[kind]} | failed: {reason} (see "
+                         f"{cell}.stderr.log) | | | | |")
             continue
-        one = results.get(cell.rstrip("0123456789") + "1", {})
-        scaling = (f"{r['tokens_per_s_per_gpu'] / one['tokens_per_s_per_gpu']:.3f}"
-                   if r["devices"] > 1 and "tokens_per_s_per_gpu" in one else "")
-        base = results.get(f"baseline{r['devices']}", {})
-        over = (f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}"
-                if cell.startswith("fsdp") and "tokens_per_s_per_gpu" in base else "")
-        lines.append(f"| {cell} | {r['devices']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {scaling} "
-                     f"| {over} |")
+        devices = r["devices"]
+        scaling = _ratio(r, results.get(f"{kind}1", {})) if devices > 1 else ""
+        over = _ratio(r, results.get(f"baseline{devices}", {})) if kind in ("fsdp", "fsdp_same") else ""
+        gain = _ratio(r, results.get(f"fsdp_same{devices}", {})) if kind == "fsdp" else ""
+        lines.append(f"| {cell} | {devices} | {RECIPES[kind]} | {r['step_ms']:.1f} | "
+                     f"{r['tokens_per_s_per_gpu']:,.0f} | {scaling} | {over} | {gain} |")
     return "\n".join(lines)
+
+
+def write_results(results: dict[str, dict], out_dir: Path) -> None:
+    """``results.json`` and ``table.md`` of the cells so far (written after every cell, so a stopped run keeps
+    them)."""
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "table.md").write_text(table(results) + "\n")
+
+
+def run_cells(cells: list[Cell], out_dir: Path, env: dict[str, str], cell_timeout: float, budget: float,
+              grace_s: float = STOP_GRACE_S) -> dict[str, dict]:
+    """Run ``cells`` in turn, each within ``cell_timeout`` and all within ``budget`` seconds (a cell left no time
+    becomes an error row); write the results after each."""
+    results: dict[str, dict] = {}
+    deadline = time.perf_counter() + budget
+    for cell in cells:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            results[cell.name] = {"cell": cell.name, "devices": cell.devices, "error": "not run: --budget spent"}
+        else:
+            results[cell.name] = run(cell, out_dir, env, min(cell_timeout, left), grace_s)
+        print(json.dumps(results[cell.name]), flush=True)
+        write_results(results, out_dir)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="fsdp_scaling", help="folder for each cell's JSON and log")
+    parser.add_argument("--out", default="fsdp_scaling", help="folder for each cell's JSON and logs, results.json "
+                        "and table.md")
     parser.add_argument("--cells", nargs="+", type=cell_name, default=list(DEFAULT_CELLS),
-                        help="fsdpN, baselineN, ddpN: a config on N GPUs")
-    parser.add_argument("--steps", type=int, default=20, help="steps of each lmtrain cell (5 of them warm-up)")
+                        help="fsdpN, fsdp_sameN, baselineN, ddpN: a config (or the baseline) on N GPUs")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps of every cell")
+    parser.add_argument("--steps", type=positive_int, default=15, help="timed steps of every cell, after the warm-up")
     parser.add_argument("--context", type=int, default=1024, help="context of the 2.7B FSDP2 and baseline cells")
     parser.add_argument("--ddp-context", type=int, default=1024, help="context of the xl DDP cells")
     parser.add_argument("--cell-timeout", type=float, default=150, help="seconds one cell may take")
@@ -162,16 +353,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(MULTICAST_OFF)  # before any process starts: every rank inherits it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
-    results = {}
-    deadline = time.perf_counter() + args.budget
-    for cell in args.cells:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            results[cell] = {"cell": cell, "error": "not run: --budget spent"}
-            continue
-        results[cell] = run(cell, args, out_dir, env, min(args.cell_timeout, left))
-        print(json.dumps(results[cell]), flush=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    results = run_cells([plan(c, args, out_dir) for c in args.cells], out_dir, env, args.cell_timeout, args.budget)
     print(table(results))
 
 
