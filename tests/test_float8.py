@@ -196,12 +196,15 @@ def test_gemm_error_is_zero_for_exact_operands_and_small_otherwise() -> None:
 # -- the inspector through a fit ------------------------------------------------------------------------------
 
 
-def _float8_fit(tmp_path: Path, inspector: PrecisionInspector, precision: str = "32-true") -> pl.Trainer:
+def _float8_fit(tmp_path: Path, inspector: PrecisionInspector, precision: str = "32-true",
+                compile: bool = False) -> pl.Trainer:
     pl.seed_everything(0)
     module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=64, num_layers=1, num_heads=2,
                       d_ff=128, attention="naive", warmup_steps=1)
     module.configure_model()  # a float8-free module, converted by hand: LMModule refuses float8 on a CPU
     convert_model(module.model, module.config.replace(float8="tensorwise", float8_min_features=64))
+    if compile:  # dynamo with the eager backend: compiled code's hook behaviour, no C++ compiler needed
+        module.model.compile(backend="eager")
     data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10,
                         val_batches=1)
     trainer = pl.Trainer(max_steps=2, precision=precision, accelerator="cpu", devices=1,
@@ -259,6 +262,19 @@ def test_a_scale_broken_by_2_pow_10_is_flagged(tmp_path: Path) -> None:
     assert scalars(trainer.log_dir)["precision/float8_flagged_layers"] == [(1, 1.0)]
     table = texts(trainer.log_dir)["precision/float8"][0]
     assert f"`{broken}` ⚑" in table
+
+
+def test_a_compiled_model_is_probed_at_a_step_after_the_first(tmp_path: Path) -> None:
+    # Step 0 runs the compiled code without hooks; dynamo does not guard on module hooks, so without the eager
+    # stance the probe's hooks, added at step 1, would never run.
+    inspector = PrecisionInspector(step=1, reference=False)
+    trainer = _float8_fit(tmp_path, inspector, compile=True)
+    assert trainer.lightning_module.model._compiled_call_impl is not None
+    assert len(inspector.float8_result) == 5
+    assert all(list(s.gemms) == list(f8.GEMMS) and s.step == 1 for s in inspector.float8_result)
+    assert "ran their forward and backward passes eagerly" in texts(trainer.log_dir)["precision/float8"][0]
+    assert any("force_eager" in note for note in inspector.result.notes)
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the stance ends with the step
 
 
 @pytest.mark.parametrize("policy", ["selective", "offload"])
