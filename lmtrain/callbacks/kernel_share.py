@@ -124,7 +124,10 @@ class KernelShare(Callback):
         launch/bound                                1 when launch/host_wait_share > 0.10, else 0
         roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs; ``model``: model
                                                     FLOPs over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
-        roofline/{category}_gbps[_of_peak]          GB/s of its memcpy activities [/ copy ceiling]; CUDA only
+        roofline/{category}_gbps[_of_peak]          GB/s of its device-to-device memcpy activities (bytes read
+                                                    plus written, over their own time) [/ copy ceiling]; CUDA only
+        roofline/{category}_transfer_gbps           GB/s of its host<->device and peer memcpy activities (one-way
+                                                    bytes over their own time; no ceiling); CUDA only
 
     Several ranks: the ``ranks`` profile; at the window's last step every rank takes part in one gather of the
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
