@@ -81,7 +81,8 @@ class KernelShare(Callback):
         kernels/attn_softmax_to_matmul_flop_ratio   ratio (no unit): 5 / (4 head_dim), when head_dim is known
         kernels/step_wall_ms                        ms: mean wall time of the profiled steps (``ProfilerStep#``
                                                     ranges, profiler overhead included)
-        kernels/busy_share                          fraction: total_ms_per_step / step_wall_ms
+        kernels/busy_share                          fraction: gpu_busy_ms_per_step (the union of the kernels'
+                                                    intervals) / step_wall_ms; on CPU total_ms_per_step / step_wall_ms
         kernels/gpu_span_ms_per_step                ms: GPU timeline from the first kernel of the active steps
                                                     to the last, per step (CUDA only)
         kernels/gpu_busy_ms_per_step                ms: time per step with at least one kernel running (the
