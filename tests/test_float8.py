@@ -181,6 +181,17 @@ def test_scales_equal_torchao_own(rowwise: bool) -> None:
         assert torch.equal(ours.reshape(theirs.shape), theirs)
 
 
+def test_the_replay_docstring_names_the_forward_gemms_fast_accumulation() -> None:
+    """The replay accumulates in fp32; what it says of the real GEMMs' accumulation matches torchao's configs."""
+    for recipe in ("tensorwise", "rowwise"):
+        config = linear_config(recipe)
+        assert config.gemm_config_output.use_fast_accum
+        assert not config.gemm_config_grad_input.use_fast_accum and not config.gemm_config_grad_weight.use_fast_accum
+    doc = " ".join(f8.__doc__.split())
+    assert "forward (``output``) GEMM with ``use_fast_accum=True``" in doc
+    assert "``grad_input`` and ``grad_weight`` run without fast accumulation" in doc
+
+
 def test_gemm_error_is_zero_for_exact_operands_and_small_otherwise() -> None:
     # Small integers with amax 448 are exact in e4m3 at scale 1 and in bf16: both GEMMs agree exactly.
     a = torch.tensor([[448.0, 2.0, -3.0], [1.0, 0.0, 4.0]])
