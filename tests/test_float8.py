@@ -20,6 +20,7 @@ from tb import scalars, texts
 
 from lmtrain.analysis import float8 as f8
 from lmtrain.callbacks import PrecisionInspector
+from lmtrain.callbacks.precision import Float8Probe
 from lmtrain.cli import main
 from lmtrain.config import ModelConfig
 from lmtrain.data import LMDataModule
@@ -286,6 +287,30 @@ def test_a_compiled_model_is_probed_at_a_step_after_the_first(tmp_path: Path) ->
     assert "ran their forward and backward passes eagerly" in texts(trainer.log_dir)["precision/float8"][0]
     assert any("force_eager" in note for note in inspector.result.notes)
     assert torch._dynamo.eval_frame._stance.stance == "default"  # the stance ends with the step
+
+
+def test_the_probe_names_layers_whose_weight_arrives_in_float8() -> None:
+    """FSDP2's float8 all-gather hands a layer a float8 weight (torchao's Float8TrainingTensor), stood in for here
+    by that weight cast by hand: the probe names the layer (its replay cannot see the weight's own cast)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    cfg = _config(d_ff=128, num_layers=1)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    convert_model(model, cfg)
+    layer = float8_linears(model)["blocks.0.mlp.w1"]
+    weight = hp_tensor_to_float8_dynamic(layer.weight.detach(), torch.float8_e4m3fn, layer.linear_mm_config,
+                                         gemm_input_role=GemmInputRole.WEIGHT)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    probe = Float8Probe(model)
+    probe.install()
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    probe.remove()
+    assert probe.gathered == {"blocks.0.mlp.w1"}
+    replayed = {s.layer: s.gemms["output"] for s in probe.results(0)}
+    assert replayed["blocks.0.mlp.w1"].b.saturated == 0.0 and replayed["blocks.0.mlp.w1"].rel_err > 0
 
 
 @pytest.mark.parametrize("policy", ["selective", "offload"])

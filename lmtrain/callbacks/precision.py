@@ -103,7 +103,9 @@ class PrecisionInspector(Callback):
       the largest over every layer, GEMM and operand.
     - ``precision/float8_flagged_layers``: count of layers over ``float8_threshold``.
     - text ``precision/float8`` (Markdown): one row per layer and GEMM, with the amax history of the inspected
-      steps.
+      steps. Under FSDP2's float8 all-gather (tensorwise) the weight arrives in float8: the replay's weight operand
+      is that float8 weight, so the weight's own cast error is not in its statistics nor in ``rel_err``; a note
+      under the table (and one log line) says so.
 
     Args:
         step: the training step to inspect, on Lightning's ``global_step`` axis (0: the first step of a fresh
@@ -154,6 +156,7 @@ class PrecisionInspector(Callback):
         self._float8_present: bool | None = None  # known at the first batch (the model is built by then)
         self._eager: contextlib.ExitStack | None = None  # the compiler stance force_eager, while a step is inspected
         self._eager_note: str | None = None  # said when the model is compiled
+        self._gathered_said = False  # the note on float8 all-gathered weights was logged
         #: The float8 layers' statistics at the last float8 step, and every operand's amax per inspected step
         #: (``<layer>/<gemm>/<operand>`` -> [(step, amax)]).
         self.float8_result: list[f8.Float8LayerStats] = []
@@ -328,7 +331,7 @@ class PrecisionInspector(Callback):
             self._leave_eager()  # a step without an optimizer step (forward-only, manual optimization)
         if ended and self._probe is not None:
             try:
-                self._float8_report(trainer, self._probe.results(self._phases.step))
+                self._float8_report(trainer, self._probe.results(self._phases.step), self._probe.gathered)
             finally:
                 self._probe.remove()
                 self._probe = None
@@ -443,8 +446,10 @@ class PrecisionInspector(Callback):
             with open(os.path.join(out_dir, f"precision_step{self.step}.json"), "w") as f:
                 f.write(report.to_json())
 
-    def _float8_report(self, trainer: pl.Trainer, layers: list[f8.Float8LayerStats]) -> None:
-        """Log one float8 step's statistics, extend the amax history and warn about layers over the threshold."""
+    def _float8_report(self, trainer: pl.Trainer, layers: list[f8.Float8LayerStats],
+                       gathered: set[str] | frozenset[str] = frozenset()) -> None:
+        """Log one float8 step's statistics, extend the amax history and warn about layers over the threshold.
+        ``gathered``: the layers whose weight arrived in float8 (:attr:`Float8Probe.gathered`)."""
         step = self._phases.step
         self.float8_result = layers
         metrics: dict[str, float] = {}
@@ -468,6 +473,15 @@ class PrecisionInspector(Callback):
         table = f8.markdown_table(layers, self.float8_history, self.float8_threshold)
         if self._eager_note is not None:
             table += f"\n\nNote: {self._eager_note}\n"
+        if gathered:
+            note = (f"under FSDP2's float8 all-gather the weight operand's reference is the gathered float8 weight "
+                    f"(dequantised; {len(gathered)} of {len(layers)} layers): the weight was cast before the "
+                    "all-gather, so its saturated and underflow fractions and each GEMM's rel_err leave that cast's "
+                    "error out.")
+            table += f"\n\nNote: {note}\n"
+            if not self._gathered_said:
+                self._gathered_said = True
+                rank_zero_info(f"PrecisionInspector: {note}")
         log_text(trainer, "precision/float8", table, step)
         if over:
             rank_zero_warn(f"PrecisionInspector: step {step}: float8 layer(s) {', '.join(over)} have more than "
@@ -496,6 +510,9 @@ class Float8Probe:
         self.layers = float8_linears(module)
         self.scale_factors = dict(scale_factors or {})
         self._handles: list[Any] = []
+        #: Layers whose weight arrived already in float8 (FSDP2's float8 all-gather): the replay's weight operand is
+        #: that float8 weight, dequantised, so the weight's own cast error is not in the replay.
+        self.gathered: set[str] = set()
         self._inputs: dict[str, torch.Tensor] = {}
         self._raw: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -524,6 +541,8 @@ class Float8Probe:
     def _forward(self, path: str, layer: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if path in self._raw:
             return
+        if _gathered_float8(layer.weight):
+            self.gathered.add(path)
         x = args[0]
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the cast Float8Linear.forward makes before its GEMM
@@ -558,8 +577,14 @@ def _compiled(module: torch.nn.Module) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
+def _gathered_float8(weight: torch.Tensor) -> bool:
+    """The weight is already a float8 tensor (torchao's ``Float8TrainingTensor``: FSDP2's float8 all-gather casts
+    each shard before gathering it)."""
+    return callable(getattr(weight, "to_original_precision", None))
+
+
 def _high_precision(weight: torch.Tensor) -> torch.Tensor:
     """The weight's values in high precision (2-D, (N, K)); under FSDP2's float8 all-gather the gathered weight is
-    already float8, and is dequantised."""
-    to_hp = getattr(weight, "to_original_precision", None)
-    return (to_hp() if callable(to_hp) else weight).detach()
+    already float8, and is dequantised: the replay then casts values that are float8 already, so the weight's own
+    cast error is invisible (``Float8Probe.gathered`` names such layers)."""
+    return (weight.to_original_precision() if _gathered_float8(weight) else weight).detach()
