@@ -211,3 +211,20 @@ def test_kernels_of_a_cuda_graph_replay_belong_to_the_cuda_graph_phase() -> None
     metrics = summarize(tr.records, tr.steps).metrics()
     assert metrics["kernels/cuda_graph_ms_per_step"] == pytest.approx(0.039)
     assert "kernels/forward_ms_per_step" not in metrics
+
+
+def test_busy_share_counts_overlapping_kernels_once() -> None:
+    """A GEMM and an NCCL kernel on two streams overlap: the GPU is busy for the union of their intervals (80 of the
+    step's 100 µs), not for the sum of their durations (150 µs, a "share" of 1.5)."""
+    x = {"ph": "X", "tid": 1}
+    events = [
+        {**x, "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0.0, "dur": 100.0},
+        {**x, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2.0, "dur": 3.0, "args": {"correlation": 1}},
+        {**x, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 6.0, "dur": 3.0, "args": {"correlation": 2}},
+        {**x, "cat": "kernel", "name": GEMM_K, "ts": 10.0, "dur": 80.0, "tid": 7, "args": {"correlation": 1}},
+        {**x, "cat": "kernel", "name": NCCL, "ts": 20.0, "dur": 70.0, "tid": 8, "args": {"correlation": 2}},
+    ]
+    metrics = analyze_trace({"traceEvents": events}, device="cuda").metrics
+    assert metrics["kernels/total_ms_per_step"] == pytest.approx(0.150)
+    assert metrics["kernels/gpu_busy_ms_per_step"] == pytest.approx(0.080)
+    assert metrics["kernels/busy_share"] == pytest.approx(0.8)

@@ -47,6 +47,14 @@ def test_every_own_kernel_is_named_by_the_registry() -> None:
     ("triton_per_fused__log_softmax_6", "loss"),
     ("triton_per_fused__softmax_7", "softmax"),
     ("triton_poi_fused_rsqrt_8", "norm"),
+    # a matmul op names a template's own product (gemm), but only the epilogue / prologue of a pointwise or
+    # reduction kernel, which keeps its kind
+    ("triton_tem_fused_addmm_relu_9", "gemm"),
+    ("triton_tem_fused__scaled_mm_10", "gemm"),
+    ("triton_poi_fused_addmm_relu_0", "elementwise"),
+    ("triton_poi_fused__scaled_mm_0", "elementwise"),
+    ("triton_red_fused__scaled_mm_abs_max_1", "reduction"),
+    ("triton_per_fused_bmm_2", "reduction"),
     ("not_an_inductor_kernel", None),
 ])
 def test_inductor_kernels_by_what_they_fuse(name: str, category: str | None) -> None:

@@ -397,6 +397,9 @@ def test_kernel_share_cuda(tmp_path: Path) -> None:
     kernel_ms = s.total_us / 1e3
     assert kernel_ms <= 1.05 * step_ms
     assert kernel_ms >= 0.5 * step_ms, (kernel_ms, step_ms)
+    # with_flops (the default): the matrix products' FLOPs reach the GEMM kernels
+    logged = scalars(trainer.log_dir)
+    assert logged["roofline/gemm_tflops"][0][1] > 1.0 and "roofline/model_tflops" in logged
 
 
 def test_request_cupti_teardown_respects_a_set_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,3 +407,28 @@ def test_request_cupti_teardown_respects_a_set_variable(monkeypatch: pytest.Monk
     assert request_cupti_teardown() is True and os.environ["TEARDOWN_CUPTI"] == "1"
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # e.g. set by torch.compile with CUDA graphs
     assert request_cupti_teardown() is False and os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_the_profilers_flops_reach_the_trace_and_the_gemm_roofline(tmp_path: Path) -> None:
+    """A real CPU profile with ``with_flops``: the exported trace carries each matrix product's FLOPs (2 M N K),
+    and ``achieved`` charges them to the kernels that operator launched (a CPU trace has no kernels: one GEMM
+    kernel with the operator's External id, as CUPTI records it, stands in for the GPU's)."""
+    import json
+
+    from lmtrain.analysis.ceilings import achieved
+    from lmtrain.callbacks._profiler import ProfilerSession
+
+    a, b = torch.randn(24, 40), torch.randn(40, 16)
+    session = ProfilerSession(cuda=False, warmup=0, active=1, record_shapes=False, release_cupti=False,
+                              with_flops=True)
+    try:
+        torch.mm(a, b)
+        session.prof.step()
+        trace = json.loads(Path(session.finish()).read_text())
+    finally:
+        session.close()
+    mm = [e for e in trace["traceEvents"] if e.get("cat") == "cpu_op" and e["name"] == "aten::mm"]
+    assert [e["args"]["flops"] for e in mm] == [2 * 24 * 40 * 16]
+    trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 10,
+                                 "args": {"External id": mm[0]["args"]["External id"], "correlation": 1}})
+    assert achieved(trace)["gemm"] == pytest.approx({"us": 10.0, "flops": 2 * 24 * 40 * 16})

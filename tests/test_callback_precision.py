@@ -40,10 +40,14 @@ class HookCount(Callback):
         self.counts.append((self._start, self._count(pl_module)))
 
 
-def _fit(tmp_path: Path, precision: str, inspector: PrecisionInspector) -> tuple[pl.Trainer, HookCount]:
+def _fit(tmp_path: Path, precision: str, inspector: PrecisionInspector,
+         compile: bool = False) -> tuple[pl.Trainer, HookCount]:
     pl.seed_everything(0)
     model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
                      attention="naive", warmup_steps=1)
+    if compile:  # dynamo with the eager backend: compiled code's hook behaviour, no C++ compiler needed
+        model.configure_model()
+        model.model.compile(backend="eager")
     data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10,
                         val_batches=1)
     probe = HookCount()  # after the inspector: sees its hooks at batch start, none at batch end
@@ -121,6 +125,36 @@ def test_fp32_everything_fp32(tmp_path: Path) -> None:
     assert cb.result is r
 
 
+def test_a_compiled_model_is_recorded_at_a_step_after_the_first(tmp_path: Path) -> None:
+    # Steps 0 and 1 run the compiled code without hooks; dynamo does not guard on module hooks, so without the
+    # eager stance the hooks added at step 2 would record nothing.
+    cb = PrecisionInspector(step=2)
+    trainer, _ = _fit(tmp_path, "32-true", cb, compile=True)
+    r = cb.result
+    assert trainer.lightning_module.model._compiled_call_impl is not None
+    assert _module(r, "model.blocks.1.mlp.w2")["output_dtypes"] == ["float32"] and r.logits_dtype == "float32"
+    assert r.numerics["logits_max_abs_err"] == 0.0  # the reference forward of the same (eager) step
+    assert any("force_eager" in note for note in r.notes)
+    assert "force_eager" in texts(trainer.log_dir)["precision/report"][0]
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the stance ends with the step
+
+
+def test_the_recorder_as_a_context_manager_sees_a_compiled_model_after_its_first_call() -> None:
+    from lmtrain.config import ModelConfig
+    from lmtrain.model import TransformerLM
+
+    cfg = ModelConfig.from_size("tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2,
+                                d_ff=64, attention="naive")
+    model = TransformerLM(cfg)
+    model.compile(backend="eager")
+    tokens = torch.randint(0, 64, (2, 16))
+    model(tokens)  # compiled without hooks: later submodule hooks are not guarded on
+    with DtypeRecorder(model, "cpu") as rec:
+        model(tokens)
+    assert {"blocks.0.attn.qkv", "blocks.0.mlp.w2", "lm_head"} <= set(rec.calls)
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
 def test_step_not_reached_and_bad_step(tmp_path: Path) -> None:
     cb = PrecisionInspector(step=50)
     with pytest.warns(UserWarning, match="lies beyond the last step of max_steps"):
@@ -154,6 +188,7 @@ def test_hooks_removed_when_the_inspected_step_raises(tmp_path: Path) -> None:
         trainer.fit(model, data)
     assert cb.hooks_installed == 0 and cb.result is None
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the inspected step's eager stance ended too
 
 
 def test_recorder_reasons_for_autocast_fp32_ops() -> None:

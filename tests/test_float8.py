@@ -20,6 +20,7 @@ from tb import scalars, texts
 
 from lmtrain.analysis import float8 as f8
 from lmtrain.callbacks import PrecisionInspector
+from lmtrain.callbacks.precision import Float8Probe
 from lmtrain.cli import main
 from lmtrain.config import ModelConfig
 from lmtrain.data import LMDataModule
@@ -181,6 +182,17 @@ def test_scales_equal_torchao_own(rowwise: bool) -> None:
         assert torch.equal(ours.reshape(theirs.shape), theirs)
 
 
+def test_the_replay_docstring_names_the_forward_gemms_fast_accumulation() -> None:
+    """The replay accumulates in fp32; what it says of the real GEMMs' accumulation matches torchao's configs."""
+    for recipe in ("tensorwise", "rowwise"):
+        config = linear_config(recipe)
+        assert config.gemm_config_output.use_fast_accum
+        assert not config.gemm_config_grad_input.use_fast_accum and not config.gemm_config_grad_weight.use_fast_accum
+    doc = " ".join(f8.__doc__.split())
+    assert "forward (``output``) GEMM with ``use_fast_accum=True``" in doc
+    assert "``grad_input`` and ``grad_weight`` run without fast accumulation" in doc
+
+
 def test_gemm_error_is_zero_for_exact_operands_and_small_otherwise() -> None:
     # Small integers with amax 448 are exact in e4m3 at scale 1 and in bf16: both GEMMs agree exactly.
     a = torch.tensor([[448.0, 2.0, -3.0], [1.0, 0.0, 4.0]])
@@ -196,12 +208,15 @@ def test_gemm_error_is_zero_for_exact_operands_and_small_otherwise() -> None:
 # -- the inspector through a fit ------------------------------------------------------------------------------
 
 
-def _float8_fit(tmp_path: Path, inspector: PrecisionInspector, precision: str = "32-true") -> pl.Trainer:
+def _float8_fit(tmp_path: Path, inspector: PrecisionInspector, precision: str = "32-true",
+                compile: bool = False) -> pl.Trainer:
     pl.seed_everything(0)
     module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=64, num_layers=1, num_heads=2,
                       d_ff=128, attention="naive", warmup_steps=1)
     module.configure_model()  # a float8-free module, converted by hand: LMModule refuses float8 on a CPU
     convert_model(module.model, module.config.replace(float8="tensorwise", float8_min_features=64))
+    if compile:  # dynamo with the eager backend: compiled code's hook behaviour, no C++ compiler needed
+        module.model.compile(backend="eager")
     data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10,
                         val_batches=1)
     trainer = pl.Trainer(max_steps=2, precision=precision, accelerator="cpu", devices=1,
@@ -259,6 +274,43 @@ def test_a_scale_broken_by_2_pow_10_is_flagged(tmp_path: Path) -> None:
     assert scalars(trainer.log_dir)["precision/float8_flagged_layers"] == [(1, 1.0)]
     table = texts(trainer.log_dir)["precision/float8"][0]
     assert f"`{broken}` ⚑" in table
+
+
+def test_a_compiled_model_is_probed_at_a_step_after_the_first(tmp_path: Path) -> None:
+    # Step 0 runs the compiled code without hooks; dynamo does not guard on module hooks, so without the eager
+    # stance the probe's hooks, added at step 1, would never run.
+    inspector = PrecisionInspector(step=1, reference=False)
+    trainer = _float8_fit(tmp_path, inspector, compile=True)
+    assert trainer.lightning_module.model._compiled_call_impl is not None
+    assert len(inspector.float8_result) == 5
+    assert all(list(s.gemms) == list(f8.GEMMS) and s.step == 1 for s in inspector.float8_result)
+    assert "ran their forward and backward passes eagerly" in texts(trainer.log_dir)["precision/float8"][0]
+    assert any("force_eager" in note for note in inspector.result.notes)
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the stance ends with the step
+
+
+def test_the_probe_names_layers_whose_weight_arrives_in_float8() -> None:
+    """FSDP2's float8 all-gather hands a layer a float8 weight (torchao's Float8TrainingTensor), stood in for here
+    by that weight cast by hand: the probe names the layer (its replay cannot see the weight's own cast)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    cfg = _config(d_ff=128, num_layers=1)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    convert_model(model, cfg)
+    layer = float8_linears(model)["blocks.0.mlp.w1"]
+    weight = hp_tensor_to_float8_dynamic(layer.weight.detach(), torch.float8_e4m3fn, layer.linear_mm_config,
+                                         gemm_input_role=GemmInputRole.WEIGHT)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    probe = Float8Probe(model)
+    probe.install()
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    probe.remove()
+    assert probe.gathered == {"blocks.0.mlp.w1"}
+    replayed = {s.layer: s.gemms["output"] for s in probe.results(0)}
+    assert replayed["blocks.0.mlp.w1"].b.saturated == 0.0 and replayed["blocks.0.mlp.w1"].rel_err > 0
 
 
 @pytest.mark.parametrize("policy", ["selective", "offload"])

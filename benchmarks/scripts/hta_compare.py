@@ -17,7 +17,8 @@ default, which first rounds every event inward to whole µs (start up, end down)
 the same way; the two agree, so what separates HTA's default from lmtrain is the rounding alone (several points on
 steps of many few-µs kernels, such as CUDA graph replays). Where HTA cannot read a trace (the rounding gives a
 sub-µs memset a negative duration, which trips HTA's ``non_compute_time >= 0`` check) the error is printed in
-that column.
+that column. The exit status is 1 when a difference exceeds 2 points, or when HTA compared nothing (it is not
+installed, or it failed on every trace).
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         for what, figures in (("HTA", exact), ("HTA with its default rounding", rounded)):
             if isinstance(figures, str):
                 print(f"\n{what} cannot read {path}: {figures}")
-    print(f"\nlargest difference: {worst:.2f} points over {compared} figures (tolerance {TOLERANCE_POINTS:g})"
-          if compared else "\nno HTA figures to compare")
+    if not compared:  # HTA read no trace (not installed, or failed on each): nothing was checked
+        print("\nno HTA figures to compare: HTA did not run on any trace (see the errors above); exit status 1")
+        return 1
+    print(f"\nlargest difference: {worst:.2f} points over {compared} figures (tolerance {TOLERANCE_POINTS:g})")
     return 0 if worst <= TOLERANCE_POINTS else 1
 
 

@@ -5,6 +5,8 @@ Usage::
     # one H100; each command is planned to stay under 9 minutes (estimates, not measured yet): small in one,
     # 2.7B in two (its compiled fast config alone compiles for about a minute, twice)
     python benchmarks/scripts/instruments_check.py run OUT --models small
+    # where HTA is not installed on the GPU machine: skip it there, compare later with check
+    python benchmarks/scripts/instruments_check.py run OUT --models small --skip-hta
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only sdpa512 flash512
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only flash4096 fast
     # FSDP2 on two GPUs (all five callbacks, both ranks profiled)
@@ -15,10 +17,11 @@ Usage::
 ``run`` makes, per model, four fits with all five callbacks at their defaults (KernelShare with ``export_trace``):
 eager sdpa at context 512, eager flash_triton at 512 and at 4096 (2.7B: batch 1 there, to fit in 80 GB) and
 ``configs/<model>_bf16_fast.yaml`` (compiled, CUDA graphs); and the same four with CudaSyncTimer alone (the
-uninstrumented reference: its CUDA events cost no measurable time). After each fit it appends the fit's figures to
-``OUT/results.jsonl`` (the fit's own output in ``OUT/runs/<name>.log``, its TensorBoard files under
-``OUT/runs/<name>/``), so a run cut short keeps what it measured; at the end it writes ``OUT/summary.md`` and prints
-it. Per fit:
+uninstrumented reference: its CUDA events cost no measurable time). Each fit may run for ``--fit-timeout`` seconds
+(240). Right after each fit it appends that fit's figures to ``OUT/results.jsonl`` (the fit's own output in
+``OUT/runs/<name>.log``, its TensorBoard files under ``OUT/runs/<name>/``), so a run cut short keeps what it
+measured; after each model it appends that model's table to ``OUT/summary.md`` and prints it. ``--skip-hta`` leaves
+HTA out (its columns show ``-``); ``check`` on the fits' log folders compares with HTA later. Per fit:
 
 - ``other``: the "other" category's share of kernel time (acceptance: at most 1%);
 - ``busy / step``, ``span / step``, ``wall / step``: KernelShare's kernel busy time, GPU span (first kernel to
@@ -77,6 +80,9 @@ FITS = {
     "fast": ("{m}_bf16_fast.yaml", []),
 }
 LIMITS = {"other": 0.01, "busy": 0.03, "hta": 2.0, "phases": 0.02, "overhead": 0.01}
+#: Seconds one fit may run before it is stopped (a 2.7B fit of ``run`` takes about two minutes; the first compiled
+#: one more): a hung fit costs at most this, and the command's other fits still run.
+FIT_TIMEOUT_S = 240
 
 
 def version_dir(save_dir: Path) -> Path | None:
@@ -122,7 +128,7 @@ def hta_differences(trace: Path, rank: int = 0) -> dict[str, Any]:
 
 
 def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
-        extra: list[str] | None = None, timeout: int = 420) -> dict[str, Any]:
+        extra: list[str] | None = None, timeout: int = FIT_TIMEOUT_S) -> dict[str, Any]:
     """One ``python -m lmtrain fit`` in its own process; returns its exit status, time and log folder."""
     save = out / "runs" / name
     command = [sys.executable, "-m", "lmtrain", "fit", "--config", str(ROOT / "configs" / config), *args,
@@ -138,8 +144,9 @@ def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str]
             "command": " ".join(command[1:])}
 
 
-def figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The acceptance figures of one instrumented fit (see the module docstring)."""
+def figures(result: dict[str, Any], hta: bool = True) -> dict[str, Any]:
+    """The acceptance figures of one instrumented fit (see the module docstring); ``hta``: compare its traces with
+    HTA too."""
     log_dir = result["log_dir"]
     if log_dir is None:
         return {}
@@ -153,7 +160,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         ("comm_overlap_share", "breakdown/comm_overlap_share"))}
     out["phases_to_step"] = graph_phase_ratio(s)
     out["straggler_ratio"] = counted_median(s, "time/straggler_ratio")
-    traces = sorted(log_dir.glob("kernel_trace*.json.gz"))
+    traces = sorted(log_dir.glob("kernel_trace*.json.gz")) if hta else []
     for rank, trace in enumerate(traces):
         out[f"hta_rank{rank}" if len(traces) > 1 else "hta"] = hta_differences(trace, rank)
     return out
@@ -194,10 +201,12 @@ HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "
           "HTA idle split (pts)", "phases / step", "overhead", "pass"]
 
 
-def run(out: Path, models: list[str], only: list[str] | None) -> int:
+def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
+        timeout: int = FIT_TIMEOUT_S) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    rows, all_ok = [], True
+    all_ok = True
     for model in models:
+        rows = []
         for key, (config, args) in FITS.items():
             if only and key not in only:
                 continue
@@ -205,24 +214,26 @@ def run(out: Path, models: list[str], only: list[str] | None) -> int:
             steps = STEPS[model][kind]
             args = args + (["--data.batch_size", "1"] if model == "2.7B" and key == "flash4096" else [])
             name = f"{model}_{key}"
-            all5 = fit(out, name, config.format(m=model), args, five(), steps)
-            f = figures(all5) if all5["rc"] == 0 else {}
-            base = fit(out, name + "_timer", config.format(m=model), args, TIMER_ONLY, steps)
+            all5 = fit(out, name, config.format(m=model), args, five(), steps, timeout=timeout)
+            f = figures(all5, hta) if all5["rc"] == 0 else {}
+            append(out, {"fit": name, "five": all5, **f})  # kept even if the timer-only fit never ends
+            base = fit(out, name + "_timer", config.format(m=model), args, TIMER_ONLY, steps, timeout=timeout)
             base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
                 if base["rc"] == 0 and base["log_dir"] else None
             overhead = f["timer_step_ms"] / base_ms - 1 if base_ms and f.get("timer_step_ms") else None
-            append(out, {"fit": name, "five": all5, "timer_only": base, "baseline_step_ms": base_ms,
-                         "overhead": overhead, **f})
+            append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms,
+                         "overhead": overhead})
             failed = ([name, *["-"] * 9, f"NO: fit exit {all5['rc']}"], False)
             cells, ok = row(name, f, overhead, graphed=key == "fast") if f else failed
             rows.append(cells)
             all_ok &= ok
             print(f"{name}: {all5['seconds']} s + {base['seconds']} s (timer only); " + " | ".join(cells[1:]),
                   flush=True)
-    table = markdown_table(HEADER, rows)
-    with open(out / "summary.md", "a") as f:  # several commands may write into one OUT
-        f.write(table + "\n\n")
-    print(table)
+        if rows:
+            table = markdown_table(HEADER, rows)
+            with open(out / "summary.md", "a") as summary:  # after each model; several commands may share one OUT
+                summary.write(table + "\n\n")
+            print(table, flush=True)
     return 0 if all_ok else 1
 
 
@@ -266,6 +277,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--models", nargs="+", default=["small"], choices=sorted(STEPS))
     p.add_argument("--only", nargs="+", choices=sorted(FITS), help="some of the four fits only")
+    p.add_argument("--skip-hta", action="store_true",
+                   help="no HTA comparison (HTA not installed here): run check on the log folders later")
+    p.add_argument("--fit-timeout", type=int, default=FIT_TIMEOUT_S, help="seconds one fit may run")
     p = sub.add_parser("fsdp", help="one FSDP2 fit on several GPUs")
     p.add_argument("out", type=Path)
     p.add_argument("--size", default="small", choices=["small", "2.7B"])
@@ -275,7 +289,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("log_dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.out, args.models, args.only)
+        return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout)
     if args.command == "fsdp":
         return fsdp(args.out, args.size, args.devices, args.steps)
     return check(args.log_dirs)

@@ -101,20 +101,24 @@ _INDUCTOR_KIND = {"poi": "elementwise", "per": "reduction", "red": "reduction", 
 def inductor_category(name: str) -> str | None:
     """The category of an inductor-generated kernel (None for any other name).
 
-    ``triton_<kind>_fused_<ops>_<n>``: the fused aten ops decide first (mm / addmm / bmm: gemm; sdpa / flash:
-    attention; adam / foreach / addcdiv / lerp: optimizer; nll_loss / log_softmax: loss; rsqrt, mean with pow or a
-    norm: norm;
-    softmax: softmax), then the kind: ``poi`` (pointwise) elementwise, ``red`` / ``per`` (reductions) reduction,
-    ``tem`` (templates: matmuls) gemm, ``for`` (foreach combo kernels: the compiled optimizer) optimizer.
+    ``triton_<kind>_fused_<ops>_<n>``: the fused aten ops decide first (sdpa / flash: attention; mm / addmm / bmm /
+    _scaled_mm: gemm, for templates only; adam / foreach / addcdiv / lerp: optimizer; nll_loss / log_softmax: loss;
+    rsqrt, mean with pow or a norm: norm; softmax: softmax), then the kind: ``poi`` (pointwise) elementwise,
+    ``red`` / ``per`` (reductions) reduction, ``tem`` (templates: matmuls) gemm, ``for`` (foreach combo kernels: the
+    compiled optimizer) optimizer. A matmul op in a ``poi`` / ``red`` / ``per`` kernel's name is the GEMM its
+    epilogue or prologue came from (``triton_poi_fused_addmm_relu_0``: bias and ReLU after an ``extern`` GEMM;
+    ``triton_red_fused__scaled_mm_0``: a float8 scale's amax), not a matrix product, so it does not make it gemm.
     """
     m = _INDUCTOR.match(name)
     if m is None:
         return None
-    ops = m.group(2)
+    kind, ops = m.group(1), m.group(2)
     for category, pattern in _INDUCTOR_OPS:
+        if category == "gemm" and kind != "tem":
+            continue
         if pattern.search(ops):
             return category
-    return _INDUCTOR_KIND[m.group(1)]
+    return _INDUCTOR_KIND[kind]
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,8 +12,11 @@ What the trace gives (:func:`achieved`):
   kernel category. Without it, the caller may give the model's FLOPs per step (``lmtrain.flops``): they are all
   charged to the ``gemm`` and ``attention`` kernels together (``model``), which approximates: the model FLOPs count
   the matmuls and attention only, and recomputation or fused elementwise work is not in them.
-- Bytes: the ``bytes`` argument of memcpy activities. Elementwise kernels' traffic is not in a trace, so they get no
-  GB/s.
+- Bytes: the ``bytes`` argument of memcpy activities, over the time of those memcpy activities alone (a category's
+  other kernels, such as memsets or copy kernels, move bytes the trace does not give). A device-to-device copy reads
+  and writes its bytes, so it counts them twice, as the ``copy_gbps`` ceiling does; host<->device and peer copies
+  cross a link, not device memory: their one-way bytes give ``transfer`` GB/s, with no ceiling to compare with.
+  Elementwise kernels' traffic is not in a trace, so they get no GB/s.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ def device_ceilings(device_name: str, cache: Path | None = None, measure: Any = 
 
 
 def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = None) -> dict[str, dict[str, float]]:
-    """Per category: ``us`` (kernel time per step), and ``flops`` or ``bytes`` per step where the trace has them.
+    """Per category, per step: ``us`` (kernel time), and where the trace has them ``flops``; ``bytes`` and
+    ``memcpy_us`` (device-to-device memcpy activities: bytes read plus written, and their own time);
+    ``transfer_bytes`` and ``transfer_us`` (host<->device and peer memcpy activities: one-way bytes, their time).
 
     ``model`` holds the gemm + attention time and ``model_flops_per_step`` when it is given (module docstring).
     """
@@ -96,7 +101,12 @@ def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = N
         if ext is not None and int(ext) in op_flops and per_op[int(ext)] > 0:
             out[category]["flops"] += op_flops[int(ext)] * dur / per_op[int(ext)] / steps
         if e.get("cat") == "gpu_memcpy" and "bytes" in args:
-            out[category]["bytes"] += float(args["bytes"]) / steps
+            if "DtoD" in e.get("name", ""):  # "Memcpy DtoD (Device -> Device)": read and written in device memory
+                out[category]["bytes"] += 2 * float(args["bytes"]) / steps
+                out[category]["memcpy_us"] += dur / steps
+            else:  # HtoD, DtoH, PtoP: across PCIe or NVLink
+                out[category]["transfer_bytes"] += float(args["bytes"]) / steps
+                out[category]["transfer_us"] += dur / steps
     if model_flops_per_step:
         out["model"]["us"] = out.get("gemm", {}).get("us", 0.0) + out.get("attention", {}).get("us", 0.0)
         out["model"]["flops"] = model_flops_per_step
@@ -105,7 +115,9 @@ def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = N
 
 def ceiling_metrics(found: dict[str, dict[str, float]], ceilings: dict[str, float]) -> dict[str, float]:
     """``roofline/{category}_tflops`` and ``roofline/{category}_tflops_of_peak`` (against the bf16 matmul ceiling);
-    ``roofline/{category}_gbps`` and ``roofline/{category}_gbps_of_peak`` (against the copy ceiling)."""
+    ``roofline/{category}_gbps`` and ``roofline/{category}_gbps_of_peak`` (device-to-device memcpy bytes over
+    their own time, against the copy ceiling); ``roofline/{category}_transfer_gbps`` (host<->device and peer
+    memcpy, no ceiling)."""
     out = {}
     for category, v in found.items():
         seconds = v.get("us", 0.0) / 1e6
@@ -116,8 +128,10 @@ def ceiling_metrics(found: dict[str, dict[str, float]], ceilings: dict[str, floa
             if ceilings.get("bf16_matmul_tflops"):
                 out[f"roofline/{category}_tflops_of_peak"] = out[f"roofline/{category}_tflops"] / ceilings[
                     "bf16_matmul_tflops"]
-        if v.get("bytes"):
-            out[f"roofline/{category}_gbps"] = v["bytes"] / seconds / 1e9
+        if v.get("bytes") and v.get("memcpy_us"):
+            out[f"roofline/{category}_gbps"] = v["bytes"] / (v["memcpy_us"] / 1e6) / 1e9
             if ceilings.get("copy_gbps"):
                 out[f"roofline/{category}_gbps_of_peak"] = out[f"roofline/{category}_gbps"] / ceilings["copy_gbps"]
+        if v.get("transfer_bytes") and v.get("transfer_us"):
+            out[f"roofline/{category}_transfer_gbps"] = v["transfer_bytes"] / (v["transfer_us"] / 1e6) / 1e9
     return out

@@ -11,9 +11,14 @@ float8 GEMM, so every number here can be checked on a CPU:
 - ``saturated``: the fraction of the operand's values that the clamp changes, those beyond ``max`` by more than
   half a float8 step at ``max`` (round-to-nearest would bring the ones closer to ``max`` anyway);
 - ``underflow``: the fraction of its values that are not zero but whose float8 cast is zero (flushed);
-- ``rel_err``: ``||C8 - C16|| / ||C16||`` (Frobenius norms) between the GEMM of the dequantised float8 operands
-  (fp32 accumulation, what the float8 tensor cores do) and the same GEMM of the operands rounded to bf16 (fp32
-  accumulation, a bf16 GEMM before its output is rounded).
+- ``rel_err``: ``||C8 - C16|| / ||C16||`` (Frobenius norms) between the GEMM of the dequantised float8 operands,
+  accumulated in fp32, and the same GEMM of the operands rounded to bf16 (fp32 accumulation, a bf16 GEMM before
+  its output is rounded). It is the error of the casts alone. The real GEMMs differ: torchao runs the forward
+  (``output``) GEMM with ``use_fast_accum=True`` (``Float8LinearConfig.gemm_config_output``; both recipes lmtrain
+  uses), whose Hopper tensor cores accumulate in a narrower format and promote to fp32 only now and then, and
+  every GEMM rounds its output to bf16; so the replay's error can understate the real one slightly (the GPU test
+  ``test_the_replay_matches_the_real_float8_gemm`` bounds the gap). ``grad_input`` and ``grad_weight`` run
+  without fast accumulation.
 
 Pure functions of tensors, no hooks: the capture lives in ``lmtrain.callbacks.precision``.
 """
@@ -142,7 +147,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpec,
     :func:`cast`'s statistics) and ``rel_err``. :func:`to_gemm_stats` turns them into numbers."""
     qa, sa, _, a_stats = cast(a, a_spec, -1, factor)
     qb, sb, _, b_stats = cast(b, b_spec, 0, factor)
-    float8 = (qa.float() / sa) @ (qb.float() / sb)  # (M, N), dequantised operands, fp32 accumulation
+    float8 = (qa.float() / sa) @ (qb.float() / sb)  # (M, N), dequantised operands, fp32 accumulation (no fast accum)
     bf16 = a.detach().bfloat16().float() @ b.detach().bfloat16().float()  # (M, N)
     rel = torch.linalg.vector_norm(float8 - bf16) / torch.linalg.vector_norm(bf16).clamp(min=torch.finfo().tiny)
     return {"a": a_stats, "b": b_stats, "a_dtype": a_spec.dtype, "b_dtype": b_spec.dtype, "rel_err": rel}

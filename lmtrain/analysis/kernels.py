@@ -527,7 +527,11 @@ def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None
             metrics[f"kernels/communication_exposed_ms_{scope}"] = tr.communication[scope][1] / 1e3
     if tr.step_wall_us > 0:
         metrics["kernels/step_wall_ms"] = tr.step_wall_us / 1e3
-        metrics["kernels/busy_share"] = summary.total_us / tr.step_wall_us
+        tl = tr.timeline
+        # The union of the kernels' intervals on a GPU (kernels on several streams, NCCL beside compute, count
+        # once); the CPU has no timeline: its operators' time
+        busy_us = tl.busy_us if tl is not None else summary.total_us
+        metrics["kernels/busy_share"] = busy_us / tr.step_wall_us
     tl = tr.timeline
     if tl is not None and tl.span_us > 0:
         metrics.update({"kernels/gpu_span_ms_per_step": tl.span_us / 1e3,

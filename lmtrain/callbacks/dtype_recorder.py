@@ -6,6 +6,7 @@ records mean is worked out in ``lmtrain.analysis.dtypes``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,7 +18,10 @@ from lmtrain.analysis.dtypes import ModuleCall, first_float_tensor, module_entri
 class DtypeRecorder:
     """Forward hooks on every submodule of ``root`` that record input and output dtypes (and the autocast state).
 
-    Use as a context manager (hooks removed on exit) or call :meth:`install` / :meth:`remove`. The outputs
+    Use as a context manager (hooks removed on exit; the block runs with the compiler's stance ``force_eager``)
+    or call :meth:`install` / :meth:`remove`. Compiled code skips module hooks added after its first call (dynamo
+    does not guard on them), so on a compiled model that has run before the recorded step must run eagerly:
+    the context manager does that, and :meth:`install`'s caller must (``torch.compiler.set_stance``). The outputs
     and inputs of the outermost modules (depth <= 1) are kept by reference for the logits and the fp32
     reference forward; :meth:`remove` drops them.
 
@@ -36,6 +40,7 @@ class DtypeRecorder:
         self.param_compute: dict[str, torch.dtype] = {}
         self.paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._stance: contextlib.ExitStack | None = None
 
     def install(self) -> None:
         for path, module in self.root.named_modules():
@@ -56,11 +61,16 @@ class DtypeRecorder:
         return len(self._handles)
 
     def __enter__(self) -> DtypeRecorder:
+        self._stance = contextlib.ExitStack()
+        self._stance.enter_context(torch.compiler.set_stance("force_eager"))
         self.install()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+        if self._stance is not None:
+            self._stance.close()
+            self._stance = None
 
     def _hook(self, path: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -81,7 +81,8 @@ class KernelShare(Callback):
         kernels/attn_softmax_to_matmul_flop_ratio   ratio (no unit): 5 / (4 head_dim), when head_dim is known
         kernels/step_wall_ms                        ms: mean wall time of the profiled steps (``ProfilerStep#``
                                                     ranges, profiler overhead included)
-        kernels/busy_share                          fraction: total_ms_per_step / step_wall_ms
+        kernels/busy_share                          fraction: gpu_busy_ms_per_step (the union of the kernels'
+                                                    intervals) / step_wall_ms; on CPU total_ms_per_step / step_wall_ms
         kernels/gpu_span_ms_per_step                ms: GPU timeline from the first kernel of the active steps
                                                     to the last, per step (CUDA only)
         kernels/gpu_busy_ms_per_step                ms: time per step with at least one kernel running (the
@@ -122,9 +123,14 @@ class KernelShare(Callback):
         launch/delay_median_us, launch/delay_p90_us µs: kernel start minus its launch call's start (eager launches)
         launch/host_wait_share                      fraction of the span the GPU waited for the host
         launch/bound                                1 when launch/host_wait_share > 0.10, else 0
-        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs; ``model``: model
+        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs, ``with_flops``:
+                                                    the profiler's FLOPs of matrix products and convolutions, each
+                                                    spread over the kernels its operator launched; ``model``: model
                                                     FLOPs over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
-        roofline/{category}_gbps[_of_peak]          GB/s of its memcpy activities [/ copy ceiling]; CUDA only
+        roofline/{category}_gbps[_of_peak]          GB/s of its device-to-device memcpy activities (bytes read
+                                                    plus written, over their own time) [/ copy ceiling]; CUDA only
+        roofline/{category}_transfer_gbps           GB/s of its host<->device and peer memcpy activities (one-way
+                                                    bytes over their own time; no ceiling); CUDA only
 
     Several ranks: the ``ranks`` profile; at the window's last step every rank takes part in one gather of the
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
@@ -149,6 +155,10 @@ class KernelShare(Callback):
         head_dim: attention head dimension for the softmax/matmul FLOP ratio (default: the module's
             ``config.head_dim`` when it has one).
         record_shapes: ask the profiler to record input shapes (bigger trace, slower).
+        with_flops: ask the profiler for the FLOPs of each matrix product and convolution (written into the trace
+            as the operators' ``flops`` argument) for ``roofline/{category}_tflops``; off, only ``roofline/model_*``
+            has TFLOP/s. Its cost falls on the profiled steps, which no timer counts, and on the window's end
+            (reading the profiler's events and rewriting the trace once).
         release_cupti: tear CUPTI down when the window closes, by setting the environment variable
             ``TEARDOWN_CUPTI=1`` that PyTorch's profiler (Kineto) reads when it stops. Left alone when the
             variable is already set (``torch.compile`` with CUDA graphs sets it to ``0``: tearing down and
@@ -164,7 +174,7 @@ class KernelShare(Callback):
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 2, top_k: int = 15, export_trace: bool = False,
                  chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
                  release_cupti: bool = True, ranks: list[int] | None = None,
-                 ceilings: dict[str, float] | str | None = None) -> None:
+                 ceilings: dict[str, float] | str | None = None, with_flops: bool = True) -> None:
         super().__init__()
         self.ranks = [0] if ranks is None else ranks
         self.wait, self.warmup, self.active, self.top_k = wait, warmup, active, top_k
@@ -172,6 +182,7 @@ class KernelShare(Callback):
         self.chart = chart
         self.head_dim = head_dim
         self.record_shapes = record_shapes
+        self.with_flops = with_flops
         self.release_cupti = release_cupti
         self.ceilings = ceilings
         self._reset()
@@ -331,7 +342,7 @@ class KernelShare(Callback):
                        "kernel time (categories apply to aten:: operator names), the CPU operators' timeline, and no "
                        "roofline/* (no GPU ceilings to measure).")
         self._prof = ProfilerSession(self._cuda, self.warmup, self.active, self.record_shapes, self.release_cupti,
-                                     pl_module.device if self._cuda else None)
+                                     pl_module.device if self._cuda else None, with_flops=self.with_flops)
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True

@@ -15,6 +15,11 @@ inspected steps, the saturated and flushed-to-zero fractions of each operand, an
 GEMM against the bf16 GEMM of the same operands. A layer whose saturated or underflow fraction exceeds
 ``float8_threshold`` is named in one warning.
 
+Under ``torch.compile`` the inspected step (and every float8 replay step) runs its forward and backward passes
+with the compiler's stance ``force_eager``: compiled code does not run module hooks added after its first call
+(dynamo does not guard on them), so the hooks would see nothing. Its numerics are then the eager path's (no fused
+kernels); the log says so once, and the reports carry a note.
+
 Every metric the callback logs, with its unit, is listed in the docstring of :class:`PrecisionInspector`.
 The fp32 reference needs fp32 parameter storage (mixed precision or ``32-true``); with ``bf16-true`` or
 ``16-true`` storage it is skipped with a note. Dropout or other randomness in the model makes the
@@ -98,7 +103,9 @@ class PrecisionInspector(Callback):
       the largest over every layer, GEMM and operand.
     - ``precision/float8_flagged_layers``: count of layers over ``float8_threshold``.
     - text ``precision/float8`` (Markdown): one row per layer and GEMM, with the amax history of the inspected
-      steps.
+      steps. Under FSDP2's float8 all-gather (tensorwise) the weight arrives in float8: the replay's weight operand
+      is that float8 weight, so the weight's own cast error is not in its statistics nor in ``rel_err``; a note
+      under the table (and one log line) says so.
 
     Args:
         step: the training step to inspect, on Lightning's ``global_step`` axis (0: the first step of a fresh
@@ -147,6 +154,9 @@ class PrecisionInspector(Callback):
         self.result: PrecisionReport | None = None  # the inspection (for scripts and tests)
         self._probe: Float8Probe | None = None
         self._float8_present: bool | None = None  # known at the first batch (the model is built by then)
+        self._eager: contextlib.ExitStack | None = None  # the compiler stance force_eager, while a step is inspected
+        self._eager_note: str | None = None  # said when the model is compiled
+        self._gathered_said = False  # the note on float8 all-gathered weights was logged
         #: The float8 layers' statistics at the last float8 step, and every operand's amax per inspected step
         #: (``<layer>/<gemm>/<operand>`` -> [(step, amax)]).
         self.float8_result: list[f8.Float8LayerStats] = []
@@ -226,6 +236,7 @@ class PrecisionInspector(Callback):
         self._remove()
 
     def _remove(self) -> None:
+        self._leave_eager()
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
@@ -256,11 +267,34 @@ class PrecisionInspector(Callback):
                 self._warn(f"PrecisionInspector: float8_scale_factors names {', '.join(unknown)}, not a float8 layer "
                            f"of this model (its float8 layers: {', '.join(self._probe.layers)}); nothing is scaled "
                            "there.")
-        if self._done or not self._phases.enters(self._window):
+        if not self._done and self._phases.enters(self._window):
+            self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
+            self._recorder.install()
+            self._batch = batch
+        if self._probe is not None or self._recorder is not None:
+            self._enter_eager(pl_module, step)
+
+    def _enter_eager(self, pl_module: pl.LightningModule, step: int) -> None:
+        """Run this step's forward and backward passes without compiled code, so that the hooks just installed
+        fire (dynamo does not guard on module hooks: compiled code keeps skipping hooks added after its first
+        call). A no-op for a model that is not compiled."""
+        if self._eager is not None:
             return
-        self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
-        self._recorder.install()
-        self._batch = batch
+        self._eager = contextlib.ExitStack()
+        self._eager.enter_context(torch.compiler.set_stance("force_eager"))
+        if self._eager_note is None and _compiled(pl_module):
+            self._eager_note = ("the inspected steps ran their forward and backward passes eagerly (torch.compile's "
+                                "stance force_eager, so that the inspection's module hooks run): their numerics "
+                                "are the eager path's, not the compiled kernels'.")
+            rank_zero_info(f"PrecisionInspector: step {step} runs eagerly under torch.compile (stance "
+                           "force_eager: compiled code skips module hooks added after its first call); so does "
+                           "every float8 replay step.")
+
+    def _leave_eager(self) -> None:
+        """Back to compiled code (before the optimizer step: only the forward and backward passes are inspected)."""
+        if self._eager is not None:
+            self._eager.close()
+            self._eager = None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -284,6 +318,7 @@ class PrecisionInspector(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         self._phases.before_optimizer_step()
+        self._leave_eager()
         if self._recorder is not None:
             self._stepped = True
 
@@ -292,9 +327,11 @@ class PrecisionInspector(Callback):
                            batch_idx: int) -> None:
         first = self._phases.first_batch
         ended = self._phases.batch_end(trainer)
+        if ended:
+            self._leave_eager()  # a step without an optimizer step (forward-only, manual optimization)
         if ended and self._probe is not None:
             try:
-                self._float8_report(trainer, self._probe.results(self._phases.step))
+                self._float8_report(trainer, self._probe.results(self._phases.step), self._probe.gathered)
             finally:
                 self._probe.remove()
                 self._probe = None
@@ -389,6 +426,8 @@ class PrecisionInspector(Callback):
             report.numerics["loss_abs_err"] = abs(self._loss.float().item() - self._ref["loss"].item())
         if "note" in self._ref:
             report.notes.append(self._ref["note"])
+        if self._eager_note is not None:
+            report.notes.append(self._eager_note)
         if "logits" in self._ref and self._float8_present:
             report.notes.append("the fp32 reference runs the float8 layers in float8 too (they cast whatever their "
                                 "input's dtype): its errors leave out float8's own, which precision/float8 reports "
@@ -407,8 +446,10 @@ class PrecisionInspector(Callback):
             with open(os.path.join(out_dir, f"precision_step{self.step}.json"), "w") as f:
                 f.write(report.to_json())
 
-    def _float8_report(self, trainer: pl.Trainer, layers: list[f8.Float8LayerStats]) -> None:
-        """Log one float8 step's statistics, extend the amax history and warn about layers over the threshold."""
+    def _float8_report(self, trainer: pl.Trainer, layers: list[f8.Float8LayerStats],
+                       gathered: set[str] | frozenset[str] = frozenset()) -> None:
+        """Log one float8 step's statistics, extend the amax history and warn about layers over the threshold.
+        ``gathered``: the layers whose weight arrived in float8 (:attr:`Float8Probe.gathered`)."""
         step = self._phases.step
         self.float8_result = layers
         metrics: dict[str, float] = {}
@@ -429,8 +470,19 @@ class PrecisionInspector(Callback):
                                                       default=0.0)
         metrics["precision/float8_flagged_layers"] = float(len(over))
         log_scalars(trainer, metrics, step)
-        log_text(trainer, "precision/float8", f8.markdown_table(layers, self.float8_history, self.float8_threshold),
-                 step)
+        table = f8.markdown_table(layers, self.float8_history, self.float8_threshold)
+        if self._eager_note is not None:
+            table += f"\n\nNote: {self._eager_note}\n"
+        if gathered:
+            note = (f"under FSDP2's float8 all-gather the weight operand's reference is the gathered float8 weight "
+                    f"(dequantised; {len(gathered)} of {len(layers)} layers): the weight was cast before the "
+                    "all-gather, so its saturated and underflow fractions and each GEMM's rel_err leave that cast's "
+                    "error out.")
+            table += f"\n\nNote: {note}\n"
+            if not self._gathered_said:
+                self._gathered_said = True
+                rank_zero_info(f"PrecisionInspector: {note}")
+        log_text(trainer, "precision/float8", table, step)
         if over:
             rank_zero_warn(f"PrecisionInspector: step {step}: float8 layer(s) {', '.join(over)} have more than "
                            f"{self.float8_threshold:g} of an operand's values saturated or flushed to zero (see "
@@ -445,7 +497,9 @@ class Float8Probe:
     until the gradient of the layer's output arrives, which replays all three GEMMs (the weight has not changed
     in between); without gradients the forward hook replays ``output`` at once. Each layer is replayed once per
     step: a forward run again by activation checkpointing, or a later micro-batch, is ignored. The hooks run
-    eagerly under ``torch.compile``.
+    eagerly under ``torch.compile``, but compiled code skips module hooks added after its first call (dynamo does
+    not guard on them): on a compiled module run the probed step under ``torch.compiler.set_stance("force_eager")``,
+    as ``PrecisionInspector`` does.
 
     Args:
         module: the module whose float8 layers are probed (``lmtrain.float8.float8_linears``).
@@ -456,6 +510,9 @@ class Float8Probe:
         self.layers = float8_linears(module)
         self.scale_factors = dict(scale_factors or {})
         self._handles: list[Any] = []
+        #: Layers whose weight arrived already in float8 (FSDP2's float8 all-gather): the replay's weight operand is
+        #: that float8 weight, dequantised, so the weight's own cast error is not in the replay.
+        self.gathered: set[str] = set()
         self._inputs: dict[str, torch.Tensor] = {}
         self._raw: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -484,6 +541,8 @@ class Float8Probe:
     def _forward(self, path: str, layer: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if path in self._raw:
             return
+        if _gathered_float8(layer.weight):
+            self.gathered.add(path)
         x = args[0]
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the cast Float8Linear.forward makes before its GEMM
@@ -511,8 +570,21 @@ class Float8Probe:
         self._replay(path, "grad_weight", go.t(), x)
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """``module`` or one of its submodules is compiled (``nn.Module.compile`` or ``config.compile``)."""
+    if getattr(getattr(module, "config", None), "compile", False) is True:
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _gathered_float8(weight: torch.Tensor) -> bool:
+    """The weight is already a float8 tensor (torchao's ``Float8TrainingTensor``: FSDP2's float8 all-gather casts
+    each shard before gathering it)."""
+    return callable(getattr(weight, "to_original_precision", None))
+
+
 def _high_precision(weight: torch.Tensor) -> torch.Tensor:
     """The weight's values in high precision (2-D, (N, K)); under FSDP2's float8 all-gather the gathered weight is
-    already float8, and is dequantised."""
-    to_hp = getattr(weight, "to_original_precision", None)
-    return (to_hp() if callable(to_hp) else weight).detach()
+    already float8, and is dequantised: the replay then casts values that are float8 already, so the weight's own
+    cast error is invisible (``Float8Probe.gathered`` names such layers)."""
+    return (weight.to_original_precision() if _gathered_float8(weight) else weight).detach()

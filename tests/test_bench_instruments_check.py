@@ -1,0 +1,70 @@
+"""benchmarks/scripts/instruments_check.py and hta_compare.py without a GPU: what is written when, and the exit
+status when HTA compared nothing (the fits and HTA are stood in for)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import temporal_traces as traces
+from conftest import load_script
+
+
+@pytest.fixture
+def scripts() -> Iterator[tuple[ModuleType, ModuleType]]:
+    check = load_script("instruments_check")
+    yield check, sys.modules["hta_compare"]
+    for name in ("instruments_check", "hta_compare", "tb_figures"):
+        sys.modules.pop(name, None)
+
+
+def test_each_fit_is_recorded_when_it_ends_and_each_model_gets_its_table(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    seen: list[tuple[str, list[str], bool]] = []  # at each fit's start: the fits recorded so far, summary written
+
+    def fit(out: Path, name: str, *args: object, timeout: int) -> dict:
+        recorded = [json.loads(line)["fit"] for line in (out / "results.jsonl").read_text().splitlines()] \
+            if (out / "results.jsonl").exists() else []
+        seen.append((name, recorded, (out / "summary.md").exists()))
+        assert timeout == 240
+        return {"name": name, "rc": 1, "seconds": 1.0, "log_dir": None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    assert check.main(["run", str(tmp_path), "--models", "small", "2.7B", "--only", "sdpa512", "--fit-timeout",
+                       "240"]) == 1
+    assert seen == [("small_sdpa512", [], False), ("small_sdpa512_timer", ["small_sdpa512"], False),
+                    ("2.7B_sdpa512", ["small_sdpa512", "small_sdpa512_timer"], True),
+                    ("2.7B_sdpa512_timer", ["small_sdpa512", "small_sdpa512_timer", "2.7B_sdpa512"], True)]
+    tables = (tmp_path / "summary.md").read_text().split("\n\n")
+    assert "small_sdpa512" in tables[0] and "2.7B_sdpa512" in tables[1]
+
+
+def test_skip_hta_leaves_the_traces_alone(tmp_path: Path, scripts: tuple[ModuleType, ModuleType],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    (tmp_path / "kernel_trace.json.gz").write_bytes(b"")
+    monkeypatch.setattr(check, "read", lambda log_dir: ({}, {}))
+    calls: list[Path] = []
+    monkeypatch.setattr(check, "hta_differences", lambda trace, rank=0: calls.append(trace) or {})
+    assert "hta" not in check.figures({"log_dir": tmp_path}, hta=False) and calls == []
+    assert "hta" in check.figures({"log_dir": tmp_path}) and len(calls) == 1
+
+
+def test_hta_compare_fails_when_hta_compared_nothing(tmp_path: Path, scripts: tuple[ModuleType, ModuleType],
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _, hta_compare = scripts
+
+    def no_hta(*args: object, **kwargs: object) -> dict:
+        raise ModuleNotFoundError("No module named 'hta'")
+
+    monkeypatch.setattr(hta_compare, "hta_figures", no_hta)
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps(traces.eager()))
+    assert hta_compare.main([str(path)]) == 1
+    assert "HTA did not run on any trace" in capsys.readouterr().out
