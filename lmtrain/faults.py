@@ -16,7 +16,8 @@ liveness apart from the collectives, so it works alike for NCCL and gloo:
   so in the store first: the others do not count a finished rank as dead, and stop at once, naming it, when one
   failed or was interrupted.
 - When a collective fails first (gloo notices a closed socket at once), ``on_exception`` waits up to ``timeout_s``
-  for the watchdog's verdict, so that the line names the rank instead of a socket.
+  for the watchdog's verdict, so that the line names the rank instead of a socket. Any other exception (out of
+  memory, a bug) is this rank's own (:func:`may_be_a_lost_peer`): it is marked at once, with no wait.
 
 The heartbeat thread needs the Python interpreter only every ``interval_s``; a main thread that holds the GIL longer
 than ``timeout_s`` in one call would look dead to the others. The default of 30 s keeps the stop within a minute.
@@ -161,6 +162,9 @@ class RankWatchdog(pl.Callback):
         if isinstance(exception, KeyboardInterrupt):
             self._end("interrupted")  # a second Ctrl+C stops at once: the others stop too, naming this rank
             return
+        if not may_be_a_lost_peer(exception):  # this rank's own failure (out of memory, a bug): say so at once
+            self._end("failed")
+            return
         # A collective may fail before the heartbeats tell (gloo sees the closed socket at once): wait for the
         # watchdog's verdict, which names the rank, before this exception's traceback would.
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
@@ -185,6 +189,30 @@ class RankWatchdog(pl.Callback):
         except Exception:  # noqa: BLE001 - rank 0's store may be gone already; nothing is left to tell
             pass
         self.monitor, self._thread = None, None
+
+
+#: Words of the errors a collective raises when another rank is gone (gloo: "Connection closed by peer" from
+#: gloo's transport; NCCL: "remote process exited or there was a network error").
+_PEER_WORDS = ("gloo", "nccl", "connection", "socket", "peer", "remote", "network", "timed out", "timeout")
+
+
+def may_be_a_lost_peer(exception: BaseException) -> bool:
+    """Whether ``exception`` (or one it was raised from) may come from a collective whose peer is gone.
+
+    Such a failure waits for the watchdog's verdict, which names the dead rank; any other exception is this rank's
+    own and is reported at once. Errs towards waiting: an unrecognised collective error would name this rank.
+    """
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    current: BaseException | None = exception
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, getattr(dist, "DistError", ())) or any(
+                word in str(current).lower() for word in _PEER_WORDS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def stop_process(reason: str, rank: int) -> None:

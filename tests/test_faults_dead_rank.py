@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,28 @@ def test_a_store_that_stops_answering_means_rank_0_is_gone() -> None:
     verdict = PeerMonitor(GoneStore(), 1, 2).check()
     assert verdict == "rank 0 stopped: its heartbeat store does not answer (Connection reset by peer)."
     assert PeerMonitor(GoneStore(), 0, 2).check() is None  # rank 0 serves the store: no verdict on itself
+
+
+def test_own_errors_are_reported_at_once_and_collective_errors_wait_for_the_verdict() -> None:
+    from lmtrain.faults import RankWatchdog, may_be_a_lost_peer
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:65240.")
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = gloo
+    assert may_be_a_lost_peer(gloo) and may_be_a_lost_peer(wrapped)
+    assert may_be_a_lost_peer(dist.DistBackendError("NCCL error"))
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.10 GiB")
+    assert not may_be_a_lost_peer(oom) and not may_be_a_lost_peer(ValueError("bad shape"))
+
+    # The watchdog has already named a dead rank: a collective's error defers to that verdict (this rank is not
+    # marked failed, so the others name the dead rank); this rank's own error is marked at once regardless.
+    for exception, marked in ((oom, True), (gloo, False)):
+        (zero, one), _ = _monitors(2)
+        dog = RankWatchdog(timeout_s=5.0, interval_s=0.5)
+        dog.monitor, dog._verdict = one, "rank 0 stopped: no heartbeat for 5 s."
+        dog._thread = threading.Thread(target=dog._stop.wait, daemon=True)  # the watchdog's thread, alive
+        dog._thread.start()
+        dog.on_exception(None, None, exception)  # type: ignore[arg-type]
+        verdict = zero.check()
+        dog._stop.set()
+        assert (verdict == "rank 1 stopped: it failed with an error (see its own output).") is marked, verdict
