@@ -41,6 +41,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -66,21 +67,24 @@ def checkpoint_dir(trainer: pl.Trainer) -> Path:
 
 
 class CheckpointOnSignal(pl.Callback):
-    """Save ``last.ckpt`` and stop cleanly on SIGINT / SIGTERM; save it at the end of training too.
+    """Stop cleanly on SIGINT / SIGTERM, saving ``last.ckpt`` first; save it at the end of training too.
 
-    Active when the trainer checkpoints (``enable_checkpointing`` with a ``ModelCheckpoint``); with
-    checkpointing off it does nothing, so a 2.7B benchmark never writes 38 GiB on Ctrl+C.
+    The handlers are installed whether or not the trainer checkpoints, so that every run stopped by a signal can
+    say so in its exit status; ``last.ckpt`` is written only when it does (``enable_checkpointing`` with a
+    ``ModelCheckpoint``), so a 2.7B benchmark without checkpointing never writes 38 GiB on Ctrl+C.
 
-    The handlers are installed while training runs (``on_train_start`` to ``on_train_end``, or ``teardown``
-    after an exception) and replace the previous ones meanwhile: Lightning installs its own SIGTERM handler
-    just before, which would raise ``SystemExit`` after the step instead of letting the loop stop. The
-    previous handlers come back afterwards.
+    During ``fit`` the handlers are installed while training runs (``on_train_start`` to ``on_train_end``, or
+    Lightning's own teardown after an exception) and replace the previous ones meanwhile: Lightning installs its
+    own SIGTERM handler just before, which would raise ``SystemExit`` after the step instead of letting the loop
+    stop. The signal only sets a flag; the loop stops (and saves) at the end of the training step in progress.
+    During ``validate``/``test``, which have nothing to save, a signal stops the run at once.
     On several ranks they agree on the step to stop at with one boolean all-reduce, which makes the host wait
     for the GPU; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
     ``log_every_n_steps``, where Lightning reads the logged values anyway) and on the last step, not every step.
-    The process then leaves ``fit`` normally; ``python -m lmtrain fit`` exits with 128 + the signal's number
-    (130 for SIGINT, 143 for SIGTERM), as a process killed by it would, so a scheduler can tell it from a finished
-    run (exit status 0).
+    ``received`` names the signal that stopped the run (also one that reached Lightning's own handlers first:
+    Ctrl+C as ``KeyboardInterrupt``, SIGTERM as ``SIGTERMException``); ``python -m lmtrain fit|validate|test``
+    then exits with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a process killed by it would,
+    so a scheduler can tell it from a finished run (exit status 0).
 
     Args:
         signals: names of the signals to catch.
@@ -105,17 +109,27 @@ class CheckpointOnSignal(pl.Callback):
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._saves = False  # whether a signal during fit saves last.ckpt (the trainer checkpoints)
+        self._evaluating = False  # validate/test: a signal stops at once
         self._paused_save_last: tuple[ModelCheckpoint, Any] | None = None
 
     # -- handlers -------------------------------------------------------------------------------
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self._evaluating:
+            self.received = name
+            rank_zero_info(f"\n{name} received: stopping the evaluation now (it has nothing to save).")
+            raise KeyboardInterrupt  # Lightning's graceful stop; the exit status still names this signal
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl+C: stop now, nothing saved
         self.received = name
-        rank_zero_info(f"\n{name} received: saving a checkpoint after the current step, then stopping "
-                       "(Ctrl+C again stops at once without saving).")
+        if self._saves:
+            rank_zero_info(f"\n{name} received: saving a checkpoint after the current step, then stopping "
+                           "(Ctrl+C again stops at once without saving).")
+        else:
+            rank_zero_info(f"\n{name} received: stopping after the current step; checkpointing is off, so nothing "
+                           "is saved (Ctrl+C again stops at once).")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received, self._saved_step = None, None
@@ -123,19 +137,44 @@ class CheckpointOnSignal(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lmtrain.faults import RankWatchdog
 
+        self.received = None
         if self.watchdog is not None and not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
             self.watchdog.setup(trainer, pl_module, stage)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        # A signal that reached Lightning's handlers instead of these (before training starts, or a second Ctrl+C):
+        # Lightning turns both into SystemExit, whose status alone would not name the signal.
+        if self.received is None and isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
+            self.received = "SIGINT" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
         if self.watchdog is not None:
             self.watchdog.on_exception(trainer, pl_module, exception)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.checkpoint_callback is None:
-            return  # checkpointing is off (e.g. the large sizes' benchmarks): signals keep their usual meaning
+        self._saves = trainer.checkpoint_callback is not None
+        self._install_handlers("fit")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # during fit, the training's handlers are in place
+            self._evaluating = True
+            self._install_handlers("validate")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluating = True
+        self._install_handlers("test")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._evaluating:
+            self._restore_handlers()
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    def _install_handlers(self, command: str) -> None:
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn("CheckpointOnSignal: fit runs outside the main thread, where Python cannot install "
-                          "signal handlers; SIGINT/SIGTERM will not save a checkpoint.", stacklevel=2)
+            warnings.warn(f"CheckpointOnSignal: {command} runs outside the main thread, where Python cannot install "
+                          "signal handlers; SIGINT/SIGTERM will not stop it cleanly.", stacklevel=2)
             return
         for name in self.signals:
             signum = signal.Signals[name]
@@ -146,6 +185,7 @@ class CheckpointOnSignal(pl.Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
+        self._evaluating = False
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.watchdog is not None:
@@ -182,8 +222,6 @@ class CheckpointOnSignal(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.checkpoint_callback is None:
-            return
         stop = self.received is not None
         if trainer.world_size > 1:
             every = self.agree_every_n_steps or max(1, int(trainer.log_every_n_steps))
@@ -191,9 +229,12 @@ class CheckpointOnSignal(pl.Callback):
                 return  # every rank skips the same steps: the collective below stays matched
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled
         if stop:
-            self._save_last(trainer, self.received or "a signal on another rank")
             trainer.should_stop = True
-        elif self.save_on_train_end and self._final_step(trainer) and self._saved_step != trainer.global_step:
+            if not self._saves:
+                return
+            self._save_last(trainer, self.received or "a signal on another rank")
+        elif (self._saves and self.save_on_train_end and self._final_step(trainer)
+              and self._saved_step != trainer.global_step):
             self._save_last(trainer, "training ended")
         else:
             return
@@ -211,6 +252,26 @@ class CheckpointOnSignal(pl.Callback):
         if (self.save_on_train_end and trainer.checkpoint_callback is not None
                 and self._saved_step != trainer.global_step and trainer.global_step > 0):
             self._save_last(trainer, "training ended")
+
+
+class LogAtCheckpointStep(pl.Callback):
+    """Log the scalars of ``validate``/``test`` of a checkpoint at the step the checkpoint was saved at.
+
+    Lightning logs an evaluation-only run at the fit loop's step counter, which only ``fit`` restores from a
+    checkpoint: ``val/loss`` of ``validate --ckpt_path last`` would land at step 0 of the run folder's curves
+    (``resolve_ckpt_path`` points the logger at the checkpoint's run). This restores the fit loop's counters from
+    the checkpoint when ``validate``/``test`` load one (the fit loop itself does not run), so the point lands on the
+    fit's curve at the checkpoint's ``global_step`` and with its epoch.
+    """
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn not in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+            return  # fit restores its loops itself
+        fit_loop = (checkpoint.get("loops") or {}).get("fit_loop")
+        if fit_loop is not None:  # Lightning saves it in every checkpoint, weights_only ones included
+            trainer.fit_loop.load_state_dict(fit_loop)
 
 
 # -- the model summary ------------------------------------------------------------------------------
@@ -346,7 +407,9 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     that checkpoint, stay in that folder.
     ``fit`` with ``last`` and no checkpoint yet starts a new run (so a preemptible job can always pass
     ``--ckpt_path last``); ``validate``/``test`` with ``last`` and none stop with an error. Does nothing when
-    the logger is not a TensorBoardLogger given by class path.
+    the logger is not a TensorBoardLogger given by class path. ``validate``/``test`` of a checkpoint file without
+    a config (``config`` unset) evaluate the file's own model (LightningCLI takes every model option from it), so
+    its model is compared with the requested one only where a config was given, for ``fit``, and for a folder.
 
     Args:
         config: ``LightningCLI.config[subcommand]`` (a jsonargparse Namespace; a dict works too).
@@ -362,7 +425,10 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     logging_in = _resolve_in_log_dir(config, subcommand, ckpt_path)
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is not None and (Path(ckpt_path).is_file() or is_distributed_checkpoint(ckpt_path)):
-        check_checkpoint_model(ckpt_path, _get(config, "model"))
+        # validate/test of a checkpoint file alone request no model: the model section holds the defaults (the
+        # small model), which LightningCLI replaces with the file's own options. It takes none from a folder.
+        if subcommand == "fit" or _get(config, "config") or not Path(ckpt_path).is_file():
+            check_checkpoint_model(ckpt_path, _get(config, "model"))
         if subcommand == "fit":
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
     if ckpt_path is not None and is_distributed_checkpoint(ckpt_path):

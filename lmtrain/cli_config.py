@@ -226,7 +226,9 @@ def run_lightning(args: Sequence[str]) -> int:
     """Run ``fit``, ``validate`` or ``test`` (``args`` starts with the subcommand); returns the exit status.
 
     0 after a finished run; 128 + the signal's number (130 for SIGINT, 143 for SIGTERM) after a run that a signal
-    stopped once its checkpoint was saved, so that a scheduler can tell an interrupted run from a finished one.
+    stopped (``fit`` once its checkpoint was saved, where it checkpoints), so that a scheduler can tell an
+    interrupted run from a finished one. A second Ctrl+C, which Lightning ends with ``SystemExit(1)``, is a SIGINT
+    too.
 
     Raises:
         LmtrainError: the arguments or the config are wrong (see :func:`parser_error`).
@@ -234,23 +236,31 @@ def run_lightning(args: Sequence[str]) -> int:
     from jsonargparse import ArgumentError
 
     check_config_files(args)
-    from lmtrain.checkpoints import CheckpointOnSignal, ResumedProgressBar, StepFlopsSummary
+    from lmtrain.checkpoints import CheckpointOnSignal, LogAtCheckpointStep, ResumedProgressBar, StepFlopsSummary
     from lmtrain.data import LMDataModule
     from lmtrain.module import LMModule
 
     # Callbacks given here are added to those of the config (a fresh instance per run).
-    defaults = {**_TRAINER_DEFAULTS, "callbacks": [CheckpointOnSignal(), ResumedProgressBar(), StepFlopsSummary()]}
+    signals = CheckpointOnSignal()
+    defaults = {**_TRAINER_DEFAULTS,
+                "callbacks": [signals, ResumedProgressBar(), StepFlopsSummary(), LogAtCheckpointStep()]}
     try:
         with lightning_notices_off():
             cli = _lm_cli_class()(LMModule, LMDataModule, args=list(args), trainer_defaults=defaults,
                                   save_config_kwargs=_save_config_kwargs(args[0]), parser_kwargs=parser_kwargs())
     except ArgumentError as exc:
         raise parser_error(str(exc), args) from None
+    except SystemExit:
+        # Lightning ends a run that Ctrl+C (KeyboardInterrupt) or its own SIGTERM handler stopped with SystemExit;
+        # the callback saw which signal it was.
+        if signals.received is None:
+            raise
+        return 128 + int(signal.Signals[signals.received])
     from lmtrain.distributed import end_process_group
 
     end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
-    received = [cb.received for cb in cli.trainer.callbacks if isinstance(cb, CheckpointOnSignal) and cb.received]
-    return 128 + int(signal.Signals[received[0]]) if received else 0
+    received = signals.received or ("SIGTERM" if cli.trainer.received_sigterm else None)
+    return 128 + int(signal.Signals[received]) if received else 0
 
 
 #: Lightning's loggers whose advertisements (``💡 Tip: ...``) ``lightning_notices_off`` drops.

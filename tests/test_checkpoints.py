@@ -233,20 +233,16 @@ def test_sigterm_in_a_subprocess_saves_and_exits_0(tmp_path: Path) -> None:
     assert torch.load(tmp_path / "logs/lmtrain/version_0/checkpoints/last.ckpt", weights_only=False)["global_step"] == 6
 
 
-def test_no_checkpointing_no_handlers(in_tmp: Path) -> None:
-    before = signal.getsignal(signal.SIGTERM)
-
-    class Probe(pl.Callback):
-        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-            self.handler = signal.getsignal(signal.SIGINT)
-
-    probe = Probe()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         callbacks=[CheckpointOnSignal(), probe], enable_progress_bar=False, limit_val_batches=0)
-    trainer.fit(LMModule(**MODEL), LMDataModule(batch_size=2, train_batches=4))
-    assert probe.handler is signal.default_int_handler  # untouched: Ctrl+C keeps its usual meaning
-    assert signal.getsignal(signal.SIGTERM) == before
-    assert not (in_tmp / "checkpoints").exists() and not (in_tmp / "lightning_logs").exists()
+def test_no_checkpointing_stops_on_a_signal_and_saves_nothing(in_tmp: Path) -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    callback = CheckpointOnSignal()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_checkpointing=False,
+                         callbacks=[SignalAt(2, signal.SIGINT), callback], enable_progress_bar=False,
+                         limit_val_batches=0)
+    trainer.fit(LMModule(**MODEL), LMDataModule(batch_size=2, train_batches=30))
+    assert trainer.global_step == 2 and callback.received == "SIGINT"  # stopped after the signalled step
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are back
+    assert not list(in_tmp.rglob("*.ckpt")) and not (in_tmp / "lightning_logs").exists()
 
 
 # -- resuming with something else ---------------------------------------------------------------------------
