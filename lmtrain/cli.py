@@ -9,8 +9,9 @@ files; ``generate`` samples text from a checkpoint.
 
 Errors in the arguments, the configuration or the data stop the command with one line,
 ``error: <field>: <problem> Fix: <fix>``, exit status 2, before anything is written. Ctrl-C stops a
-command with one line and exit status 130; a benchmark keeps the results it has written so far. ``fit`` stopped by
-SIGINT or SIGTERM saves ``last.ckpt`` first, then exits 128 + the signal's number (130, 143).
+command with one line and exit status 130; a benchmark keeps the results it has written so far. ``fit``,
+``validate`` and ``test`` stopped by SIGINT or SIGTERM exit 128 + the signal's number (130, 143), ``fit`` after
+saving ``last.ckpt`` where it checkpoints.
 """
 
 from __future__ import annotations

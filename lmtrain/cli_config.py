@@ -147,12 +147,9 @@ def _lm_cli_class() -> type:
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
-            # Callback arguments checked now, before fit/validate/test opens the log folder (Lightning creates
-            # it just before the callbacks' setup, where they would otherwise be checked).
-            for callback in self.trainer.callbacks:
-                check = getattr(callback, "check_arguments", None)
-                if callable(check):
-                    check(self.trainer.world_size)
+            # Again with the number of processes the trainer found (``devices: auto``), before fit/validate/test
+            # opens the log folder (Lightning creates it just before the callbacks' setup).
+            check_callbacks(self.trainer.callbacks, self.trainer.world_size, self.datamodule)
             cache = compile_cache_callback(self.config[self.subcommand])
             if cache is not None:
                 # First, so that its clock brackets the first step and not the other callbacks' work around it.
@@ -166,6 +163,9 @@ def _lm_cli_class() -> type:
                 from lmtrain.distributed import ddp_strategy
 
                 kwargs["strategy"] = ddp_strategy(int(trainer.get("accumulate_grad_batches") or 1))
+            # The callbacks' arguments and prompts, checked before the trainer says which devices it found: a bad
+            # one stops with its one line alone.
+            check_callbacks(trainer.get("callbacks") or [], expected_processes(trainer), self.datamodule)
             return super().instantiate_trainer(**kwargs)
 
         def before_fit(self) -> None:
@@ -213,6 +213,42 @@ def strategy_of(trainer: Any) -> tuple[str, int | None]:
     if kind == "single" and processes is not None and processes > 1 and str(strategy or "auto") == "auto":
         kind = "ddp"
     return kind, processes
+
+
+def expected_processes(trainer: Any) -> int:
+    """The number of processes a parsed ``trainer`` section will run, before the trainer exists: its devices and
+    nodes, or for ``devices: auto`` one per visible GPU (one on the CPU), as Lightning counts them."""
+    processes = strategy_of(trainer)[1]
+    if processes is not None:
+        return processes
+    if _runs_on_cpu(str(trainer.get("accelerator") or "auto")):
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count()) * int(trainer.get("num_nodes") or 1)
+
+
+def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any) -> None:
+    """Every callback's ``check_arguments(world_size)``, and the prompts of ``GenerateSamples`` against the data's
+    tokenizer, before anything is written.
+
+    ``GenerateSamples`` encodes its prompts in ``setup``, which needs the trainer's data module: it gets a stand-in
+    trainer holding ``datamodule`` alone, so that an empty or unencodable prompt stops before the log folder exists.
+    It is recognised by its module and ``prompts``, not by its class: ``lmtrain.generate``, which it imports,
+    imports this module.
+
+    Raises:
+        LmtrainError: a callback argument or prompt is wrong, naming it.
+    """
+    from types import SimpleNamespace
+
+    for callback in callbacks:
+        check = getattr(callback, "check_arguments", None)
+        if callable(check):
+            check(world_size)
+        if type(callback).__module__ == "lmtrain.callbacks.samples" and hasattr(callback, "prompts") \
+                and datamodule is not None:
+            callback.setup(SimpleNamespace(datamodule=datamodule), SimpleNamespace(model=None), "fit")
 
 
 def parser_kwargs() -> dict[str, Any]:
@@ -263,23 +299,28 @@ def run_lightning(args: Sequence[str]) -> int:
     return 128 + int(signal.Signals[received]) if received else 0
 
 
-#: Lightning's loggers whose advertisements (``💡 Tip: ...``) ``lightning_notices_off`` drops.
-_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+#: Lightning's loggers whose advertisements (``💡 Tip: ...``) and seed line ``lightning_notices_off`` drops.
+_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                      "lightning.fabric.utilities.seed")
 
 
 class _DropTips(logging.Filter):
-    """Drops Lightning's product tips (litlogger, litmodels) and its note that the command line's own model summary
-    (``StepFlopsSummary``) replaces the default one: they say nothing about the run."""
+    """Drops Lightning's product tips (litlogger, litmodels), its note that the command line's own model summary
+    (``StepFlopsSummary``) replaces the default one, and ``Seed set to N``: they say nothing about the run (the seed
+    is in the run folder's ``config.yaml``), and the seed line, printed before the data and the callbacks are
+    checked, would stand before the one line of an error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not (text.startswith("💡 Tip:") or text.startswith("Trainer already configured with model summary"))
+        return not (text.startswith("💡 Tip:") or text.startswith("Trainer already configured with model summary")
+                    or "Seed set to " in text)
 
 
 @contextmanager
 def lightning_notices_off() -> Iterator[None]:
-    """While ``fit``/``validate``/``test`` run: no product tips, and no deprecation warning that Lightning's own code
-    triggers in torch (``LeafSpec``), which a user can do nothing about. Everything else is shown as usual."""
+    """While ``fit``/``validate``/``test`` run: no product tips or seed line, and no deprecation warning that
+    Lightning's own code triggers in torch (``LeafSpec``), which a user can do nothing about. Everything else is shown
+    as usual."""
     tips = _DropTips()
     loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
     for lg in loggers:

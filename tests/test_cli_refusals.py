@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,14 +23,50 @@ def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def refused(args: list[str], field: str, capsys: pytest.CaptureFixture, where: Path) -> str:
-    """Run ``python -m lmtrain ARGS`` in-process: exit 2, one ``error: FIELD: ... Fix: ...`` line, nothing written."""
+    """Run ``python -m lmtrain ARGS`` in-process: exit 2, one ``error: FIELD: ... Fix: ...`` line and nothing else on
+    stderr (no log line, no warning), nothing written."""
     before = sorted(where.rglob("*"))
-    assert main(args) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, errors
-    assert re.fullmatch(rf"error: {re.escape(field)}: .+ Fix: .+", errors[0]), errors[0]
+    line = one_line_error(lambda: main(args), capsys)
+    assert re.fullmatch(rf"error: {re.escape(field)}: .+ Fix: .+", line), line
     assert sorted(where.rglob("*")) == before  # no logs/, no version_N
-    return errors[0]
+    return line
+
+
+def one_line_error(run: Callable[[], int], capsys: pytest.CaptureFixture) -> str:
+    """``run()`` returns 2 and its whole stderr is one ``error:`` line: also no log record at INFO or above (which
+    pytest's log capture takes from stderr) and no warning, which a real run would print there too."""
+    capsys.readouterr()
+    handler = _Records()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category)  # as Python's default filters outside __main__
+            status = run()
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert [r.getMessage() for r in handler.records] == [], "log lines before the error"
+    assert [str(w.message) for w in caught] == [], "warnings before the error"
+    assert len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err.rstrip("\n")
+
+
+class _Records(logging.Handler):
+    """Keeps every record it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.mark.parametrize("command", ["fit", "validate", "test"])
@@ -72,6 +111,19 @@ def test_callback_argument_checks_write_nothing(callback: str, argument: str, va
                                                 capsys: pytest.CaptureFixture) -> None:
     refused(["fit", "--config", TINY, f"--trainer.callbacks+=lmtrain.callbacks.{callback}",
              f"--trainer.callbacks.{argument}", value], f"callbacks.{callback}.{argument}", capsys, in_tmp)
+
+
+def test_bad_data_path_is_one_line(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused(["fit", "--config", TINY, "--data.source", "tokens", "--data.path", "nonexist"], "data.path",
+                   capsys, in_tmp)
+    assert "nonexist does not exist" in line
+
+
+@pytest.mark.parametrize("prompts", ['[""]', "[]"])
+def test_bad_sample_prompt_writes_nothing(prompts: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """GenerateSamples' prompts are checked against the data's tokenizer (bytes here) before any run folder."""
+    refused(["fit", "--config", TINY, "--trainer.callbacks+=lmtrain.callbacks.GenerateSamples",
+             "--trainer.callbacks.prompts", prompts], "callbacks.GenerateSamples.prompts", capsys, in_tmp)
 
 
 def _truncated_checkpoint(path: Path) -> Path:

@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocs import own_job_env
+from test_cli_refusals import one_line_error
 
 from lmtrain.cli import main
 from lmtrain.compile_cache import FOLDER_NAME, CompileCache, describe_outcome
-from subprocs import own_job_env
 
 #: A compiled model small enough that inductor's CPU kernels compile in seconds.
 CONFIG = """seed_everything: 0
@@ -115,9 +116,8 @@ def test_a_cache_folder_that_cannot_be_written_is_one_line(kind: str, tmp_path: 
     if kind == "proc" and not Path("/proc/1").is_dir():
         pytest.skip("no /proc here")
     before = sorted(tmp_path.rglob("*"))
-    assert main(["fit", "--config", "config.yaml", "--compile_cache", str(folder)]) == 2
-    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: compile_cache: ") and " Fix: " in errors[0]
+    line = one_line_error(lambda: main(["fit", "--config", "config.yaml", "--compile_cache", str(folder)]), capsys)
+    assert line.startswith("error: compile_cache: ") and " Fix: " in line
     assert sorted(tmp_path.rglob("*")) == before
 
 
