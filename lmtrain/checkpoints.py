@@ -437,6 +437,38 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
         rank_zero_info(logging_in)
 
 
+def checkpoint_data_options(config: Any, subcommand: str) -> dict[str, Any] | None:
+    """The data options of the run that wrote a checkpoint file (its data module's hyperparameters), for
+    ``validate``/``test`` of a checkpoint given without a config: LightningCLI takes the model's options from the
+    file, and without these the data would be the defaults, not the run's.
+
+    Args:
+        config: ``LightningCLI.config[subcommand]`` right after parsing (``ckpt_path: last`` is resolved in it).
+        subcommand: ``fit``, ``validate`` or ``test``.
+
+    Returns:
+        The options (those of ``LMDataModule`` that the model does not set), or None: ``fit``, a config was given,
+        no checkpoint file, or a checkpoint without data options.
+
+    Raises:
+        LmtrainError: ``last`` finds no checkpoint, or the file is not a checkpoint.
+    """
+    import inspect
+
+    from lmtrain.data import LMDataModule
+
+    ckpt_path = _get(config, "ckpt_path")
+    if subcommand == "fit" or _get(config, "config") or ckpt_path is None:
+        return None
+    _resolve_in_log_dir(config, subcommand, ckpt_path)
+    ckpt_path = _get(config, "ckpt_path")
+    if ckpt_path is None or not Path(ckpt_path).is_file():
+        return None
+    saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters") or {}
+    accepted = set(inspect.signature(LMDataModule.__init__).parameters) - {"self", "context_length", "vocab_size"}
+    return {k: v for k, v in saved.items() if k in accepted} or None
+
+
 def _read_folder_unsharded(config: Any, subcommand: str, ckpt_path: str) -> None:
     """A distributed checkpoint folder given to a run without FSDP2: ``validate``/``test`` read it whole
     (:class:`FullCheckpointIO` added to the trainer's plugins); ``fit`` stops, since its optimizer states are kept

@@ -18,6 +18,7 @@ fix (:func:`parser_error`), which the command line prints as one line, exit stat
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import re
 import signal
@@ -125,8 +126,15 @@ def _lm_cli_class() -> type:
             # As LightningCLI's, without its warning about args given next to sys.argv: lmtrain's commands
             # always pass their arguments explicitly.
             self.config = parser.parse_args(args)
-            # Checked right after the parse, before LightningCLI seeds, builds or writes anything.
             subcommand = self.config.get("subcommand")
+            if subcommand is not None and list(args[:1]) == [subcommand]:
+                from lmtrain.checkpoints import checkpoint_data_options
+
+                # validate/test of a checkpoint alone: its run's data options first, the given ones over them.
+                data = checkpoint_data_options(self.config[subcommand], subcommand)
+                if data is not None:
+                    self.config = parser.parse_args([subcommand, "--data", json.dumps(data), *args[1:]])
+            # Checked right after the parse, before LightningCLI seeds, builds or writes anything.
             if subcommand is not None:
                 section = self.config[subcommand]
                 check_has_config(subcommand, section)

@@ -42,10 +42,13 @@ def test_test_logs_at_the_checkpoints_step(fitted: Path) -> None:
 
 
 def test_validate_without_config_runs_the_checkpoints_model(fitted: Path) -> None:
-    """No --config: the model comes from the checkpoint (1 layer of width 32), not the default small model."""
-    assert main(["validate", "--ckpt_path", "last", "--data.source", "synthetic", "--data.val_batches", "20",
-                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]) == 0
-    (step, _), = scalars(fitted)["val/loss"][1:]
-    assert step == 5
-    model = yaml.safe_load((fitted / "validate_config.yaml").read_text())["model"]
-    assert (model["d_model"], model["num_layers"], model["vocab_size"]) == (32, 1, 64)
+    """No --config: the model (1 layer of width 32) and the data come from the checkpoint, not the defaults (the
+    small model): the loss is the fit's own of the same weights."""
+    (_, fit_loss), = scalars(fitted)["val/loss"]
+    assert main(["validate", "--ckpt_path", "last", "--trainer.accelerator", "cpu",
+                 "--trainer.enable_progress_bar", "false"]) == 0
+    (step, loss), = scalars(fitted)["val/loss"][1:]
+    assert step == 5 and loss == pytest.approx(fit_loss, rel=1e-5)
+    saved = yaml.safe_load((fitted / "validate_config.yaml").read_text())
+    assert (saved["model"]["d_model"], saved["model"]["num_layers"], saved["model"]["vocab_size"]) == (32, 1, 64)
+    assert (saved["data"]["source"], saved["data"]["val_batches"]) == ("synthetic", 20)
