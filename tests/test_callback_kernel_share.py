@@ -432,3 +432,15 @@ def test_the_profilers_flops_reach_the_trace_and_the_gemm_roofline(tmp_path: Pat
     trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 10,
                                  "args": {"External id": mm[0]["args"]["External id"], "correlation": 1}})
     assert achieved(trace)["gemm"] == pytest.approx({"us": 10.0, "flops": 2 * 24 * 40 * 16})
+
+
+def test_kernel_share_measures_no_ceilings_off_a_cuda_device(tmp_path: Path) -> None:
+    """The ceilings come from the module's own device: on a CPU nothing is measured, nothing cached, said once."""
+    cache = tmp_path / "ceilings.json"
+    cb = KernelShare(ceilings=str(cache))
+    module = torch.nn.Linear(2, 2)
+    module.device = torch.device("cpu")
+    with pytest.warns(UserWarning, match="no ceilings measured on cpu") as caught:
+        assert cb._ceilings(module) is None and cb._ceilings(module) is None
+    assert len(caught) == 1 and not cache.exists()
+    assert KernelShare(ceilings={"copy_gbps": 1.0})._ceilings(module) == {"copy_gbps": 1.0}

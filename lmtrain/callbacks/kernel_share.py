@@ -377,10 +377,17 @@ class KernelShare(Callback):
         return {"metrics": found.metrics, "report": found.report, "tables": found.tables(self.top_k),
                 "summary": found.summary, "cuda": found.cuda, "breakdown": found.breakdown}
 
-    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float]:
+    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float] | None:
+        """The ceilings passed in, or this GPU's, measured on the module's own device (cached per device name and
+        torch version); None, said once, when there is nothing to compare with."""
+        if isinstance(self.ceilings, dict):
+            return self.ceilings
         cache = Path(self.ceilings) if isinstance(self.ceilings, str) else None
-        return self.ceilings if isinstance(self.ceilings, dict) else ceilings.device_ceilings(
-            torch.cuda.get_device_name(pl_module.device), cache)
+        found = ceilings.device_ceilings(pl_module.device, cache)
+        if found is None:
+            self._warn(f"KernelShare: no ceilings measured on {pl_module.device} (a CUDA device is needed); no "
+                       "roofline/*_of_peak.")
+        return found
 
     def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
         """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""
