@@ -26,7 +26,7 @@ from lmtrain.analysis.kernels import (
     timeline_text,
 )
 from lmtrain.annotate import active_requests
-from lmtrain.callbacks import KernelShare
+from lmtrain.callbacks import CudaSyncTimer, KernelShare
 from lmtrain.callbacks.kernel_share import request_cupti_teardown
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
@@ -444,3 +444,60 @@ def test_kernel_share_measures_no_ceilings_off_a_cuda_device(tmp_path: Path) -> 
         assert cb._ceilings(module) is None and cb._ceilings(module) is None
     assert len(caught) == 1 and not cache.exists()
     assert KernelShare(ceilings={"copy_gbps": 1.0})._ceilings(module) == {"copy_gbps": 1.0}
+
+
+class LateTimer(CudaSyncTimer):
+    """Reads each step one step late, as the events mode does on a GPU: its last step is read in its own
+    on_train_end (on a CPU the host clock's steps are read at once)."""
+
+    ending = False
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.ending = True
+        super().on_train_end(trainer, pl_module)
+
+    def _collect(self, trainer, block: bool) -> None:  # noqa: ANN001
+        while len(self._pending) > (0 if self.ending else 1):
+            self._record(trainer, self._pending.pop(0))
+
+
+@pytest.mark.parametrize("timer_first", [True, False])
+def test_the_step_comparison_reads_every_step_of_the_timer_in_either_order(tmp_path: Path, timer_first: bool) -> None:
+    """kernels/timer_step_ms is the timer's final median, over all its summarised steps, wherever KernelShare stands
+    in the callbacks list (the timer reads its last steps in its own on_train_end)."""
+    cb, timer = KernelShare(wait=1, warmup=1, active=1, chart=False), LateTimer(warmup_steps=0, print_summary=False)
+    trainer = _fit(tmp_path, [timer, cb] if timer_first else [cb, timer], max_steps=6)
+    final = timer.summary()["step_ms"]
+    assert final["count"] == 6 - 2  # the profiled steps (warm-up and active) are excluded
+    assert f"median of {int(final['count'])} unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
+    assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])
+    assert scalars(trainer.log_dir)["kernels/timer_step_ms"][0][1] == pytest.approx(final["median"])
+
+
+class FailingAnalysis(KernelShare):
+    """KernelShare whose analysis fails; records what ``_report`` was given."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.reported: list[object] = []
+
+    def _analyze(self, trainer, pl_module, path):  # noqa: ANN001, ANN202
+        raise RuntimeError("broken trace")
+
+    def _report(self, trainer, found):  # noqa: ANN001, ANN202
+        self.reported.append(found)
+        super()._report(trainer, found)
+
+
+def test_a_failed_analysis_still_reaches_the_ranks_collective(tmp_path: Path) -> None:
+    """The analysis fails on the profiling rank: one warning names the error, the fit goes on, and ``_report``
+    (which holds the gather every rank takes part in) still runs, with nothing to report."""
+    cb = FailingAnalysis(wait=1, warmup=1, active=1, chart=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, [cb], max_steps=4)
+    said = [str(w.message) for w in caught if "could not be analysed" in str(w.message)]
+    assert said == ["KernelShare: rank 0: the profiled window could not be analysed (RuntimeError: broken trace); "
+                    "this rank reports nothing."]
+    assert cb.reported == [None] and cb._prof is None and trainer.global_step == 4
+    assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +262,12 @@ class KernelShare(Callback):
         self._stop()
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``)."""
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``).
+
+        ``on_fit_end`` runs after every callback's ``on_train_end`` (where a CudaSyncTimer reads its last steps),
+        and before the loggers are finalised: the comparison is the same wherever the two stand in the callbacks
+        list. Rank 0 only reads the timer's summary (no collective)."""
         if self._logged is None or trainer.global_rank != 0:
             return
         timer = next((c for c in trainer.callbacks if isinstance(c, CudaSyncTimer)), None)
@@ -347,9 +352,14 @@ class KernelShare(Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
         try:
-            path = self._prof.finish() if self._prof is not None else None
-            found = self._analyze(trainer, pl_module, path) if path is not None else None
-            self._report(trainer, found)
+            found = None
+            try:
+                path = self._prof.finish() if self._prof is not None else None
+                found = self._analyze(trainer, pl_module, path) if path is not None else None
+            except Exception as error:  # noqa: BLE001 (any failure: the other ranks wait in _report's gather)
+                warnings.warn(f"KernelShare: rank {trainer.global_rank}: the profiled window could not be analysed "
+                              f"({type(error).__name__}: {error}); this rank reports nothing.", stacklevel=1)
+            self._report(trainer, found)  # on every rank, whatever happened above: it holds the collective
         finally:
             self._stop()
 
