@@ -241,10 +241,10 @@ class RequestProbe(Callback):
             self.folders.add(session._tmpdir)
 
 
-def _fit(tmp_path: Path, callbacks: list, max_steps: int) -> pl.Trainer:
+def _fit(tmp_path: Path, callbacks: list, max_steps: int, optimizer_in_backward: bool = False) -> pl.Trainer:
     pl.seed_everything(0)
     model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
-                     attention="naive", warmup_steps=1)
+                     attention="naive", warmup_steps=1, optimizer_in_backward=optimizer_in_backward)
     data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=20,
                         val_batches=1)
     trainer = pl.Trainer(max_steps=max_steps, precision="32-true", accelerator="cpu", devices=1,
@@ -501,3 +501,13 @@ def test_a_failed_analysis_still_reaches_the_ranks_collective(tmp_path: Path) ->
                     "this rank reports nothing."]
     assert cb.reported == [None] and cb._prof is None and trainer.global_step == 4
     assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
+
+
+def test_kernel_share_under_the_in_backward_optimizer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``model.optimizer_in_backward`` setup says once that the updates fall in the backward phase, and the
+    summary has no optimizer phase."""
+    cb = KernelShare(wait=1, warmup=1, active=1, chart=False)
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, [cb], max_steps=3, optimizer_in_backward=True)
+    assert sum("optimizer's updates run inside the backward pass" in r.getMessage() for r in caplog.records) == 1
+    assert set(cb.summary.phase_us) == {"forward", "backward", "outside"}

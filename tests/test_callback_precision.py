@@ -41,10 +41,10 @@ class HookCount(Callback):
 
 
 def _fit(tmp_path: Path, precision: str, inspector: PrecisionInspector,
-         compile: bool = False) -> tuple[pl.Trainer, HookCount]:
+         compile: bool = False, optimizer_in_backward: bool = False) -> tuple[pl.Trainer, HookCount]:
     pl.seed_everything(0)
     model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
-                     attention="naive", warmup_steps=1)
+                     attention="naive", warmup_steps=1, optimizer_in_backward=optimizer_in_backward)
     if compile:  # dynamo with the eager backend: compiled code's hook behaviour, no C++ compiler needed
         model.configure_model()
         model.model.compile(backend="eager")
@@ -233,3 +233,22 @@ def test_master_weights_say_at_setup_that_there_is_no_fp32_reference(tmp_path: P
     assert len(notes[0]) == 1 and notes[0][0].startswith("PrecisionInspector: no fp32 reference with "
                                                          "model.master_weights")
     assert notes[1] == [] and notes[2] == []  # no master weights, or no reference asked for: nothing to say
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gradients_freed_by_the_in_backward_optimizer_are_still_recorded(
+        tmp_path: Path, precision: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``model.optimizer_in_backward`` every .grad is gone after backward: each gradient's dtype is read
+    before its update frees it, the same as without the option; setup says once what differs; no hook is left."""
+    seen = {}
+    for in_backward in (False, True):
+        inspector = PrecisionInspector(step=1)
+        with caplog.at_level("INFO"):
+            caplog.clear()
+            _fit(tmp_path / str(in_backward), precision, inspector, optimizer_in_backward=in_backward)
+        said = [r.getMessage() for r in caplog.records if "optimizer_in_backward" in r.getMessage()]
+        assert len(said) == (1 if in_backward else 0)
+        seen[in_backward] = inspector.result.grads
+        assert getattr(inspector, "_grad_hook", None) is None
+    assert seen[True] == seen[False]
+    assert {e["dtype"] for e in seen[True]} == {"float32"} and len(seen[True]) > 0

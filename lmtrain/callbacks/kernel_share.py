@@ -244,6 +244,10 @@ class KernelShare(Callback):
                        f"{trainer.max_steps}; nothing will be reported. Lower wait/warmup/active or train for more "
                        "steps.")
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
+        if getattr(getattr(pl_module, "config", None), "optimizer_in_backward", False):
+            rank_zero_info("KernelShare: with model.optimizer_in_backward the optimizer's updates run inside the "
+                           "backward pass: their kernels count in the backward phase; there is no separate optimizer "
+                           "phase.")
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info("KernelShare: a step replayed as a CUDA graph is one phase, 'cuda graph'; its kernels keep "
                            "their own categories, but no forward/backward/optimizer split exists inside it.")
