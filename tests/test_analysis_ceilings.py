@@ -132,3 +132,14 @@ def test_the_default_measure_allocates_on_the_given_device(tmp_path: Path) -> No
     with spy, pytest.raises(_Stop):
         device_ceilings(torch.device("cuda", 1), cache, device_name="GPU A")
     assert spy.devices == [torch.device("cuda", 1)] and not cache.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ceilings_measured_on_the_gpu(tmp_path: Path) -> None:
+    """On a GPU the figures are the GPU's (a CPU-speed bf16 matmul is well under 1 TFLOP/s), cached under its name
+    and torch version."""
+    cache, device = tmp_path / "ceilings.json", torch.device("cuda", torch.cuda.current_device())
+    found = device_ceilings(device, cache)
+    assert found["bf16_matmul_tflops"] > 20 and found["copy_gbps"] > 200, found
+    assert json.loads(cache.read_text()) == {cache_key(torch.cuda.get_device_name(device)): found}

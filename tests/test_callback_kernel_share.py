@@ -511,3 +511,27 @@ def test_kernel_share_under_the_in_backward_optimizer(tmp_path: Path, caplog: py
         _fit(tmp_path, [cb], max_steps=3, optimizer_in_backward=True)
     assert sum("optimizer's updates run inside the backward pass" in r.getMessage() for r in caplog.records) == 1
     assert set(cb.summary.phase_us) == {"forward", "backward", "outside"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("timer_first", [True, False])
+def test_the_step_comparison_on_a_gpu_in_either_order(tmp_path: Path, timer_first: bool) -> None:
+    """The timer's events are read a step late on a GPU: kernels/timer_step_ms still holds every summarised step."""
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     attention="naive", warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=20,
+                        val_batches=1)
+    cb, timer = KernelShare(wait=1, warmup=1, active=1, chart=False), CudaSyncTimer(warmup_steps=0,
+                                                                                     print_summary=False)
+    trainer = pl.Trainer(max_steps=6, precision="32-true", accelerator="gpu", devices=1,
+                         logger=TensorBoardLogger(str(tmp_path), name="ks"),
+                         callbacks=[timer, cb] if timer_first else [cb, timer], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    final = timer.summary()["step_ms"]
+    assert final["count"] == 6 - 2
+    assert "median of 4 unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
+    assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])

@@ -252,3 +252,22 @@ def test_gradients_freed_by_the_in_backward_optimizer_are_still_recorded(
         assert getattr(inspector, "_grad_hook", None) is None
     assert seen[True] == seen[False]
     assert {e["dtype"] for e in seen[True]} == {"float32"} and len(seen[True]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_of_the_in_backward_optimizer_on_a_gpu(tmp_path: Path, overlap: bool) -> None:
+    """On a GPU, with the updates on the compute stream or on a side stream (``optimizer_overlap``), every
+    gradient's dtype is read before its update frees it (bf16-mixed: fp32 gradients of fp32 weights)."""
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     warmup_steps=1, optimizer_in_backward=True, optimizer_overlap=overlap)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10,
+                        val_batches=1)
+    inspector = PrecisionInspector(step=1)
+    trainer = pl.Trainer(max_steps=3, precision="bf16-mixed", accelerator="gpu", devices=1, logger=False,
+                         callbacks=[inspector], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    assert inspector.result.grads and {e["dtype"] for e in inspector.result.grads} == {"float32"}
