@@ -39,6 +39,7 @@ to the model, in ``setup``), before any training starts.
 
 from __future__ import annotations
 
+import codecs
 import json
 import sysconfig
 import warnings
@@ -209,7 +210,8 @@ class LMDataModule(pl.LightningDataModule):
             only). 0: ``test`` reports the validation part (with a warning saying so).
         train_batches: global batches in one training epoch.
         val_batches: global batches in one validation (or test) pass.
-        max_bytes: read at most this many bytes of text (``text`` only; None reads everything).
+        max_bytes: read at most this many bytes of text (``text`` only; None reads everything); a character that
+            the limit cuts is left out whole.
         num_workers: DataLoader worker processes.
         seed: seed of the global sample order (synthetic ids and window offsets).
     """
@@ -293,6 +295,10 @@ class LMDataModule(pl.LightningDataModule):
             raise LmtrainError("data.test_fraction", f"must lie in [0, 1) and leave training data next to "
                                f"val_fraction={self.val_fraction}, got {self.test_fraction}.",
                                "use e.g. 0.05, or 0 to test on the validation part.")
+        if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
+                                           or self.max_bytes <= 0):
+            raise LmtrainError("data.max_bytes", f"must be a positive integer or None, got {self.max_bytes!r}.",
+                               "use e.g. 1000000, or leave it unset to read all the text.")
         if self.num_workers < 0:
             raise LmtrainError("data.num_workers", "must be 0 or more.", "use 0 to load in the main process.")
         if self.source != "synthetic" and not self.path:
@@ -417,18 +423,24 @@ class LMDataModule(pl.LightningDataModule):
         )
         chunks, total = [], 0
         for f in files:
-            data = f.read_bytes()
-            if self.max_bytes is not None:
-                data = data[: self.max_bytes - total]
+            budget = None if self.max_bytes is None else self.max_bytes - total
+            with open(f, "rb") as stream:
+                data = stream.read() if budget is None else stream.read(budget)
+                cut = budget is not None and stream.read(1) != b""
+            # A cut file may end inside a character: its complete characters are checked (final=False leaves the
+            # cut one in the decoder's buffer) and kept, the partial one dropped.
+            decoder = codecs.getincrementaldecoder("utf-8")()
             try:
-                data.decode("utf-8")
+                decoder.decode(data, final=not cut)
             except UnicodeDecodeError:
                 if root.is_file():
                     raise LmtrainError("data.path", f"{f} is not UTF-8 text.", "convert it to UTF-8.") from None
                 continue  # skip binary files inside a folder
+            if cut:
+                data = data[:len(data) - len(decoder.getstate()[0])]
             chunks.append(data)
             total += len(data)
-            if self.max_bytes is not None and total >= self.max_bytes:
+            if cut or (self.max_bytes is not None and total >= self.max_bytes):
                 break
         if total == 0:
             raise LmtrainError("data.path", f"no text found in {root}.", "point data.path at UTF-8 text.")

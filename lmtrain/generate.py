@@ -11,10 +11,20 @@ cut character; the ``tokenizer.json`` of a ``prepare`` folder for ``data.source:
 overrides it.
 
 Sampling is a plain loop over the model's forward pass (no KV cache): each new token sees at most the model's
-``context_length`` last tokens (the window is cropped), the logits of the last position are divided by the
-temperature, filtered by top-k and top-p, and one token is drawn. Temperature 0 is greedy (argmax). The same
-``--seed`` gives the same samples on the same device. The pieces (:func:`filter_top_k`, :func:`filter_top_p`,
-:func:`sample_next`, :func:`sample`, :class:`Codec`) also serve the ``GenerateSamples`` callback.
+``context_length`` last tokens (the window is cropped), only the logits of ids the tokenizer has are kept (a model
+vocabulary larger than the tokenizer's, such as 10,000 for 256 byte ids, has ids that decode to nothing), the logits
+of the last position are divided by the temperature, filtered by top-k and top-p, and one token is drawn.
+Temperature 0, or any below ``MIN_TEMPERATURE``, is greedy (argmax). The same ``--seed`` gives the same samples on
+the same device. An empty prompt starts from the tokenizer's first special token (``<|endoftext|>``), or from a
+newline where there is none (byte-level runs). A prompt that is not UTF-8 text (bytes passed on the command line) is
+refused with one line, whatever the tokenizer.
+
+The checkpoint is memory-mapped, and the model is built on the ``meta`` device and given the checkpoint's tensors
+(``load_state_dict(assign=True)``): no random initialisation, and the optimizer states are never read, so host
+memory holds about one copy of the weights, not the whole checkpoint.
+
+The pieces (:func:`filter_top_k`, :func:`filter_top_p`, :func:`sample_next`, :func:`sample`, :class:`Codec`,
+:func:`check_vocabularies`) also serve the ``GenerateSamples`` callback.
 """
 
 from __future__ import annotations
@@ -53,13 +63,23 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+#: Temperatures below this sample as temperature 0 does (argmax): the distribution is one-hot to fp32 precision
+#: long before, and dividing by a denormal temperature (1e-45) would turn logits into infinities.
+MIN_TEMPERATURE = 1e-6
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of ``logits`` (B, V): argmax at temperature 0, else a draw from
-    ``softmax(logits / temperature)`` after :func:`filter_top_k` and :func:`filter_top_p`. Returns (B,) int64."""
-    if temperature == 0:
+    """One token id per row of ``logits`` (B, V): argmax at a temperature below :data:`MIN_TEMPERATURE` (0), else a
+    draw from ``softmax(logits / temperature)`` after :func:`filter_top_k` and :func:`filter_top_p`. Returns (B,)
+    int64."""
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
-    scaled = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
+    logits = logits.float()
+    # Shifted so that the largest logit is 0 before the division: a small temperature then makes large negative
+    # values (or -inf), never +inf, whose softmax would be NaN.
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = filter_top_p(filter_top_k(shifted / temperature, top_k), top_p)
     probs = torch.softmax(scaled, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -67,7 +87,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
 @torch.no_grad()
 def sample(forward: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, max_new_tokens: int,
            context_length: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, vocab_size: int | None = None) -> torch.Tensor:
     """Extend ``prompt`` (B, T) int64 by ``max_new_tokens`` sampled ids; returns (B, T + max_new_tokens).
 
     Args:
@@ -77,11 +97,14 @@ def sample(forward: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor
         context_length: the most tokens ``forward`` sees at once; older ones are cropped from the window.
         temperature, top_k, top_p: see :func:`sample_next`.
         generator: the random source of the draws (its device must be the prompt's).
+        vocab_size: only ids below this are drawn (the tokenizer's vocabulary, :attr:`Codec.vocab_size`): the
+            model's logits of higher ids are left out, as if they were -inf. None draws from all V.
     """
     tokens = prompt
     for _ in range(max_new_tokens):
         logits = forward(tokens[:, -context_length:])  # (B, t, V)
-        nxt = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
+        # Ids the tokenizer lacks would fail to decode (bytes >= 256) or vanish from the text (BPE): never drawn.
+        nxt = sample_next(logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         tokens = torch.cat([tokens, nxt[:, None].to(tokens.dtype)], dim=1)
     return tokens
 
@@ -109,6 +132,11 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
 
 
 # -- tokenizers -------------------------------------------------------------------------------------
+
+
+#: Where an empty prompt starts on byte-level data, which has no end-of-text token: a newline, as after a file's
+#: last line.
+NEWLINE_BYTE = ord("\n")
 
 
 class Codec:
@@ -148,41 +176,81 @@ class Codec:
 
     @property
     def vocab_size(self) -> int:
+        """The number of ids the tokenizer decodes (0 .. vocab_size - 1); sampling draws no others."""
         return 256 if self._tokenizer is None else self._tokenizer.get_vocab_size()
 
     @property
     def start_id(self) -> int | None:
-        """The id an empty prompt starts from: the tokenizer's first special token (``<|endoftext|>``), if any."""
+        """The id an empty prompt starts from: the tokenizer's first special token (``<|endoftext|>``) if it has one,
+        else a newline when that is one known token (always for bytes and byte-level BPE); None otherwise."""
         if self._tokenizer is None:
-            return None
+            return NEWLINE_BYTE
         specials = [t for t in self._tokenizer.get_added_tokens_decoder().values() if t.special]
-        return self._tokenizer.token_to_id(specials[0].content) if specials else None
+        if specials:
+            return self._tokenizer.token_to_id(specials[0].content)
+        ids = self._tokenizer.encode("\n", add_special_tokens=False).ids
+        return ids[0] if len(ids) == 1 and ids[0] != self._unk_id() else None
+
+    def _unk_id(self) -> int | None:
+        unk_token = getattr(self._tokenizer.model, "unk_token", None)
+        return self._tokenizer.token_to_id(unk_token) if unk_token else None
 
     def encode(self, text: str, field: str = "--prompt") -> list[int]:
         """The ids of ``text``.
 
         Raises:
-            LmtrainError: the text has characters the tokenizer cannot represent.
+            LmtrainError: the text is not valid Unicode (undecodable bytes from the command line, which Python keeps
+                as lone surrogates), or has characters the tokenizer cannot represent.
         """
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # Python keeps a byte b of argv that is not UTF-8 as the surrogate U+DC00 + b (PEP 383).
+            bad = " ".join(f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"U+{ord(c):04X}"
+                           for c in text[e.start:e.end])
+            raise LmtrainError(field, f"holds {bad}, which is not UTF-8 text.",
+                               "pass the prompt as UTF-8 text.") from None
         if self._tokenizer is None:
-            try:
-                return list(text.encode("utf-8"))
-            except UnicodeEncodeError as e:
-                raise LmtrainError(field, f"{text[e.start:e.end]!r} is not a valid Unicode character.",
-                                   "pass the prompt as UTF-8 text.") from None
+            return list(data)
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        unk_token = getattr(self._tokenizer.model, "unk_token", None)
-        unk = self._tokenizer.token_to_id(unk_token) if unk_token else None
+        unk = self._unk_id()
         if (unk is not None and unk in ids) or (text and not ids):
             raise LmtrainError(field, f"{text!r} has characters that the tokenizer {self.name} does not know.",
                                "leave those characters out of the prompt.")
         return ids
+
+    def prompt_ids(self, text: str, field: str = "--prompt") -> list[int]:
+        """The ids a prompt starts from: those of ``text``, or for an empty one :attr:`start_id`.
+
+        Raises:
+            LmtrainError: as :meth:`encode`, or the prompt is empty and the tokenizer has nothing to start from.
+        """
+        ids = self.encode(text, field)
+        if ids:
+            return ids
+        if self.start_id is None:
+            raise LmtrainError(field, f"is empty, and the tokenizer {self.name} has neither an end-of-text token nor "
+                               "a newline token to start from.", "give a prompt of at least one character.")
+        return [self.start_id]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (a cut UTF-8 character becomes U+FFFD)."""
         if self._tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def check_vocabularies(codec: Codec, model_vocab_size: int, field: str, fix: str) -> None:
+    """Stop with one line when ``codec`` has more tokens than the model: it cannot be the tokenizer the model learnt
+    (a prompt would encode to ids the model's embedding lacks). A model vocabulary larger than the tokenizer's is
+    fine: :func:`sample` draws only the tokenizer's ids.
+
+    Raises:
+        LmtrainError: ``codec.vocab_size > model_vocab_size``, naming ``field`` and ``fix``.
+    """
+    if codec.vocab_size > model_vocab_size:
+        raise LmtrainError(field, f"the tokenizer {codec.name} has {codec.vocab_size:,} tokens, more than the model's "
+                           f"vocabulary of {model_vocab_size:,}.", fix)
 
 
 def codec_of_checkpoint(checkpoint: dict[str, Any]) -> Codec | None:
@@ -209,8 +277,9 @@ def codec_of_checkpoint(checkpoint: dict[str, Any]) -> Codec | None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` (on the CPU), checked to hold an lmtrain model: a file, or the folder that FSDP2
-    runs save (a distributed checkpoint, read whole on this one process, without its optimizer states).
+    """The checkpoint at ``path`` (on the CPU), checked to hold an lmtrain model: a file, memory-mapped (its tensors
+    are read from disk only when used, so the optimizer states never are), or the folder that FSDP2 runs save (a
+    distributed checkpoint, read whole on this one process, without its optimizer states).
 
     Raises:
         LmtrainError: the file or folder is missing, unreadable or not an lmtrain checkpoint.
@@ -227,7 +296,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                            "--ckpt_path last for the newest run's last.ckpt.")
     else:
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # truncated or foreign files fail in many ways (pickle, zip, EOF)
             raise LmtrainError("--ckpt_path", f"{path} is not a readable checkpoint "
                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}).",
@@ -240,10 +309,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def build_model(checkpoint: dict[str, Any], device: torch.device) -> Any:
-    """The checkpoint's ``TransformerLM`` in eval mode, fp32, on ``device``."""
+    """The checkpoint's ``TransformerLM`` in eval mode, fp32, on ``device``, without gradients.
+
+    The model is built on the ``meta`` device (no memory, no random initialisation) and takes the checkpoint's
+    tensors as its parameters (``load_state_dict(assign=True)``), each moved to ``device`` and fp32 on its own: host
+    memory holds the weights once (shared with a memory-mapped file where they are fp32 on a CPU), not the
+    initialised model, the checkpoint and a copy besides.
+    """
     from lmtrain.attention import needs_gpu
     from lmtrain.config import ModelConfig
-    from lmtrain.model import TransformerLM
+    from lmtrain.model import RotaryEmbedding, TransformerLM
 
     config = ModelConfig.from_module_kwargs(checkpoint["hyper_parameters"])
     # Sampling needs no memory savings; a GPU-only attention backend falls back to PyTorch's on a CPU.
@@ -252,15 +327,23 @@ def build_model(checkpoint: dict[str, Any], device: torch.device) -> Any:
     if needs_gpu(config.attention) and device.type != "cuda":
         changes["attention"] = "sdpa"
     config = config.replace(**changes)
-    model = TransformerLM(config)
-    weights = {k.removeprefix("model."): v.float() for k, v in checkpoint["state_dict"].items()
-               if k.startswith("model.")}
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    weights = {k.removeprefix("model."): v.to(device=device, dtype=torch.float32)
+               for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(weights, assign=True)
     except RuntimeError as e:
         raise LmtrainError("--ckpt_path", f"the weights do not fit the model of its hyperparameters "
                            f"({str(e).splitlines()[0]}).", "give a checkpoint written by lmtrain fit.") from None
-    return model.to(device).eval()
+    # The RoPE tables are derived buffers, kept out of the state dict: made on the device (small: (T, hd/2) each).
+    rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta).to(device)
+    model.rope.cos, model.rope.sin = rope.cos, rope.sin
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_model: {', '.join(left)} of TransformerLM come neither from the checkpoint nor "
+                           "from the derived buffers made here.")
+    return model.requires_grad_(False).eval()
 
 
 def _device(name: str) -> torch.device:
@@ -313,15 +396,8 @@ def generate(args: argparse.Namespace) -> list[str]:
                            "a token file with no tokenizer.json beside it).",
                            "pass the tokenizer.json that made its tokens with --tokenizer.")
     model = build_model(checkpoint, device)
-    if codec.vocab_size > model.cfg.vocab_size:
-        raise LmtrainError("--tokenizer", f"{codec.name} has {codec.vocab_size:,} tokens, more than the model's "
-                           f"vocabulary of {model.cfg.vocab_size:,}.", "give the tokenizer the run trained with.")
-    ids = codec.encode(args.prompt)
-    if not ids:
-        if codec.start_id is None:
-            raise LmtrainError("--prompt", "is empty, and the tokenizer has no end-of-text token to start from.",
-                               "give a prompt of at least one character.")
-        ids = [codec.start_id]
+    check_vocabularies(codec, model.cfg.vocab_size, "--tokenizer", "give the tokenizer the run trained with.")
+    ids = codec.prompt_ids(args.prompt)
     generator = torch.Generator(device)
     if args.seed is None:
         generator.seed()  # a fresh, non-deterministic seed
@@ -331,7 +407,7 @@ def generate(args: argparse.Namespace) -> list[str]:
     step = checkpoint.get("global_step")
     print(f"generate: {path} (step {step}), tokenizer {codec.name}, {device.type}", file=sys.stderr)
     out = sample(model, prompt, args.max_new_tokens, model.cfg.context_length, args.temperature, args.top_k,
-                 args.top_p, generator)
+                 args.top_p, generator, vocab_size=codec.vocab_size)
     texts = [codec.decode(row.tolist()) for row in out]
     for i, text in enumerate(texts):
         if args.num_samples > 1:
@@ -347,9 +423,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt_path", "--ckpt-path", dest="ckpt_path", default="last",
                         help="checkpoint file or FSDP2 checkpoint folder, or last: the newest last.ckpt under "
                         "LOG_DIR/lmtrain (default)")
-    parser.add_argument("--prompt", default="", help="text to continue (empty: start from <|endoftext|>)")
+    parser.add_argument("--prompt", default="", help="text to continue, UTF-8 (default empty: start from the "
+                        "tokenizer's <|endoftext|>, or from a newline on byte-level runs)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (200)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (0.8)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="softmax temperature; 0 (or below 1e-6) is greedy (0.8)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the nucleus of this probability (1.0: all)")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt (1)")

@@ -26,10 +26,10 @@ What a captured step needs, and where it comes from:
 Phases inside the graph: the captured step records timing events (``torch.cuda.Event(enable_timing=True,
 external=True)``: each becomes an event-record node that fires on every replay) at its forward / backward /
 optimizer boundaries, under the mark names of ``lmtrain.analysis.timing.MARKS``. ``CudaSyncTimer`` reads a step's
-marks one step later, after the next replay has been launched; so that a replay never re-records events not read
-yet, the step is captured twice, into two graphs sharing one memory pool, each with its own events, and replays
-alternate between them (:attr:`WholeStepGraph.phase_marks`: the marks of the last replay). Where this torch or
-driver cannot time events inside a graph (:func:`graph_timing_problem`), the step is captured once, without
+marks when the step after next starts, before that step's replay is launched; so that a replay never re-records
+events not read yet, the step is captured twice, into two graphs sharing one memory pool, each with its own events,
+and replays alternate between them (:attr:`WholeStepGraph.phase_marks`: the marks of the last replay). Where this torch
+or driver cannot time events inside a graph (:func:`graph_timing_problem`), the step is captured once, without
 marks, and one line says so at the start of the fit.
 """
 
@@ -182,7 +182,8 @@ class EmulatedStepGraph(WholeStepGraph):
     It runs no graph and saves no time; it exists so that everything around the graph (when the module
     captures, how a replayed step reaches Lightning's step count, the schedule and the callbacks) can be tested
     on a CPU. ``prepare`` runs as with a real capture. With ``timed``, each replay's :meth:`mark` calls take the
-    host clock (``time.perf_counter``, seconds) into a fresh :attr:`phase_marks`.
+    host clock (``time.perf_counter``, seconds) into a fresh :attr:`phase_marks`, and there are two "graphs" (the
+    same step function twice), replayed by turns, as :class:`WholeStepGraph` has.
     """
 
     needs_cuda = False
@@ -195,7 +196,7 @@ class EmulatedStepGraph(WholeStepGraph):
         self.static_batch = batch.detach().clone()
         if prepare is not None:
             prepare(self.static_batch)
-        self.graphs = [step]
+        self.graphs = [step] * (2 if self.timed else 1)
         self.static_loss = torch.zeros((), device=batch.device)
         self.captures += 1
 
@@ -204,7 +205,7 @@ class EmulatedStepGraph(WholeStepGraph):
         self.static_batch.copy_(batch)
         self._recording = {} if self.timed else None
         try:
-            self.static_loss = self.graphs[0](self.static_batch).detach()
+            self.static_loss = self.graphs[self.replays % len(self.graphs)](self.static_batch).detach()
         finally:
             self.phase_marks, self._recording = self._recording, None
         self.replays += 1
@@ -334,8 +335,12 @@ class GraphedStep:
         return trainer is None or not eager_requested(trainer, step)
 
     def in_window(self, step: int) -> bool:
-        """Step ``step`` is an eager warm-up step or the step that captured the graph."""
-        return self.capture_step is None or step <= self.capture_step
+        """Step ``step`` is an eager warm-up step, the step that captured the graphs, or one of the steps right after
+        it that launch a graph for the first time (timed replays alternate between two graphs, and a graph's first
+        launch uploads it to the device)."""
+        if self.capture_step is None:
+            return True
+        return step <= self.capture_step + len(self.graph.graphs) - 1
 
     def training_step(self, module: Any, batch: torch.Tensor) -> torch.Tensor:
         """One training step of ``module`` (an ``LMModule``): eager or a replay. Returns the detached loss."""

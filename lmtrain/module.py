@@ -262,7 +262,8 @@ class LMModule(pl.LightningModule):
         return self.graphed_step is not None and self.graphed_step.replays(self._trainer, step)
 
     def in_window(self, step: int) -> bool:
-        """Under ``cuda_graphs``, step ``step`` is an eager warm-up step or the step that captured the graph.
+        """Under ``cuda_graphs``, step ``step`` is an eager warm-up step, the step that captured the graphs, or the
+        first launch of the second graph.
 
         ``CudaSyncTimer`` keeps such steps out of its statistics (and reports them apart), so that its summary
         describes the replayed steps only.

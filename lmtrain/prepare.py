@@ -29,11 +29,13 @@ on such a folder.
 Memory stays flat as the corpus grows: both passes read the files in chunks of ``CHUNK_BYTES``, the tokenizer
 trains from that iterator (its memory grows with the number of distinct pre-tokenised words, not with the corpus),
 and the encoder writes each batch of chunks to disk before reading the next. Progress goes to stderr (bytes
-done, total, rate) when the input is larger than ``PROGRESS_MIN_BYTES``.
+done, total, rate), after a line naming the files and their size, when the input is larger than
+``PROGRESS_MIN_BYTES``; a summary line ends every run.
 
-Bad input (a missing input, an empty corpus, an out folder that cannot be written or already holds another
-dataset, a vocabulary too small for the 256 byte symbols and the special tokens) stops with one line and exit 2
-before anything is written; the outputs are written to temporary files and renamed into place at the end, so an
+Bad input (a missing input, an empty corpus, a corpus too small to give the validation split, or a test split
+that was asked for, at least one token, an out folder that cannot be written or already holds another dataset, a
+vocabulary too small for the 256 byte symbols and the special tokens) stops with one line and exit 2, and nothing is
+written; the outputs are written to temporary files and renamed into place at the end, so an
 interrupted run leaves the folder as it was.
 """
 
@@ -43,6 +45,7 @@ import argparse
 import codecs
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -343,9 +346,10 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     _check_out_dir(out, identity, args.force)
     tokenizer = load_tokenizer(args.tokenizer, specials) if args.tokenizer else None
     quiet = args.quiet
-    if not quiet:
-        print(f"prepare: {len(corpus.files):,} file(s), {corpus.total_bytes / 1e6:,.1f} MB"
-              + (f" ({corpus.skipped} binary file(s) skipped)" if corpus.skipped else ""), file=sys.stderr)
+    files = f"{len(corpus.files):,} file(s)" + (f" ({corpus.skipped} binary skipped)" if corpus.skipped else "")
+    if not quiet and corpus.total_bytes > PROGRESS_MIN_BYTES:
+        # Said at the start only where progress lines follow: a small input's refusal stays the only line.
+        print(f"prepare: {files}, {corpus.total_bytes / 1e6:,.1f} MB", file=sys.stderr)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
@@ -359,6 +363,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         if n == 0:
             raise LmtrainError("--input", f"{args.input} encodes to no tokens.", "give files with some text.")
         counts = dict(zip(SPLITS, split_sizes(n, args.val_fraction, args.test_fraction), strict=True))
+        _check_split_sizes(args, n, counts)
         _split_file(tmp / "all.bin", np.dtype(dtype).itemsize, counts, tmp)
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = {"format": FORMAT, "version": 1, "vocab_size": vocab_size, "dtype": dtype,
@@ -378,9 +383,26 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     if not quiet:
         parts = ", ".join(f"{s} {counts[s]:,}" for s in SPLITS)
-        print(f"prepare: wrote {out}: vocabulary {vocab_size:,} ({dtype}), {n:,} tokens ({parts}), "
+        print(f"prepare: wrote {out} from {files}: vocabulary {vocab_size:,} ({dtype}), {n:,} tokens ({parts}), "
               f"{corpus.total_bytes / max(n, 1):.2f} bytes per token", file=sys.stderr)
     return manifest
+
+
+def _check_split_sizes(args: argparse.Namespace, n: int, counts: dict[str, int]) -> None:
+    """Stop when the validation split, or a test split that was asked for, holds no token: ``fit`` could not use
+    the folder (it needs a window of ``context_length + 1`` tokens in each)."""
+    empty = [s for s, fraction in (("val", args.val_fraction), ("test", args.test_fraction))
+             if fraction > 0 and counts[s] == 0]
+    if not empty:
+        return
+    split = empty[0]
+    fraction = args.val_fraction if split == "val" else args.test_fraction
+    parts = ", ".join(f"{s} {counts[s]:,}" for s in SPLITS)
+    raise LmtrainError("--input", f"{args.input} encodes to {n:,} tokens ({parts}): too few for a {split} split of "
+                       f"{fraction:g}, and fit needs at least context_length + 1 tokens in each split.",
+                       f"give more text (at least {math.ceil(1 / fraction):,} tokens for any {split} split; "
+                       f"thousands for a useful one), or a larger --{'val' if split == 'val' else 'test'}-fraction"
+                       + (" (--test-fraction 0 for no test split)." if split == "test" else "."))
 
 
 def _split_file(path: Path, itemsize: int, counts: dict[str, int], folder: Path) -> None:

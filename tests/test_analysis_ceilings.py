@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
-from lmtrain.analysis.ceilings import achieved, ceiling_metrics, device_ceilings
+from lmtrain.analysis.ceilings import achieved, cache_key, ceiling_metrics, device_ceilings, measure_ceilings
 from lmtrain.analysis.kernels import analyze_trace
 
 GEMM = "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN"
@@ -60,15 +63,83 @@ def test_ceiling_metrics_against_this_gpus_ceilings() -> None:
 def test_ceilings_are_measured_once_per_device_and_cached(tmp_path: Path) -> None:
     cache, calls = tmp_path / "ceilings.json", []
 
-    def measure() -> dict[str, float]:
-        calls.append(1)
+    def measure(device: torch.device) -> dict[str, float]:
+        calls.append(device)
         return {"bf16_matmul_tflops": 700.0, "copy_gbps": 2800.0}
 
-    assert device_ceilings("GPU A", cache, measure) == {"bf16_matmul_tflops": 700.0, "copy_gbps": 2800.0}
-    assert device_ceilings("GPU A", cache, measure)["copy_gbps"] == 2800.0 and len(calls) == 1
+    gpu = torch.device("cuda", 1)
+    assert device_ceilings(gpu, cache, measure, "GPU A") == {"bf16_matmul_tflops": 700.0, "copy_gbps": 2800.0}
+    assert calls == [gpu]  # measured on the device it was given, not the current one
+    assert device_ceilings(gpu, cache, measure, "GPU A")["copy_gbps"] == 2800.0 and len(calls) == 1
     table = json.loads(cache.read_text())
-    table["GPU A"]["copy_gbps"] = 3000.0  # a user's override
+    assert set(table) == {cache_key("GPU A")} and torch.__version__ in cache_key("GPU A")
+    table[cache_key("GPU A")]["copy_gbps"] = 3000.0  # a user's override
     cache.write_text(json.dumps(table))
-    assert device_ceilings("GPU A", cache, measure)["copy_gbps"] == 3000.0
-    device_ceilings("GPU B", cache, measure)
-    assert len(calls) == 2 and set(json.loads(cache.read_text())) == {"GPU A", "GPU B"}
+    assert device_ceilings(gpu, cache, measure, "GPU A")["copy_gbps"] == 3000.0
+    device_ceilings("cuda:0", cache, measure, "GPU B")
+    assert len(calls) == 2 and set(json.loads(cache.read_text())) == {cache_key("GPU A"), cache_key("GPU B")}
+
+
+def test_an_entry_keyed_by_the_name_alone_is_measured_again(tmp_path: Path) -> None:
+    """Caches written before the key held the torch version may hold a CPU-speed figure: they are not read."""
+    cache = tmp_path / "ceilings.json"
+    cache.write_text(json.dumps({"GPU A": {"bf16_matmul_tflops": 0.3, "copy_gbps": 20.0}}))
+    found = device_ceilings("cuda:0", cache, lambda device: {"bf16_matmul_tflops": 700.0, "copy_gbps": 2800.0},
+                            "GPU A")
+    assert found["bf16_matmul_tflops"] == 700.0
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("meta")])
+def test_no_ceilings_off_a_cuda_device_and_nothing_cached(tmp_path: Path, device: object) -> None:
+    cache, calls = tmp_path / "ceilings.json", []
+    assert device_ceilings(device, cache, lambda d: calls.append(d) or {"bf16_matmul_tflops": 1.0},
+                           "GPU A") is None
+    assert device_ceilings(device, cache) is None  # the default measure too
+    assert calls == [] and not cache.exists()
+    with pytest.raises(ValueError, match="CUDA device"):
+        measure_ceilings(device)
+
+
+def test_an_implausible_measurement_is_not_cached(tmp_path: Path) -> None:
+    cache = tmp_path / "ceilings.json"
+    for bad in ({"bf16_matmul_tflops": 0.0, "copy_gbps": 2800.0}, {"bf16_matmul_tflops": math.nan}, {}):
+        assert device_ceilings("cuda:0", cache, lambda device, bad=bad: bad, "GPU A") is None
+    assert not cache.exists()
+
+
+class _Allocations(TorchFunctionMode):
+    """Records the ``device`` of every ``torch.randn`` / ``torch.empty``, then stops the measurement (no CUDA here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list[object] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in (torch.randn, torch.empty):
+            self.devices.append((kwargs or {}).get("device"))
+            raise _Stop
+        return func(*args, **(kwargs or {}))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_default_measure_allocates_on_the_given_device(tmp_path: Path) -> None:
+    """The default path (no ``measure``) makes its operands on the device it was given; a failed measurement
+    writes nothing."""
+    cache, spy = tmp_path / "ceilings.json", _Allocations()
+    with spy, pytest.raises(_Stop):
+        device_ceilings(torch.device("cuda", 1), cache, device_name="GPU A")
+    assert spy.devices == [torch.device("cuda", 1)] and not cache.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ceilings_measured_on_the_gpu(tmp_path: Path) -> None:
+    """On a GPU the figures are the GPU's (a CPU-speed bf16 matmul is well under 1 TFLOP/s), cached under its name
+    and torch version."""
+    cache, device = tmp_path / "ceilings.json", torch.device("cuda", torch.cuda.current_device())
+    found = device_ceilings(device, cache)
+    assert found["bf16_matmul_tflops"] > 20 and found["copy_gbps"] > 200, found
+    assert json.loads(cache.read_text()) == {cache_key(torch.cuda.get_device_name(device)): found}

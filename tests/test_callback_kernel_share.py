@@ -26,7 +26,7 @@ from lmtrain.analysis.kernels import (
     timeline_text,
 )
 from lmtrain.annotate import active_requests
-from lmtrain.callbacks import KernelShare
+from lmtrain.callbacks import CudaSyncTimer, KernelShare
 from lmtrain.callbacks.kernel_share import request_cupti_teardown
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
@@ -241,10 +241,10 @@ class RequestProbe(Callback):
             self.folders.add(session._tmpdir)
 
 
-def _fit(tmp_path: Path, callbacks: list, max_steps: int) -> pl.Trainer:
+def _fit(tmp_path: Path, callbacks: list, max_steps: int, optimizer_in_backward: bool = False) -> pl.Trainer:
     pl.seed_everything(0)
     model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
-                     attention="naive", warmup_steps=1)
+                     attention="naive", warmup_steps=1, optimizer_in_backward=optimizer_in_backward)
     data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=20,
                         val_batches=1)
     trainer = pl.Trainer(max_steps=max_steps, precision="32-true", accelerator="cpu", devices=1,
@@ -432,3 +432,105 @@ def test_the_profilers_flops_reach_the_trace_and_the_gemm_roofline(tmp_path: Pat
     trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 10,
                                  "args": {"External id": mm[0]["args"]["External id"], "correlation": 1}})
     assert achieved(trace)["gemm"] == pytest.approx({"us": 10.0, "flops": 2 * 24 * 40 * 16})
+
+
+def test_kernel_share_measures_no_ceilings_off_a_cuda_device(tmp_path: Path) -> None:
+    """The ceilings come from the module's own device: on a CPU nothing is measured, nothing cached, said once."""
+    cache = tmp_path / "ceilings.json"
+    cb = KernelShare(ceilings=str(cache))
+    module = torch.nn.Linear(2, 2)
+    module.device = torch.device("cpu")
+    with pytest.warns(UserWarning, match="no ceilings measured on cpu") as caught:
+        assert cb._ceilings(module) is None and cb._ceilings(module) is None
+    assert len(caught) == 1 and not cache.exists()
+    assert KernelShare(ceilings={"copy_gbps": 1.0})._ceilings(module) == {"copy_gbps": 1.0}
+
+
+class LateTimer(CudaSyncTimer):
+    """Reads each step one step late, as the events mode does on a GPU: its last step is read in its own
+    on_train_end (on a CPU the host clock's steps are read at once)."""
+
+    ending = False
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.ending = True
+        super().on_train_end(trainer, pl_module)
+
+    def _collect(self, trainer, lag: int) -> None:  # noqa: ANN001
+        super()._collect(trainer, 0 if self.ending else max(lag, 1))
+
+
+@pytest.mark.parametrize("timer_first", [True, False])
+def test_the_step_comparison_reads_every_step_of_the_timer_in_either_order(tmp_path: Path, timer_first: bool) -> None:
+    """kernels/timer_step_ms is the timer's final median, over all its summarised steps, wherever KernelShare stands
+    in the callbacks list (the timer reads its last steps in its own on_train_end)."""
+    cb, timer = KernelShare(wait=1, warmup=1, active=1, chart=False), LateTimer(warmup_steps=0, print_summary=False)
+    trainer = _fit(tmp_path, [timer, cb] if timer_first else [cb, timer], max_steps=6)
+    final = timer.summary()["step_ms"]
+    assert final["count"] == 6 - 2  # the profiled steps (warm-up and active) are excluded
+    assert f"median of {int(final['count'])} unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
+    assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])
+    assert scalars(trainer.log_dir)["kernels/timer_step_ms"][0][1] == pytest.approx(final["median"])
+
+
+class FailingAnalysis(KernelShare):
+    """KernelShare whose analysis fails; records what ``_report`` was given."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.reported: list[object] = []
+
+    def _analyze(self, trainer, pl_module, path):  # noqa: ANN001, ANN202
+        raise RuntimeError("broken trace")
+
+    def _report(self, trainer, found):  # noqa: ANN001, ANN202
+        self.reported.append(found)
+        super()._report(trainer, found)
+
+
+def test_a_failed_analysis_still_reaches_the_ranks_collective(tmp_path: Path) -> None:
+    """The analysis fails on the profiling rank: one warning names the error, the fit goes on, and ``_report``
+    (which holds the gather every rank takes part in) still runs, with nothing to report."""
+    cb = FailingAnalysis(wait=1, warmup=1, active=1, chart=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, [cb], max_steps=4)
+    said = [str(w.message) for w in caught if "could not be analysed" in str(w.message)]
+    assert said == ["KernelShare: rank 0: the profiled window could not be analysed (RuntimeError: broken trace); "
+                    "this rank reports nothing."]
+    assert cb.reported == [None] and cb._prof is None and trainer.global_step == 4
+    assert not any(t.startswith("kernels/") for t in scalars(trainer.log_dir))
+
+
+def test_kernel_share_under_the_in_backward_optimizer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``model.optimizer_in_backward`` setup says once that the updates fall in the backward phase, and the
+    summary has no optimizer phase."""
+    cb = KernelShare(wait=1, warmup=1, active=1, chart=False)
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, [cb], max_steps=3, optimizer_in_backward=True)
+    assert sum("optimizer's updates run inside the backward pass" in r.getMessage() for r in caplog.records) == 1
+    assert set(cb.summary.phase_us) == {"forward", "backward", "outside"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("timer_first", [True, False])
+def test_the_step_comparison_on_a_gpu_in_either_order(tmp_path: Path, timer_first: bool) -> None:
+    """The timer's events are read a step late on a GPU: kernels/timer_step_ms still holds every summarised step."""
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     attention="naive", warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=20,
+                        val_batches=1)
+    cb, timer = KernelShare(wait=1, warmup=1, active=1, chart=False), CudaSyncTimer(warmup_steps=0,
+                                                                                     print_summary=False)
+    trainer = pl.Trainer(max_steps=6, precision="32-true", accelerator="gpu", devices=1,
+                         logger=TensorBoardLogger(str(tmp_path), name="ks"),
+                         callbacks=[timer, cb] if timer_first else [cb, timer], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    final = timer.summary()["step_ms"]
+    assert final["count"] == 6 - 2
+    assert "median of 4 unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
+    assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])

@@ -173,6 +173,7 @@ class FakeAllocator:
         self.reads = 0
         self.resets = 0
         self.recording = False
+        self.recording_in_step: list[bool] = []  # per step run by run_step: history recorded during the step
 
     def set(self, gib: float) -> None:
         self.allocated = int(gib * GIB)
@@ -220,6 +221,7 @@ def run_step(cb: MemorySnapshot, trainer: SimpleNamespace, module: torch.nn.Modu
     reads = alloc.reads
     alloc.set(1.0)
     cb.on_train_batch_start(trainer, module, None, 0)
+    alloc.recording_in_step.append(alloc.recording)
     alloc.set(3.0)  # forward: activations
     alloc.set(2.5)
     cb.on_before_backward(trainer, module, torch.zeros(()))
@@ -332,3 +334,64 @@ def test_oom_dumps_snapshot_and_reraises(tmp_path, capsys):
     assert [p.name for p in cb.files] == ["memory_snapshot_oom_step2.pickle"]
     assert "Live memory by category" in capsys.readouterr().err
     assert "parameters" in texts(tmp_path)["memory/oom_summary"][0]
+
+
+class GraphedModule(torch.nn.Linear):
+    """Stands in for ``LMModule(cuda_graphs=True)``: steps from 2 on are replays (2 captures), unless a callback of
+    the trainer asks for an eager step."""
+
+    graphed_step = "graphs"  # MemorySnapshot's setup only asks whether there is one
+
+    def __init__(self, trainer: SimpleNamespace) -> None:
+        super().__init__(2, 2)
+        self._fake_trainer = trainer
+
+    def replays_graph(self, step: int) -> bool:
+        from lmtrain.graphs import eager_requested
+
+        return step >= 2 and not eager_requested(self._fake_trainer, step)
+
+
+def run_replay(cb: MemorySnapshot, trainer: SimpleNamespace, module: torch.nn.Module, alloc: FakeAllocator,
+               capture: bool) -> None:
+    """One step replayed as a CUDA graph: no allocator calls (the capture step allocates the graph's memory), no
+    backward hooks, an optimizer step."""
+    alloc.set(1.0)
+    cb.on_train_batch_start(trainer, module, None, 0)
+    alloc.recording_in_step.append(alloc.recording)
+    if capture:
+        alloc.set(6.0)  # the dry-run pass and the graph's pool
+        alloc.set(1.0)
+    cb.on_before_optimizer_step(trainer, module, None)
+    trainer.global_step += 1
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+
+
+def test_graphed_steps_log_the_capture_peak_and_the_window_runs_eagerly(fake_cuda, caplog):
+    import logging
+
+    alloc, trainer = fake_cuda
+    module = GraphedModule(trainer)
+    trainer.lightning_module, trainer.callbacks = module, []
+    cb = MemorySnapshot(start_step=4, num_steps=1)
+    trainer.callbacks.append(cb)
+    with caplog.at_level(logging.INFO):
+        cb.setup(trainer, module, "fit")
+    assert "graph_capture_peak_gib" in caplog.text and "run eagerly" in caplog.text  # said once, at setup
+    assert [cb.needs_eager_step(s) for s in range(6)] == [False] * 4 + [True, False]
+    for step in range(6):
+        if module.replays_graph(step):
+            run_replay(cb, trainer, module, alloc, capture=step == 2)
+        else:
+            run_step(cb, trainer, module, alloc)
+    cb.teardown(trainer, module, "fit")
+    logged = dict(trainer.loggers[0].logged)
+    eager = {"memory/peak_after_forward_gib": 3.0, "memory/peak_after_backward_gib": 4.0,
+             "memory/peak_after_optimizer_gib": 4.5, "memory/allocated_gib": 1.25, "memory/reserved_gib": 2.0}
+    assert logged[0] == logged[1] == logged[4] == eager  # the warm-up and the window's step ran eagerly
+    for step in (2, 3, 5):  # the capture step and the replays: the capture's peak, no per-phase peaks
+        assert logged[step] == {"memory/graph_capture_peak_gib": 6.0, "memory/allocated_gib": 1.0,
+                                "memory/reserved_gib": 2.0}, step
+    assert "``memory/graph_capture_peak_gib``" in MemorySnapshot.__doc__
+    assert alloc.recording_in_step == [False] * 4 + [True, False]  # the snapshot recorded the eager step 4
+    assert [p.name for p in cb.files] == ["memory_snapshot_steps_4-4.pickle", "memory_timeline_steps_4-4.png"]

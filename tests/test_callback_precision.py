@@ -41,10 +41,10 @@ class HookCount(Callback):
 
 
 def _fit(tmp_path: Path, precision: str, inspector: PrecisionInspector,
-         compile: bool = False) -> tuple[pl.Trainer, HookCount]:
+         compile: bool = False, optimizer_in_backward: bool = False) -> tuple[pl.Trainer, HookCount]:
     pl.seed_everything(0)
     model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
-                     attention="naive", warmup_steps=1)
+                     attention="naive", warmup_steps=1, optimizer_in_backward=optimizer_in_backward)
     if compile:  # dynamo with the eager backend: compiled code's hook behaviour, no C++ compiler needed
         model.configure_model()
         model.model.compile(backend="eager")
@@ -233,3 +233,41 @@ def test_master_weights_say_at_setup_that_there_is_no_fp32_reference(tmp_path: P
     assert len(notes[0]) == 1 and notes[0][0].startswith("PrecisionInspector: no fp32 reference with "
                                                          "model.master_weights")
     assert notes[1] == [] and notes[2] == []  # no master weights, or no reference asked for: nothing to say
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gradients_freed_by_the_in_backward_optimizer_are_still_recorded(
+        tmp_path: Path, precision: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``model.optimizer_in_backward`` every .grad is gone after backward: each gradient's dtype is read
+    before its update frees it, the same as without the option; setup says once what differs; no hook is left."""
+    seen = {}
+    for in_backward in (False, True):
+        inspector = PrecisionInspector(step=1)
+        with caplog.at_level("INFO"):
+            caplog.clear()
+            _fit(tmp_path / str(in_backward), precision, inspector, optimizer_in_backward=in_backward)
+        said = [r.getMessage() for r in caplog.records if "optimizer_in_backward" in r.getMessage()]
+        assert len(said) == (1 if in_backward else 0)
+        seen[in_backward] = inspector.result.grads
+        assert getattr(inspector, "_grad_hook", None) is None
+    assert seen[True] == seen[False]
+    assert {e["dtype"] for e in seen[True]} == {"float32"} and len(seen[True]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_of_the_in_backward_optimizer_on_a_gpu(tmp_path: Path, overlap: bool) -> None:
+    """On a GPU, with the updates on the compute stream or on a side stream (``optimizer_overlap``), every
+    gradient's dtype is read before its update frees it (bf16-mixed: fp32 gradients of fp32 weights)."""
+    pl.seed_everything(0)
+    model = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                     warmup_steps=1, optimizer_in_backward=True, optimizer_overlap=overlap)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=10,
+                        val_batches=1)
+    inspector = PrecisionInspector(step=1)
+    trainer = pl.Trainer(max_steps=3, precision="bf16-mixed", accelerator="gpu", devices=1, logger=False,
+                         callbacks=[inspector], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, data)
+    assert inspector.result.grads and {e["dtype"] for e in inspector.result.grads} == {"float32"}

@@ -149,22 +149,25 @@ def test_events_mode_on_cuda(tmp_path):
 
 def test_phases_of_a_graphed_step_from_marks_recorded_inside_the_graph() -> None:
     """A module whose graph records phase marks (``graph_phase_marks``: here host times standing in for the events a
-    CUDA graph records) gives its replayed steps a forward / backward / optimizer split; the step time stays the
-    host's own marks around the replay."""
+    CUDA graph records, with phase lengths that grow with the replay number) gives each replayed step the forward /
+    backward / optimizer split of its own replay; the step time stays the host's own marks around the replay."""
     from test_graphs import TINY, Emulated, _fit
 
     class Marked(Emulated):
         def graph_phase_marks(self) -> dict[str, float]:
-            return {"start": 1.0, "before_backward": 1.002, "after_backward": 1.005, "before_opt": 1.006,
-                    "end": 1.0065}
+            r = self.graphed_step.graph.replays  # the replay just run is number r (1 for the first)
+            return {"start": 1.0, "before_backward": 1.0 + 0.002 * r, "after_backward": 1.0 + 0.005 * r,
+                    "before_opt": 1.0 + 0.006 * r, "end": 1.0 + 0.0065 * r}
 
     timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
     _fit(Marked(**TINY, cuda_graphs=True, cuda_graph_warmup=3), steps=7, callbacks=[timer])
     by_step = {row["step"]: row for row in timer.step_times}
-    replayed = by_step[5]
-    assert replayed["forward_ms"] == pytest.approx(2.0) and replayed["backward_ms"] == pytest.approx(3.0)
-    assert replayed["optimizer_ms"] == pytest.approx(0.5)
-    assert replayed["step_ms"] != pytest.approx(6.5)  # the host's marks, not the graph's
+    for step in (3, 4, 5, 6):  # the capture step (replay 1) and the replays after it
+        r = step - 2
+        replayed = by_step[step]
+        assert (replayed["forward_ms"], replayed["backward_ms"], replayed["optimizer_ms"]) == pytest.approx(
+            (2.0 * r, 3.0 * r, 0.5 * r)), step
+        assert replayed["step_ms"] != pytest.approx(6.5 * r)  # the host's marks, not the graph's
     assert by_step[1]["forward_ms"] != pytest.approx(2.0)  # eager warm-up steps keep their own marks
 
 
@@ -202,3 +205,72 @@ def test_no_float8_figure_without_float8_layers(tmp_path, fake_clock):
     assert "throughput/mfu_float8_peak" not in scalars(tmp_path)
     with pytest.raises(LmtrainError, match="float8_peak_flops"):
         CudaSyncTimer(float8_peak_flops=-1.0).check_arguments()
+
+
+class FakeEvent:
+    """``torch.cuda.Event`` stand-in: ``record`` takes the next tick (1 ms each) of a shared clock; ``query`` says
+    whether the "GPU" has passed the event (``done``); ``synchronize`` counts the host's waits."""
+
+    ticks = itertools.count()
+    done = True
+    waits = 0
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.tick: int | None = None
+
+    def record(self) -> None:
+        self.tick = next(FakeEvent.ticks)
+
+    def query(self) -> bool:
+        return FakeEvent.done
+
+    def synchronize(self) -> None:
+        FakeEvent.waits += 1
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return float(end.tick - self.tick)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "rank-of-two"])
+@pytest.mark.parametrize("done", [True, False], ids=["events-passed", "events-pending"])
+def test_events_of_a_step_are_read_when_the_step_after_next_starts(monkeypatch, done, world):
+    """Events mode reads step N when step N + 2 starts, whether or not its events completed earlier and on one rank
+    as on several (so every rank reads, and gathers, the same steps at the same hook, without waiting for the step
+    just ended), and the rest at the fit's end. Several ranks: the gather is stubbed with this rank's values twice."""
+    from types import SimpleNamespace
+
+    gathered = []
+
+    def gather(trainer_, values):  # noqa: ANN001, ANN202
+        gathered.append(trainer_.global_step)
+        return [list(values), list(values)]
+
+    monkeypatch.setattr(timer_module, "gather_values", gather)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "done", done)
+    monkeypatch.setattr(FakeEvent, "waits", 0)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), precision="32-true",
+                              world_size=world, global_rank=0, global_step=0, accumulate_grad_batches=1,
+                              lightning_module=None, callbacks=[], loggers=[])
+    module = torch.nn.Linear(2, 2)
+    timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
+    trainer.callbacks.append(timer)
+    timer.setup(trainer, module, "fit")
+    timer._cuda = True  # events mode, with the stand-in events
+    read_at_start = []
+    for i in range(5):
+        timer.on_train_batch_start(trainer, module, torch.zeros(B, T + 1, dtype=torch.long), i)
+        read_at_start.append([row["step"] for row in timer.step_times])
+        timer.on_before_backward(trainer, module, torch.zeros(()))
+        timer.on_after_backward(trainer, module)
+        timer.on_before_optimizer_step(trainer, module, None)
+        trainer.global_step += 1
+        timer.on_train_batch_end(trainer, module, None, None, i)
+    assert read_at_start == [[], [], [0], [0, 1], [0, 1, 2]]
+    timer.on_train_end(trainer, module)
+    assert timer.step_times == [{"step": i, "forward_ms": 1.0, "backward_ms": 1.0, "optimizer_ms": 1.0,
+                                 "step_ms": 4.0} for i in range(5)]
+    assert FakeEvent.waits == (0 if done else 5)  # the host waits only for events not passed yet
+    # Several ranks: each step gathered once, steps 0-2 when steps 2-4 start (global_step is then the step's
+    # index), steps 3 and 4 at the end.
+    assert gathered == ([2, 3, 4, 5, 5] if world == 2 else [])

@@ -104,6 +104,35 @@ def test_text_max_bytes_and_stdlib() -> None:
     check_windows(dm, 256)
 
 
+def test_max_bytes_inside_a_character_keeps_the_complete_ones(tmp_path: Path) -> None:
+    """A limit that falls inside a two-byte character (é) drops that character, in a file and in a folder."""
+    text = tmp_path / "e.txt"
+    text.write_text("é" * 100_000, encoding="utf-8")
+    dm = make(source="text", path=str(text), vocab_size=256, max_bytes=100_001)
+    assert np.concatenate([dm.train_tokens, dm.val_tokens]).tobytes() == "é".encode() * 50_000
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x" * 1000)
+    (folder / "b.txt").write_text("é" * 1000, encoding="utf-8")
+    (folder / "c.txt").write_text("y" * 1000)
+    dm = make(source="text", path=str(folder), vocab_size=256, max_bytes=1501)
+    # b.txt is cut, not skipped as if it were binary; c.txt is not reached.
+    assert np.concatenate([dm.train_tokens, dm.val_tokens]).tobytes() == b"x" * 1000 + "é".encode() * 250
+
+
+def test_max_bytes_cut_keeps_checking_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café ".encode("latin-1") * 100)
+    assert "UTF-8" in expect_error("data.path", source="text", path=str(path), vocab_size=256,
+                                   max_bytes=301).problem
+
+
+@pytest.mark.parametrize("max_bytes", [0, -5, 1.5])
+def test_bad_max_bytes(max_bytes: object, tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("hello " * 100)
+    expect_error("data.max_bytes", source="text", path=str(tmp_path / "t.txt"), vocab_size=256, max_bytes=max_bytes)
+
+
 # -- bad inputs: each names its field and says how to fix it ---------------------------------------------
 
 

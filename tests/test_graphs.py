@@ -96,19 +96,52 @@ class EmulatedUntimed(LMModule):
     graph_class = Untimed
 
 
+class Numbered(EmulatedStepGraph):
+    """The stand-in with exact marks that depend on the replay: replay ``r`` has a forward of r + 1 ms, a backward of
+    2 (r + 1) ms and an optimizer step of 0.5 ms, so a step given another replay's marks shows it."""
+
+    OFFSETS_MS = {"start": (0, 0.0), "before_backward": (1, 0.0), "after_backward": (3, 0.0),
+                  "before_opt": (3, 0.0), "end": (3, 0.5)}
+
+    def mark(self, name: str) -> None:
+        if self._recording is not None:
+            per_replay, fixed = self.OFFSETS_MS[name]
+            self._recording[name] = 10.0 * self.replays + (per_replay * (self.replays + 1) + fixed) / 1000
+
+
+class EmulatedNumbered(LMModule):
+    graph_class = Numbered
+
+
 def test_timer_reports_the_phases_recorded_inside_replayed_steps() -> None:
     timer = CudaSyncTimer(warmup_steps=0, print_summary=False)
-    module = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=3)
-    _fit(module, steps=7, callbacks=[timer])
+    module = EmulatedNumbered(**TINY, cuda_graphs=True, cuda_graph_warmup=3)
+    _fit(module, steps=8, callbacks=[timer])
     by_step = {row["step"]: row for row in timer.step_times}
     phases = {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"}
     assert set(by_step[1]) == phases  # eager warm-up: the hooks' marks
-    assert set(by_step[5]) == phases  # replayed: the marks inside the step, the step from the hooks' marks
-    row = by_step[5]
-    assert 0 < row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"] <= row["step_ms"]
-    # the eager steps and the capture step are reported apart, as the module's window
-    assert {s: w for s, w in timer.excluded_steps.items()} == {s: ["Emulated"] for s in range(4)}
+    capture = module.graphed_step.capture_step
+    assert capture == 3 and module.graphed_step.graph.replays == 5
+    for step in range(capture, 8):  # replayed: each step its own replay's marks; the step from the hooks' marks
+        r = step - capture
+        row = by_step[step]
+        assert set(row) == phases
+        assert (row["forward_ms"], row["backward_ms"], row["optimizer_ms"]) == pytest.approx((r + 1, 2 * (r + 1), 0.5))
+    # the eager steps, the capture step and the second graph's first launch are reported apart, as the module's window
+    assert {s: w for s, w in timer.excluded_steps.items()} == {s: ["EmulatedNumbered"] for s in range(5)}
     assert timer.summary()["step_ms"]["count"] == 3 and timer.summary()["forward_ms"]["count"] == 3
+
+
+def test_the_module_window_ends_after_each_graphs_first_launch() -> None:
+    """Timed: two graphs by turns, so the step after the capture launches the second one for the first time (in the
+    window too); untimed: one graph, the window ends with the capture step."""
+    timed = Emulated(**TINY, cuda_graphs=True, cuda_graph_warmup=2)
+    untimed = EmulatedUntimed(**TINY, cuda_graphs=True, cuda_graph_warmup=2)
+    _fit(timed, steps=5)
+    _fit(untimed, steps=5)
+    assert len(timed.graphed_step.graph.graphs) == 2 and len(untimed.graphed_step.graph.graphs) == 1
+    assert [timed.in_window(s) for s in range(5)] == [True, True, True, True, False]
+    assert [untimed.in_window(s) for s in range(5)] == [True, True, True, False, False]
 
 
 def test_timer_reports_whole_steps_where_the_graph_has_no_marks() -> None:

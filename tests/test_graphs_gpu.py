@@ -76,7 +76,7 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     callbacks = [
         CudaSyncTimer(warmup_steps=2, print_summary=False),
         KernelShare(wait=5, warmup=1, active=2),           # steps 6..7 (graphed) profiled, 5 warm-up
-        MemorySnapshot(start_step=9, num_steps=1),         # graphed step 9
+        MemorySnapshot(start_step=9, num_steps=1),         # runs eagerly (needs_eager_step)
         PrecisionInspector(step=10),                       # runs eagerly
         NVTXRanges(depth="phase", start_step=11, num_steps=1),
     ]
@@ -89,6 +89,8 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     # a replayed step keeps its phases (timing events inside the graph)
     assert set(steps[6]) == {"step", "forward_ms", "backward_ms", "optimizer_ms", "step_ms"} and steps[6]["step_ms"] > 0
     assert timer.excluded_steps[3] == ["LMModule"]  # the capture step
+    assert timer.excluded_steps[4] == ["LMModule"]  # the second graph's first launch
+    assert timer.excluded_steps[9] == ["MemorySnapshot"] and timer.excluded_steps[10] == ["PrecisionInspector"]
     assert "time/step_ms" in logged
     # KernelShare: the replayed steps' kernels, under the one phase a replay has
     total = logged["kernels/total_ms_per_step"][0][1]
@@ -97,7 +99,22 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     # PrecisionInspector's step ran eagerly and was inspected; the module captured once only
     assert callbacks[3].result is not None and callbacks[3].result.modules
     assert module.graphed_step.graph.captures == 1
-    assert "memory/peak_after_optimizer_gib" in logged
+    # MemorySnapshot: the window's step ran eagerly, so its peaks and its allocation history are the step's own; the
+    # replayed steps log the capture step's peak instead of per-phase peaks (a replay makes no allocator calls)
+    assert not module.replays_graph(9) and module.replays_graph(8)
+    peak = dict(logged["memory/peak_after_optimizer_gib"])
+    allocated = dict(logged["memory/allocated_gib"])
+    assert 9 in peak and not {3, 4, 5, 6, 7, 8, 11, 12} & set(peak), sorted(peak)
+    assert peak[9] > allocated[9] > 0  # the step's activations and temporaries on top of what stays
+    capture = dict(logged["memory/graph_capture_peak_gib"])
+    assert set(capture) == {3, 4, 5, 6, 7, 8, 11, 12} and len(set(capture.values())) == 1
+    assert capture[5] > allocated[5] > 0 and capture[5] >= 0.5 * peak[9]
+    import pickle
+
+    snapshot_file = next(p for p in callbacks[2].files if p.suffix == ".pickle")
+    with open(snapshot_file, "rb") as f:
+        trace = [e for device in pickle.load(f)["device_traces"] for e in device]
+    assert sum(e["action"] == "alloc" for e in trace) >= 100, len(trace)  # a whole eager step's allocations
 
 
 #: ``configs/small_bf16_fast.yaml``'s model.

@@ -140,6 +140,33 @@ def test_prepare_errors_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
          field="--out")
 
 
+def test_prepare_refuses_empty_splits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corpus too small for a validation split, or for a test split that was asked for: one line, nothing
+    written (fit could not use the folder). --vocab-size 257 (the bytes and <|endoftext|>, no merges) makes one
+    token per byte."""
+    (tmp_path / "ten.txt").write_text("abcdefghij")
+    (tmp_path / "five.txt").write_text("abcde")
+    out = tmp_path / "out"
+    _bad(capsys, out, "--input", tmp_path / "ten.txt", "--out", out, field="--input")  # 10,000 tokens: val 0
+    _bad(capsys, out, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257",
+         field="--input")  # 10 tokens: val 1, test 0 of 0.05
+    _bad(capsys, out, "--input", tmp_path / "five.txt", "--out", out, "--vocab-size", "257", "--test-fraction", "0",
+         field="--input")  # 5 tokens: val 0
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = run_prepare(capsys, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257")
+    assert rc == 2 and "too few for a test split of 0.05" in err and "--test-fraction 0" in err
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    rc = main(["prepare", "--input", str(tmp_path / "ten.txt"), "--out", str(out)])  # not --quiet: still one line
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: --input: "), err
+    rc, err = run_prepare(capsys, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257",
+                          "--test-fraction", "0")  # no test split asked for: val 1, written
+    assert rc == 0, err
+    splits = json.loads((out / "dataset.json").read_text())["splits"]
+    assert [splits[s]["tokens"] for s in ("train", "val", "test")] == [9, 1, 0]
+
+
 def test_prepare_refuses_another_dataset_in_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_corpus(tmp_path / "corpus", files=1)
     write_corpus(tmp_path / "other", files=1, seed=1)

@@ -31,12 +31,13 @@ class ModeRecorder(pl.Callback):
         self.modes.append(pl_module.training)
 
 
-def fit(tmp_path: Path, callbacks: list[pl.Callback], source: str = "text", steps: int = 4) -> LMModule:
+def fit(tmp_path: Path, callbacks: list[pl.Callback], source: str = "text", steps: int = 4,
+        vocab_size: int = 256) -> LMModule:
     tmp_path.mkdir(parents=True, exist_ok=True)
     text = tmp_path / "t.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     torch.manual_seed(0)
-    module = LMModule(**TINY)
+    module = LMModule(**{**TINY, "vocab_size": vocab_size})
     data = LMDataModule(source=source, path=str(text) if source == "text" else None, batch_size=2,
                         train_batches=20, val_batches=1)
     trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=TensorBoardLogger(tmp_path, name="tb"),
@@ -56,6 +57,16 @@ def test_samples_logged_every_n_steps(tmp_path: Path) -> None:
     assert all(t.startswith("```\ndef ") and t.endswith("\n```") for t in logged["samples/0"])
     assert all(t.startswith("```\nx") for t in logged["samples/1"])
     assert modes.modes == [True] * 4  # train mode restored after each sampling step
+
+
+def test_byte_data_with_a_larger_model_vocabulary(tmp_path: Path) -> None:
+    """Text data (256 byte ids) and a model vocabulary of 10,000, as the configs have: an untrained model gives the
+    ids above 255 most of the probability, and none is drawn (one would stop training: bytes() of an id >= 256)."""
+    fit(tmp_path, [GenerateSamples(every_n_steps=2, prompts=["def ", ""], max_new_tokens=16, temperature=1.0)],
+        vocab_size=10_000)
+    logged = texts(tmp_path / "tb")
+    assert len(logged["samples/0"]) == 2 and all(t.startswith("```\ndef ") for t in logged["samples/0"])
+    assert all(t.startswith("```\n\n") for t in logged["samples/1"])  # the empty prompt starts from a newline
 
 
 def test_sampling_leaves_training_unchanged(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """How far each kind of work is from this GPU's own ceilings: achieved TFLOP/s and GB/s per kernel category.
 
 Ceilings are measured, not typed in: :func:`measure_ceilings` times a bf16 matrix product (8192^3) and a
-device-to-device copy (256 MiB: bytes read plus bytes written) on the device, once; :func:`device_ceilings` keeps
-the result in a JSON file keyed by device name (default ``~/.cache/lmtrain/ceilings.json``), so later runs read it.
-Edit that file, or pass values, to override. On a CPU there is nothing to measure (one line says so).
+device-to-device copy (256 MiB: bytes read plus bytes written) on the given CUDA device, once;
+:func:`device_ceilings` keeps the result in a JSON file keyed by device name and torch version (default
+``~/.cache/lmtrain/ceilings.json``), so later runs read it. Edit that file, or pass values, to override. Only a CUDA
+device is measured: on a CPU there is nothing to measure and nothing is stored (the caller says so in one line).
 
 What the trace gives (:func:`achieved`):
 
@@ -22,30 +23,43 @@ What the trace gives (:func:`achieved`):
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from lmtrain.analysis.categories import categorize
 
-__all__ = ["DEFAULT_CACHE", "achieved", "ceiling_metrics", "device_ceilings", "measure_ceilings"]
+__all__ = ["DEFAULT_CACHE", "achieved", "cache_key", "ceiling_metrics", "device_ceilings", "measure_ceilings"]
 
-#: Where measured ceilings are kept, keyed by device name.
+#: Where measured ceilings are kept, keyed by device name and torch version (:func:`cache_key`).
 DEFAULT_CACHE = Path.home() / ".cache" / "lmtrain" / "ceilings.json"
 
 
-def measure_ceilings(device: Any = None) -> dict[str, float]:
-    """Measure ``bf16_matmul_tflops`` and ``copy_gbps`` on a CUDA device (about a second)."""
+def measure_ceilings(device: Any) -> dict[str, float]:
+    """Measure ``bf16_matmul_tflops`` and ``copy_gbps`` on the CUDA device ``device`` (about a second).
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device (CUDA events would time host work, not the GPU's).
+    """
     import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_ceilings measures a CUDA device, got {device}.")
 
     def timed(fn: Any, reps: int) -> float:
         for _ in range(3):
             fn()
+        # The operands' device runs the work on its current stream: the events are recorded on that stream
+        # (not the current device's, which may be another GPU).
+        stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         for _ in range(reps):
             fn()
-        end.record()
+        end.record(stream)
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / reps  # seconds per call
 
@@ -59,21 +73,48 @@ def measure_ceilings(device: Any = None) -> dict[str, float]:
     return {"bf16_matmul_tflops": 2 * n**3 / matmul_s / 1e12, "copy_gbps": 2 * src.numel() / copy_s / 1e9}
 
 
-def device_ceilings(device_name: str, cache: Path | None = None, measure: Any = None) -> dict[str, float]:
-    """The ceilings of ``device_name`` from the cache file, measured (with ``measure()``) and stored when missing.
+def cache_key(device_name: str) -> str:
+    """The cache file's key for a device: its name and the torch version that measured it (a new torch may come
+    with faster kernels, and an entry from an older torch, or from before the key held the version, is not read)."""
+    import torch
+
+    return f"{device_name} | torch {torch.__version__}"
+
+
+def device_ceilings(device: Any, cache: Path | None = None, measure: Any = None,
+                    device_name: str | None = None) -> dict[str, float] | None:
+    """The ceilings of the CUDA device ``device`` from the cache file, measured on it and stored when missing.
+
+    Only a CUDA device is measured: for any other device this returns None, measures nothing and writes nothing
+    (a CPU's figures stored under a GPU's name would make every later ``*_of_peak`` wrong). A measurement whose
+    figures are not finite and above 0 is not stored either (and None is returned).
 
     Args:
-        device_name: ``torch.cuda.get_device_name()``.
-        cache: the JSON file (default :data:`DEFAULT_CACHE`).
-        measure: a function returning the ceilings (default :func:`measure_ceilings` on the current device).
+        device: the device to measure on (``torch.device`` or a string such as ``"cuda:1"``).
+        cache: the JSON file (default :data:`DEFAULT_CACHE`), keyed by :func:`cache_key`.
+        measure: ``measure(device)`` returning the ceilings (default :func:`measure_ceilings`).
+        device_name: the device's name (default ``torch.cuda.get_device_name(device)``).
     """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    key = cache_key(device_name or torch.cuda.get_device_name(device))
     path = cache or DEFAULT_CACHE
     table = json.loads(path.read_text()) if path.is_file() else {}
-    if device_name not in table:
-        table[device_name] = (measure or measure_ceilings)()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    return table[device_name]
+    if key in table:
+        return table[key]
+    found = (measure or measure_ceilings)(device)
+    if not found or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in found.values()):
+        return None
+    table[key] = found
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Several ranks may measure at once: each writes a whole file and renames it over the old one.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return found
 
 
 def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = None) -> dict[str, dict[str, float]]:

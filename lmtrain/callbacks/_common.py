@@ -81,29 +81,56 @@ def log_dir(trainer: pl.Trainer) -> str | None:
 # -- several ranks ------------------------------------------------------------------------------------------
 
 
+_HOST_GROUP: dict[str, Any] = {}  # "world": the default group it was made for, "group": the gloo group
+
+
+def host_group(trainer: pl.Trainer) -> Any:
+    """The process group through which the callbacks gather host-side values: gloo, over every rank.
+
+    Created once per process group, on first use. ``torch.distributed.new_group`` is a collective: every rank must
+    make the first call together, so each callback that gathers calls this from ``setup`` (which Lightning runs on
+    every rank, callbacks in the same order). On a run whose default group is gloo already (CPU) that group is used;
+    on NCCL a gloo group is made beside it, so that a gather neither goes through the GPU nor waits for it.
+    None on one process or without a process group.
+    """
+    import torch.distributed as dist
+
+    if world_size(trainer) <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _HOST_GROUP.get("world") is not world:  # a new default group (a new fit in this process)
+        group = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
+        _HOST_GROUP.update(world=world, group=group)
+    return _HOST_GROUP["group"]
+
+
 def gather_values(trainer: pl.Trainer, values: Sequence[float]) -> list[list[float]]:
-    """Every rank's ``values`` in rank order (``trainer.strategy.all_gather`` of one float64 vector).
+    """Every rank's ``values`` in rank order: one float64 vector gathered on the host (:func:`host_group`).
 
     A collective: every rank must call it on the same steps, in the same order, with as many values (NaN for a
-    value a rank does not have). Callbacks call it on their logging steps only: with NCCL the vector goes
-    through the GPU, which waits for the host. One process: ``[list(values)]``, no communication.
+    value a rank does not have). The vector stays in host memory and goes over gloo, so the call never waits for
+    the GPU (an NCCL gather would make the host wait for all the work queued before it).
+    One process: ``[list(values)]``, no communication.
     """
     if world_size(trainer) <= 1:
         return [list(values)]
-    local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=trainer.strategy.root_device)
-    gathered = trainer.strategy.all_gather(local)  # (world_size, len(values))
-    return gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
+    import torch.distributed as dist
+
+    local = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    gathered = [torch.empty_like(local) for _ in range(trainer.world_size)]
+    dist.all_gather(gathered, local, group=host_group(trainer))
+    return [row.tolist() for row in gathered]
 
 
 def gather_objects(trainer: pl.Trainer, obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj`` in rank order (``torch.distributed.all_gather_object``); a collective
-    like :func:`gather_values`. One process (or no process group): ``[obj]``."""
+    """Every rank's picklable ``obj`` in rank order (``torch.distributed.all_gather_object`` over
+    :func:`host_group`); a collective like :func:`gather_values`. One process (or no process group): ``[obj]``."""
     import torch.distributed as dist
 
     if world_size(trainer) <= 1 or not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=host_group(trainer))
     return out
 
 
@@ -314,7 +341,8 @@ def timing_perturbed_by(trainer: pl.Trainer, step: int, exclude: object = None) 
     itself whether its work in that step slows the step measurably (every lmtrain callback declares it; see
     ``docs/callbacks.md``, "Which steps the timer leaves out"). An object without it but with ``in_window(step) ->
     bool`` counts as perturbing wherever its window holds the step (the conservative reading for callbacks that
-    predate the declaration; ``LMModule``'s window is its eager warm-up and the step that captures its CUDA graph).
+    predate the declaration; ``LMModule``'s window is its eager warm-up, the step that captures its CUDA graphs and
+    the first launch of each of them).
     ``CudaSyncTimer`` keeps the steps named here out of its summary.
 
     Args:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,10 @@ class KernelShare(Callback):
                        f"{trainer.max_steps}; nothing will be reported. Lower wait/warmup/active or train for more "
                        "steps.")
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
+        if getattr(getattr(pl_module, "config", None), "optimizer_in_backward", False):
+            rank_zero_info("KernelShare: with model.optimizer_in_backward the optimizer's updates run inside the "
+                           "backward pass: their kernels count in the backward phase; there is no separate optimizer "
+                           "phase.")
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info("KernelShare: a step replayed as a CUDA graph is one phase, 'cuda graph'; its kernels keep "
                            "their own categories, but no forward/backward/optimizer split exists inside it.")
@@ -261,8 +266,12 @@ class KernelShare(Callback):
         self._stop()
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``)."""
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``).
+
+        ``on_fit_end`` runs after every callback's ``on_train_end`` (where a CudaSyncTimer reads its last steps),
+        and before the loggers are finalised: the comparison is the same wherever the two stand in the callbacks
+        list. Rank 0 only reads the timer's summary (no collective)."""
         if self._logged is None or trainer.global_rank != 0:
             return
         timer = next((c for c in trainer.callbacks if isinstance(c, CudaSyncTimer)), None)
@@ -347,9 +356,14 @@ class KernelShare(Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
         try:
-            path = self._prof.finish() if self._prof is not None else None
-            found = self._analyze(trainer, pl_module, path) if path is not None else None
-            self._report(trainer, found)
+            found = None
+            try:
+                path = self._prof.finish() if self._prof is not None else None
+                found = self._analyze(trainer, pl_module, path) if path is not None else None
+            except Exception as error:  # noqa: BLE001 (any failure: the other ranks wait in _report's gather)
+                warnings.warn(f"KernelShare: rank {trainer.global_rank}: the profiled window could not be analysed "
+                              f"({type(error).__name__}: {error}); this rank reports nothing.", stacklevel=1)
+            self._report(trainer, found)  # on every rank, whatever happened above: it holds the collective
         finally:
             self._stop()
 
@@ -377,10 +391,17 @@ class KernelShare(Callback):
         return {"metrics": found.metrics, "report": found.report, "tables": found.tables(self.top_k),
                 "summary": found.summary, "cuda": found.cuda, "breakdown": found.breakdown}
 
-    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float]:
+    def _ceilings(self, pl_module: pl.LightningModule) -> dict[str, float] | None:
+        """The ceilings passed in, or this GPU's, measured on the module's own device (cached per device name and
+        torch version); None, said once, when there is nothing to compare with."""
+        if isinstance(self.ceilings, dict):
+            return self.ceilings
         cache = Path(self.ceilings) if isinstance(self.ceilings, str) else None
-        return self.ceilings if isinstance(self.ceilings, dict) else ceilings.device_ceilings(
-            torch.cuda.get_device_name(pl_module.device), cache)
+        found = ceilings.device_ceilings(pl_module.device, cache)
+        if found is None:
+            self._warn(f"KernelShare: no ceilings measured on {pl_module.device} (a CUDA device is needed); no "
+                       "roofline/*_of_peak.")
+        return found
 
     def _report(self, trainer: pl.Trainer, found: dict | None) -> None:
         """Gather the profiling ranks' results (every rank takes part) and log them on rank 0."""

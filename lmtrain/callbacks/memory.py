@@ -26,6 +26,7 @@ from lmtrain.callbacks._common import (
     check_int,
     check_ranks,
     gather_values,
+    host_group,
     log_dir,
     log_image,
     log_scalars,
@@ -74,6 +75,13 @@ class MemorySnapshot(pl.Callback):
     read at the end of each phase (``torch.cuda.max_memory_allocated``), so ``peak_after_backward`` is the
     highest point from the step's start to the end of backward. Steps that are not logged read nothing.
 
+    Under CUDA graphs (``LMModule(cuda_graphs=True)``) a replayed step makes no allocator calls: the counters see
+    neither its intermediates nor its gradients, so its peaks would be the static memory alone. Replayed steps
+    therefore log no ``peak_after_*`` tag but ``memory/graph_capture_peak_gib``, the peak of the step that captured
+    the graph (the memory every replay reuses), besides ``allocated_gib`` and ``reserved_gib`` (which holds the
+    graph's private pool). The window's steps run eagerly (``needs_eager_step``), so the snapshot sees their
+    allocations. One line at setup says so.
+
     In the window (``start_step``, ``num_steps``) the allocator records every allocation and free with
     its Python stack (``stacks="python"``, at most ``max_entries`` entries). At the window's end this
     callback writes, into the logger's folder:
@@ -101,10 +109,13 @@ class MemorySnapshot(pl.Callback):
     - ``memory/peak_after_optimizer_gib``: ... to the end of the step (steps with an optimizer step).
     - ``memory/allocated_gib``: allocated by tensors at the end of the step.
     - ``memory/reserved_gib``: held by PyTorch's caching allocator at the end of the step.
+    - ``memory/graph_capture_peak_gib``: under CUDA graphs, at the capture step and every logged replayed step:
+      the peak allocated over the step that captured the graph (its dry-run pass, the capture and the first replay).
     - ``memory/timeline`` (image), ``memory/top_allocations`` and ``memory/oom_summary`` (text).
 
     Several ranks: the values above are rank 0's; every rank's peak of the logged step (the step's highest
-    allocated memory) is gathered (one small ``all_gather`` on logged steps) and rank 0 also logs
+    allocated memory) is gathered (one small ``all_gather`` of a host-side float over a gloo group on logged steps,
+    ``lmtrain.callbacks._common.host_group``: it does not wait for the GPU) and rank 0 also logs
     ``memory/peak_gib_max`` (GiB, the highest over the ranks) and ``memory/peak_gib_rank{r}`` (GiB, each rank).
     Allocation history (window and ``on_oom``) is recorded on the ``ranks`` only; each writes its own files, with
     the rank in the name (``memory_snapshot_rank{r}_steps_<a>-<b>.pickle``, ``memory_timeline_rank{r}_...png``,
@@ -151,14 +162,25 @@ class MemorySnapshot(pl.Callback):
         self._values: dict[str, float] = {}
         self._records = True  # this rank records allocation history (it is in ``ranks``)
         self._rank = ""  # file-name part: "" on one process, "rank<r>_" on several
+        self._log_now = False  # this step's values are logged (a logged step)
+        self._graphed_steps = 0  # steps replayed as a CUDA graph in this fit (the first one captures the graph)
+        self._capture_peak: float | None = None  # GiB, the peak of the step that captured the CUDA graph
 
     def in_window(self, step: int) -> bool:
         """Step ``step`` lies in the allocation-history window."""
         return self._cuda and self._window.contains(step)
 
     def perturbs_timing(self, step: int) -> bool:
-        """Yes inside the history window: every allocation pays for a Python stack capture. The per-step peaks
-        (two counter reads per step) do not; ``on_oom`` recording slows every step alike (said once at setup)."""
+        """Yes inside the history window: every allocation pays for a Python stack capture. The per-step peaks do
+        not: on a logged step, one reset of the peak counter and up to three ``torch.cuda.memory_stats()`` reads
+        (after forward, after backward, at the end; host-side, a few tens of microseconds each), plus on several
+        ranks one gather of one float over gloo, none of them waiting for the GPU. ``on_oom`` recording slows every
+        step alike (said once at setup)."""
+        return self.in_window(step)
+
+    def needs_eager_step(self, step: int) -> bool:
+        """The window's steps: a CUDA graph replay (``LMModule(cuda_graphs=True)``) makes no allocator calls, so
+        the allocation history would hold almost nothing; they run eagerly."""
         return self.in_window(step)
 
     # -- setup / teardown -----------------------------------------------------------------------
@@ -191,6 +213,8 @@ class MemorySnapshot(pl.Callback):
         self._window = StepWindow(self.start_step, self.num_steps)
         self._phases.reset()
         self._marks, self.files, self._window_done, self._window_first = [], [], False, None
+        self._graphed_steps, self._capture_peak = 0, None
+        host_group(trainer)  # a collective the first time: made now, on every rank together
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
                        f"{self._device.type} nothing is measured or logged.")
@@ -200,6 +224,11 @@ class MemorySnapshot(pl.Callback):
             self._warn(f"MemorySnapshot: the snapshot window ({self._window.describe()}) ends after the last step of "
                        f"max_steps {trainer.max_steps}; no snapshot will be written. Lower start_step or train for "
                        "more steps.")
+        if getattr(pl_module, "graphed_step", None) is not None:
+            rank_zero_info("MemorySnapshot: under model.cuda_graphs a replayed step makes no allocator calls; replayed "
+                           "steps log memory/graph_capture_peak_gib (the capture step's peak, which every replay "
+                           "reuses), allocated_gib and reserved_gib (graph pool included), no peak_after_*; the "
+                           "snapshot window's steps run eagerly.")
         if self.on_oom and self._records:
             rank_zero_info("MemorySnapshot: on_oom records allocation history from the start; every step pays for it "
                            "alike, and CudaSyncTimer's times include that cost.")
@@ -245,8 +274,12 @@ class MemorySnapshot(pl.Callback):
         if not self._cuda:
             return
         if self._phases.first_batch:
-            # Each read of the counters builds torch.cuda.memory_stats' whole dict: read only what is logged.
-            self._measure = step % self.log_every_n_steps == 0
+            # Each read of the counters builds torch.cuda.memory_stats' whole dict: read only what is logged, and
+            # the step that captures a CUDA graph (the first replayed step: its peak is what every replay reuses).
+            self._log_now = step % self.log_every_n_steps == 0
+            capture = self._phases.graphed and self._graphed_steps == 0
+            self._graphed_steps += self._phases.graphed
+            self._measure = self._log_now or capture
             if self._measure:
                 torch.cuda.reset_peak_memory_stats(self._device)
                 self._values = {}
@@ -290,17 +323,23 @@ class MemorySnapshot(pl.Callback):
         if self._measure:
             stats = torch.cuda.memory_stats(self._device)  # one read for the peak, allocated and reserved
             peak = stats.get("allocated_bytes.all.peak", 0) / GIB
-            if not self._phases.graphed:  # a replay has no forward boundary
+            if not self._phases.graphed:
                 self._values.setdefault("memory/peak_after_forward_gib", peak)  # a step without backward
-            if stepped:
-                self._values["memory/peak_after_optimizer_gib"] = peak
+                if stepped:
+                    self._values["memory/peak_after_optimizer_gib"] = peak
+            else:  # the replay allocated nothing: the peak that holds for it is the capture step's
+                if self._capture_peak is None:
+                    self._capture_peak = peak
+                peak = self._capture_peak
+                self._values["memory/graph_capture_peak_gib"] = peak
             self._values["memory/allocated_gib"] = stats.get("allocated_bytes.all.current", 0) / GIB
             self._values["memory/reserved_gib"] = stats.get("reserved_bytes.all.current", 0) / GIB
-            if world_size(trainer) > 1:  # every rank measures the same steps
+            if self._log_now and world_size(trainer) > 1:  # every rank logs the same steps
                 peaks = [row[0] for row in gather_values(trainer, [peak])]
                 self._values["memory/peak_gib_max"] = max(peaks)
                 self._values.update({f"memory/peak_gib_rank{r}": v for r, v in enumerate(peaks)})
-            log_scalars(trainer, self._values, step=step)
+            if self._log_now:
+                log_scalars(trainer, self._values, step=step)
         if self._recording and self._phases.leaves(self._window) and not self._window_done:
             self._finish_window(trainer, pl_module)
 

@@ -38,6 +38,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typing_extensions import override
 
 from lmtrain.analysis import float8 as f8
@@ -149,6 +150,9 @@ class PrecisionInspector(Callback):
         self._loss: torch.Tensor | None = None
         self._ref: dict[str, Any] = {}
         self._grads: list[dict[str, Any]] = []
+        self._in_backward = False  # model.optimizer_in_backward: the update frees each gradient inside backward
+        self._grad_hook: Any = None  # the optimizer step pre-hook reading those gradients, in the inspected step
+        self._grad_dtypes: dict[int, torch.dtype] = {}  # id(parameter) -> its gradient's dtype, read by that hook
         self._stepped = False
         self._done = False
         self.result: PrecisionReport | None = None  # the inspection (for scripts and tests)
@@ -220,6 +224,11 @@ class PrecisionInspector(Callback):
             rank_zero_info("PrecisionInspector: no fp32 reference with model.master_weights (the step computes with "
                            "bf16 copies of the fp32 master weights); logits_max_abs_err, logits_rel_err and "
                            "loss_abs_err are not logged, the dtypes are.")
+        self._in_backward = bool(getattr(getattr(pl_module, "config", None), "optimizer_in_backward", False))
+        if self._in_backward:
+            rank_zero_info("PrecisionInspector: with model.optimizer_in_backward each gradient is freed by its update "
+                           "inside the backward pass: its dtype is read just before that update; the optimizer state "
+                           "is read after the step as usual.")
         if getattr(pl_module, "cuda_graphs", False):
             rank_zero_info(f"PrecisionInspector: step {self.step} runs eagerly (a CUDA graph replay runs no module "
                            "hooks); the steps around it replay the graph.")
@@ -243,6 +252,9 @@ class PrecisionInspector(Callback):
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
         self._batch = self._loss = None
         self._ref = {}
 
@@ -271,6 +283,11 @@ class PrecisionInspector(Callback):
             self._recorder = DtypeRecorder(pl_module, pl_module.device.type)
             self._recorder.install()
             self._batch = batch
+            if self._in_backward:
+                # The in-backward optimizer steps one torch.optim optimizer per parameter from a post-accumulate
+                # hook and frees .grad right after: a step pre-hook sees each gradient before it goes (also
+                # under FSDP2, which runs those hooks on the sharded parameters after its reduce-scatter).
+                self._grad_hook = register_optimizer_step_pre_hook(self._read_grads)
         if self._probe is not None or self._recorder is not None:
             self._enter_eager(pl_module, step)
 
@@ -313,6 +330,25 @@ class PrecisionInspector(Callback):
         self._phases.after_backward()
         if self._recorder is not None and not self._grads:
             self._grads = grad_entries(pl_module)
+
+    def _read_grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook (in the inspected step, with the in-backward optimizer): the dtype of each
+        gradient the optimizer is about to read, the first time it is seen."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._grad_dtypes.setdefault(id(p), p.grad.dtype)
+
+    def _grad_entries(self, pl_module: pl.LightningModule) -> list[dict[str, Any]]:
+        """The gradients' dtypes after backward; those the in-backward optimizer freed, from :meth:`_read_grads`."""
+        params = dict(pl_module.named_parameters())
+        entries = [e if e["dtype"] != "-" or id(params[e["path"]]) not in self._grad_dtypes
+                   else {**e, "dtype": dtype_name(self._grad_dtypes[id(params[e["path"]])])} for e in self._grads]
+        missing = sum(e["dtype"] == "-" and params[e["path"]].requires_grad for e in entries)
+        if self._in_backward and missing:
+            self._warn(f"PrecisionInspector: {missing} gradient(s) were freed by the in-backward optimizer before "
+                       "they could be read; their dtype is reported as '-'.")
+        return entries
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -417,7 +453,7 @@ class PrecisionInspector(Callback):
             logits_module=path if path != "" else "(root)",
             logits_dtype=dtype_name(logits.dtype) if logits is not None else None,
             loss_dtype=dtype_name(self._loss_dtype) if self._loss_dtype is not None else None,
-            grads=self._grads,
+            grads=self._grad_entries(pl_module),
             optimizer_state=optimizer_entries(trainer.optimizers, pl_module) if self._stepped else [],
         )
         if "logits" in self._ref:

@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lmtrain.callbacks._common import WarnOnce, check_int, log_text
 from lmtrain.errors import LmtrainError
-from lmtrain.generate import Codec, check_sampling, sample
+from lmtrain.generate import Codec, check_sampling, check_vocabularies, sample
 
 _OWNER = "GenerateSamples"
 
@@ -27,14 +27,17 @@ class GenerateSamples(pl.Callback):
     The samples come from ``lmtrain.generate.sample`` (the loop of ``python -m lmtrain generate``) on the module's
     ``model`` in eval mode under the trainer's precision context, with a generator of its own (seeded by ``seed``
     and the step), so sampling leaves the global random state, and hence training, unchanged; train mode is
-    restored afterwards. Between samples the callback costs one integer comparison per batch. Only rank 0 samples,
-    except under FSDP2 (``ModelParallelStrategy``), where every rank must run the sharded forward pass. A compiled
-    model may compile again for the sampling shapes. With data that has no tokenizer (``synthetic``), the callback
-    warns once and logs nothing.
+    restored afterwards. Only ids the tokenizer has are drawn (a model vocabulary of 10,000 on byte-level data
+    samples bytes only); a tokenizer larger than the model's vocabulary is refused in ``setup``. Between samples
+    the callback costs one integer comparison per batch. Only rank 0 samples, except under FSDP2
+    (``ModelParallelStrategy``), where every rank must run the sharded forward pass. A compiled model may compile
+    again for the sampling shapes. With data that has no tokenizer (``synthetic``), the callback warns once and logs
+    nothing.
 
     Args:
         every_n_steps: sample after every this many optimizer steps (at steps N, 2N, ...).
-        prompts: the texts to continue (an empty prompt starts from the tokenizer's ``<|endoftext|>``).
+        prompts: the texts to continue (an empty prompt starts from the tokenizer's ``<|endoftext|>``, or from a
+            newline on byte-level data).
         max_new_tokens: tokens sampled per prompt.
         temperature: softmax temperature (0: greedy).
         top_k: keep the k most likely tokens (0: all).
@@ -80,16 +83,12 @@ class GenerateSamples(pl.Callback):
             self._warn(f"{_OWNER}: the data has no tokenizer (synthetic ids, or a token file without tokenizer.json "
                        "beside it), so no samples are logged.")
             return
+        model_vocab_size = pl_module.hparams.get("vocab_size") if hasattr(pl_module, "hparams") else None
+        if model_vocab_size is not None:
+            check_vocabularies(self._codec, int(model_vocab_size), "model.vocab_size",
+                               f"set model.vocab_size to at least {self._codec.vocab_size:,}, the tokenizer's.")
         field = f"callbacks.{_OWNER}.prompts"
-        self._prompt_ids = []
-        for prompt in self.prompts:
-            ids = self._codec.encode(prompt, field=field)
-            if not ids:
-                if self._codec.start_id is None:
-                    raise LmtrainError(field, "holds an empty prompt, and the tokenizer has no end-of-text token "
-                                       "to start from.", "give every prompt at least one character.")
-                ids = [self._codec.start_id]
-            self._prompt_ids.append(ids)
+        self._prompt_ids = [self._codec.prompt_ids(prompt, field=field) for prompt in self.prompts]
         self._last_step = None
 
     def _samples_here(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -122,7 +121,7 @@ class GenerateSamples(pl.Callback):
                 for ids in self._prompt_ids:
                     prompt = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
                     out = sample(model, prompt, self.max_new_tokens, context_length, self.temperature, self.top_k,
-                                 self.top_p, generator)
+                                 self.top_p, generator, vocab_size=self._codec.vocab_size)
                     texts.append(self._codec.decode(out[0].tolist()))
         finally:
             pl_module.train(was_training)

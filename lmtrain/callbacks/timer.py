@@ -27,6 +27,7 @@ from lmtrain.callbacks._common import (
     WarnOnce,
     check_int,
     gather_values,
+    host_group,
     log_scalars,
     log_text,
     timing_perturbed_by,
@@ -39,6 +40,10 @@ SyncMode = Literal["events", "synchronize"]
 
 #: Phase keys of :attr:`CudaSyncTimer.step_times` and :meth:`CudaSyncTimer.summary`, in display order.
 PHASES = ("forward_ms", "backward_ms", "optimizer_ms", "step_ms")
+
+#: Events mode: steps left unread when a step starts. Step N is read when step N + 2 starts (its events have been
+#: passed by a whole step's work, so reading them almost never waits), on every rank alike.
+READ_LAG = 1
 
 _START, _BEFORE_BWD, _AFTER_BWD, _BEFORE_OPT, _END = MARKS  # marks of one batch, in the order the hooks fire
 
@@ -62,11 +67,11 @@ class CudaSyncTimer(pl.Callback):
 
     CUDA kernels run asynchronously: a host clock read right after ``loss.backward()`` returns measures
     the launch, not the work. With ``sync="events"`` (default) a CUDA event is recorded on the current
-    stream at each phase boundary and read one step later, after the GPU has passed it, so the host
-    never waits inside a step. With ``sync="synchronize"`` each boundary calls
-    ``torch.cuda.synchronize()`` and reads ``time.perf_counter`` (exact, but it drains the queue at
-    every boundary and so adds idle gaps; use it to cross-check). Without CUDA the host clock
-    ``time.perf_counter`` is used (a message says so once).
+    stream at each phase boundary and read when the step after next starts, after the GPU has passed it
+    (almost always: the host rarely runs more than a step ahead), so the host does not wait. With
+    ``sync="synchronize"`` each boundary calls ``torch.cuda.synchronize()`` and reads ``time.perf_counter``
+    (exact, but it drains the queue at every boundary and so adds idle gaps; use it to cross-check). Without
+    CUDA the host clock ``time.perf_counter`` is used (a message says so once).
 
     Phases and steps are those of ``lmtrain.callbacks._common.StepPhases`` (forward from the batch start,
     ``zero_grad`` included; backward; optimizer: the optimizer step, gradient clipping, the LR scheduler;
@@ -87,9 +92,9 @@ class CudaSyncTimer(pl.Callback):
     - ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``: milliseconds. A step
       replayed as a CUDA graph has ``time/step_ms`` only, unless the module has ``graph_phase_marks()``: a dict
       mark name (``lmtrain.analysis.timing.MARKS``) -> ``torch.cuda.Event(enable_timing=True, external=True)``
-      recorded inside the graph, read one step later (valid until the replay after next). ``LMModule`` has it
-      (``lmtrain.graphs.WholeStepGraph``); its replayed steps then have every phase, and ``time/step_ms`` is still
-      timed from the host's marks around the replay.
+      recorded inside the graph, read when the step after next starts (valid until the replay after next).
+      ``LMModule`` has it (``lmtrain.graphs.WholeStepGraph``); its replayed steps then have every phase, and
+      ``time/step_ms`` is still timed from the host's marks around the replay.
     - ``time/warmup_step_ms``: milliseconds per warm-up step.
     - ``throughput/tokens_per_s``: tokens per second (inputs of (B, T + 1) windows count B * T tokens); on
       several ranks the tokens of all ranks over the slowest rank's step time.
@@ -102,7 +107,8 @@ class CudaSyncTimer(pl.Callback):
       (``lmtrain.flops.float8_step_peak_flops``).
 
     On several ranks the ``time/*_ms`` tags above are rank 0's own; every logged step's times of all ranks are
-    gathered (one small ``all_gather``; in events mode at the next step's start, on every rank), and rank 0 logs:
+    gathered (one small ``all_gather`` of host-side floats over a gloo group, ``lmtrain.callbacks._common.host_group``;
+    in events mode when the step after next starts, on every rank), and rank 0 logs:
 
     - ``time/step_ms_slowest``, ``time/step_ms_fastest``: ms, the slowest (what the run waits on) and fastest
       rank's step time; ``time/straggler_ratio``: slowest / fastest (ratio, >= 1); ``time/slowest_rank``: the
@@ -185,6 +191,7 @@ class CudaSyncTimer(pl.Callback):
         self.step_times, self.excluded_steps, self.warmup_times, self._summarised = [], {}, [], False
         self._pending, self._current, self._batch = [], None, None
         self._phases.reset()
+        host_group(trainer)  # a collective the first time: made now, on every rank together
         self._cuda = trainer.strategy.root_device.type == "cuda"
         if not self._cuda:
             rank_zero_info("CudaSyncTimer: no CUDA device; timing with the host clock time.perf_counter.")
@@ -236,9 +243,9 @@ class CudaSyncTimer(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        # The previous steps' events, read now that they have passed. On several ranks a logged step is read
-        # (and gathered) here on every rank alike, whether or not its events have completed.
-        self._collect(trainer, block=trainer.world_size > 1 and any(map(self._logs, self._pending)))
+        # The step before the previous one, read now that the GPU has (almost surely) passed its events; every rank
+        # reads (and gathers) the same steps here, whether or not its events have completed.
+        self._collect(trainer, lag=READ_LAG)
         index = self._phases.batch_start(trainer)
         if self._current is None:
             self._current = _Step(index=index, warmup=self._phases.steps_started <= self.warmup_steps,
@@ -289,25 +296,22 @@ class CudaSyncTimer(pl.Callback):
             self._current = None
             self._pending.append(step)
             if not (self._cuda and self.sync == "events"):
-                self._collect(trainer, block=True)  # host-clock values are final already
+                self._collect(trainer, lag=0)  # host-clock values are final already
 
     # -- reading and logging --------------------------------------------------------------------
 
-    def _logs(self, step: _Step) -> bool:
-        """The step's values are logged (and, on several ranks, gathered)."""
-        return not step.warmup and step.index % self.log_every_n_steps == 0
+    def _collect(self, trainer: pl.Trainer, lag: int) -> None:
+        """Read the oldest ended steps until ``lag`` stay unread (0: every step, as at the end of the fit).
 
-    def _collect(self, trainer: pl.Trainer, block: bool) -> None:
-        """Read finished steps. Non-blocking reads only take steps whose last event has completed,
-        but at most one step stays unread, so memory and logging lag stay bounded."""
-        while self._pending:
-            step = self._pending[0]
+        Which steps are read depends on the step count alone, never on whether their events have completed, so
+        that every rank reads and gathers the same steps at the same hook. A step whose last event has not
+        completed yet is waited for (its last kernel only, not the steps after it).
+        """
+        while len(self._pending) > lag:
+            step = self._pending.pop(0)
             end = step.batches[-1].get(_END)
             if isinstance(end, torch.cuda.Event) and not end.query():
-                if not block and len(self._pending) <= 1:
-                    return
-                end.synchronize()  # waits for that step's last kernel only, not for the current step
-            self._pending.pop(0)
+                end.synchronize()
             self._record(trainer, step)
 
     def _record(self, trainer: pl.Trainer, step: _Step) -> None:
@@ -335,7 +339,7 @@ class CudaSyncTimer(pl.Callback):
         if not log_now:
             return
         per_rank = None
-        if trainer.world_size > 1:  # every rank gets here on the same steps (see _logs and on_train_batch_start)
+        if trainer.world_size > 1:  # every rank gets here on the same steps (see _collect)
             mine = [times[k] if k in seen else math.nan for k in PHASES]
             per_rank = gather_values(trainer, mine + [math.nan if v is None else v for v in (step.tokens, step.flops)])
         metrics, raw = step_metrics(row, per_rank, step.tokens, step.flops, self._peak)
@@ -351,7 +355,7 @@ class CudaSyncTimer(pl.Callback):
         log_scalars(trainer, metrics, step=step.index)
 
     def _finish(self, trainer: pl.Trainer, log: bool = True) -> None:
-        self._collect(trainer, block=True)
+        self._collect(trainer, lag=0)  # at the fit's end, on every rank
         if self._summarised or not self.step_times:
             return
         self._summarised = True

@@ -1,0 +1,79 @@
+"""KernelShare on two ranks (a CPU fit over gloo, DDP) when the analysis fails on the profiling rank: every rank still
+reaches the gather of the results, so the run ends instead of hanging.
+
+The fit runs in its own Python process (this file is also the script: ``python tests/test_callback_kernel_share_ranks.py
+OUT_DIR``), as in ``tests/test_callbacks_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from subprocs import own_job_env
+
+STEPS = 4
+
+
+def run_fit(out: Path) -> None:
+    """Fit the tiny model for STEPS steps on 2 CPU processes; KernelShare profiles rank 1, whose analysis raises."""
+    from datetime import timedelta
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lmtrain.callbacks import KernelShare
+    from lmtrain.module import LMModule
+
+    class FailingOnRankOne(KernelShare):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            self.reported: list[object] = []
+
+        def _analyze(self, trainer, pl_module, path):  # noqa: ANN001, ANN202
+            raise RuntimeError(f"broken trace on rank {trainer.global_rank}")
+
+        def _report(self, trainer, found):  # noqa: ANN001, ANN202
+            self.reported.append(found)
+            super()._report(trainer, found)
+
+    data = torch.randint(0, 64, (STEPS * 2 * 2, 17), generator=torch.Generator().manual_seed(0))
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(data[self.trainer.global_rank::2], batch_size=2, shuffle=False)
+
+    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                      warmup_steps=0, fused_adamw=False)
+    cb = FailingOnRankOne(wait=1, warmup=0, active=1, ranks=[1], chart=False)
+    # A short collective timeout: a rank left waiting in the gather fails the run in seconds, not half an hour.
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=20)),
+                         precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         use_distributed_sampler=False, callbacks=[cb])
+    trainer.fit(module, datamodule=Data())
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
+        {"steps": trainer.global_step, "reported": cb.reported, "summary": cb.summary is not None}))
+
+
+@pytest.mark.slow  # two processes start and join: about 15 s on a 2-core machine
+def test_a_failed_analysis_on_the_profiling_rank_leaves_no_rank_waiting(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=tmp_path, env=own_job_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    # both ranks ran every step and reached _report once (rank 0, not profiling, with nothing of its own)
+    assert ranks == {r: {"steps": STEPS, "reported": [None], "summary": False} for r in (0, 1)}
+    assert proc.stderr.count("KernelShare: rank 1: the profiled window could not be analysed (RuntimeError: "
+                             "broken trace on rank 1); this rank reports nothing.") == 1
+
+
+if __name__ == "__main__":
+    from lmtrain.distributed import end_process_group
+
+    run_fit(Path(sys.argv[1]))
+    end_process_group()
