@@ -157,7 +157,7 @@ def _lm_cli_class() -> type:
             super().instantiate_classes()
             # Again with the number of processes the trainer found (``devices: auto``), before fit/validate/test
             # opens the log folder (Lightning creates it just before the callbacks' setup).
-            check_callbacks(self.trainer.callbacks, self.trainer.world_size, self.datamodule)
+            check_callbacks(self.trainer.callbacks, self.trainer.world_size, self.datamodule, self.model)
             cache = compile_cache_callback(self.config[self.subcommand])
             if cache is not None:
                 # First, so that its clock brackets the first step and not the other callbacks' work around it.
@@ -173,7 +173,7 @@ def _lm_cli_class() -> type:
                 kwargs["strategy"] = ddp_strategy(int(trainer.get("accumulate_grad_batches") or 1))
             # The callbacks' arguments and prompts, checked before the trainer says which devices it found: a bad
             # one stops with its one line alone.
-            check_callbacks(trainer.get("callbacks") or [], expected_processes(trainer), self.datamodule)
+            check_callbacks(trainer.get("callbacks") or [], expected_processes(trainer), self.datamodule, self.model)
             return super().instantiate_trainer(**kwargs)
 
         def before_fit(self) -> None:
@@ -236,12 +236,13 @@ def expected_processes(trainer: Any) -> int:
     return max(1, torch.cuda.device_count()) * int(trainer.get("num_nodes") or 1)
 
 
-def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any) -> None:
+def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any, module: Any) -> None:
     """Every callback's ``check_arguments(world_size)``, and the prompts of ``GenerateSamples`` against the data's
-    tokenizer, before anything is written.
+    tokenizer (and the tokenizer against ``module``'s vocabulary), before anything is written.
 
     ``GenerateSamples`` encodes its prompts in ``setup``, which needs the trainer's data module: it gets a stand-in
-    trainer holding ``datamodule`` alone, so that an empty or unencodable prompt stops before the log folder exists.
+    trainer holding ``datamodule`` alone, so that a prompt the tokenizer cannot encode stops before the log folder
+    exists.
     It is recognised by its module and ``prompts``, not by its class: ``lmtrain.generate``, which it imports,
     imports this module.
 
@@ -256,7 +257,7 @@ def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any) 
             check(world_size)
         if type(callback).__module__ == "lmtrain.callbacks.samples" and hasattr(callback, "prompts") \
                 and datamodule is not None:
-            callback.setup(SimpleNamespace(datamodule=datamodule), SimpleNamespace(model=None), "fit")
+            callback.setup(SimpleNamespace(datamodule=datamodule), module, "fit")
 
 
 def parser_kwargs() -> dict[str, Any]:

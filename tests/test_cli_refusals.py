@@ -119,11 +119,28 @@ def test_bad_data_path_is_one_line(in_tmp: Path, capsys: pytest.CaptureFixture) 
     assert "nonexist does not exist" in line
 
 
-@pytest.mark.parametrize("prompts", ['[""]', "[]"])
-def test_bad_sample_prompt_writes_nothing(prompts: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
-    """GenerateSamples' prompts are checked against the data's tokenizer (bytes here) before any run folder."""
+@pytest.mark.parametrize(("argument", "value"), [("prompts", "[]"), ("every_n_steps", "0")])
+def test_bad_sample_argument_writes_nothing(argument: str, value: str, in_tmp: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """GenerateSamples' arguments (and its prompts against the data's tokenizer) are checked before the trainer
+    reports its devices and before any run folder exists."""
     refused(["fit", "--config", TINY, "--trainer.callbacks+=lmtrain.callbacks.GenerateSamples",
-             "--trainer.callbacks.prompts", prompts], "callbacks.GenerateSamples.prompts", capsys, in_tmp)
+             f"--trainer.callbacks.{argument}", value], f"callbacks.GenerateSamples.{argument}", capsys, in_tmp)
+
+
+def test_sample_callback_checked_against_the_data_before_the_trainer() -> None:
+    """check_callbacks runs GenerateSamples' data checks (here: a tokenizer larger than the model's vocabulary)."""
+    from types import SimpleNamespace
+
+    from lmtrain.callbacks import GenerateSamples
+    from lmtrain.cli_config import check_callbacks
+    from lmtrain.errors import LmtrainError
+
+    data = SimpleNamespace(tokenizer={"kind": "bytes"})
+    check_callbacks([GenerateSamples()], 1, data, SimpleNamespace(model=None, hparams={"vocab_size": 256}))
+    with pytest.raises(LmtrainError) as info:
+        check_callbacks([GenerateSamples()], 1, data, SimpleNamespace(model=None, hparams={"vocab_size": 100}))
+    assert info.value.field == "model.vocab_size"
 
 
 def _truncated_checkpoint(path: Path) -> Path:
