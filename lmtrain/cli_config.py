@@ -237,27 +237,20 @@ def expected_processes(trainer: Any) -> int:
 
 
 def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any, module: Any) -> None:
-    """Every callback's ``check_arguments(world_size)``, and the prompts of ``GenerateSamples`` against the data's
-    tokenizer (and the tokenizer against ``module``'s vocabulary), before anything is written.
-
-    ``GenerateSamples`` encodes its prompts in ``setup``, which needs the trainer's data module: it gets a stand-in
-    trainer holding ``datamodule`` alone, so that a prompt the tokenizer cannot encode stops before the log folder
-    exists.
-    It is recognised by its module and ``prompts``, not by its class: ``lmtrain.generate``, which it imports,
-    imports this module.
+    """Every callback's ``check_arguments(world_size)`` and, where it has one, ``check_data(datamodule, module)``
+    (``GenerateSamples``: its prompts against the data's tokenizer, the tokenizer against the model's vocabulary),
+    before anything is written.
 
     Raises:
         LmtrainError: a callback argument or prompt is wrong, naming it.
     """
-    from types import SimpleNamespace
-
     for callback in callbacks:
         check = getattr(callback, "check_arguments", None)
         if callable(check):
             check(world_size)
-        if type(callback).__module__ == "lmtrain.callbacks.samples" and hasattr(callback, "prompts") \
-                and datamodule is not None:
-            callback.setup(SimpleNamespace(datamodule=datamodule), module, "fit")
+        check_data = getattr(callback, "check_data", None)
+        if callable(check_data) and datamodule is not None:
+            check_data(datamodule, module)
 
 
 def parser_kwargs() -> dict[str, Any]:

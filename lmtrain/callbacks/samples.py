@@ -74,22 +74,36 @@ class GenerateSamples(pl.Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.check_arguments()
-        if not hasattr(pl_module, "model"):
-            raise LmtrainError(f"callbacks.{_OWNER}", f"{type(pl_module).__name__} has no `model` attribute to "
-                               "sample from.", "use it with lmtrain.LMModule.")
-        spec = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule is not None else None
-        self._codec = Codec(spec) if spec else None
+        self.check_data(trainer.datamodule, pl_module)
         if self._codec is None:
             self._warn(f"{_OWNER}: the data has no tokenizer (synthetic ids, or a token file without tokenizer.json "
                        "beside it), so no samples are logged.")
+        self._last_step = None
+
+    def check_data(self, datamodule: Any, pl_module: Any) -> None:
+        """Encode the prompts with ``datamodule``'s tokenizer and check it against ``pl_module``'s vocabulary.
+
+        The command line calls it before the trainer exists, so that a prompt the tokenizer cannot encode stops
+        before the log folder is made; ``setup`` calls it again with the trainer's data module.
+
+        Raises:
+            LmtrainError: the module has no model to sample from, the tokenizer is larger than the model's
+                vocabulary, or a prompt cannot be encoded.
+        """
+        if not hasattr(pl_module, "model"):
+            raise LmtrainError(f"callbacks.{_OWNER}", f"{type(pl_module).__name__} has no `model` attribute to "
+                               "sample from.", "use it with lmtrain.LMModule.")
+        spec = getattr(datamodule, "tokenizer", None) if datamodule is not None else None
+        self._codec = Codec(spec) if spec else None
+        if self._codec is None:
             return
-        model_vocab_size = pl_module.hparams.get("vocab_size") if hasattr(pl_module, "hparams") else None
+        hparams = getattr(pl_module, "hparams", None)
+        model_vocab_size = hparams.get("vocab_size") if hparams is not None else None
         if model_vocab_size is not None:
             check_vocabularies(self._codec, int(model_vocab_size), "model.vocab_size",
                                f"set model.vocab_size to at least {self._codec.vocab_size:,}, the tokenizer's.")
         field = f"callbacks.{_OWNER}.prompts"
         self._prompt_ids = [self._codec.prompt_ids(prompt, field=field) for prompt in self.prompts]
-        self._last_step = None
 
     def _samples_here(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         return trainer.global_rank == 0 or getattr(pl_module, "device_mesh", None) is not None
