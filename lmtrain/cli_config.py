@@ -147,6 +147,15 @@ def _lm_cli_class() -> type:
                 from lmtrain.distributed import check_strategy_options
 
                 check_strategy_options(model_config, *strategy_of(section["trainer"]))
+                if model_config.float8 != "none":  # here, not only at fit setup: before the trainer's device lines
+                    import torch
+
+                    from lmtrain.float8 import check_float8_run
+
+                    trainer = section["trainer"]
+                    on_cpu = _runs_on_cpu(str(trainer.get("accelerator") or "auto"))
+                    check_float8_run(normalize_precision(trainer.get("precision")),
+                                     torch.device("cpu") if on_cpu else None)
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path

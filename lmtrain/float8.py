@@ -190,22 +190,33 @@ def check_float8_device(device: torch.device, capability: tuple[int, int] | None
                            f"has {major}.{minor}.", "set model.float8: none on this GPU, or use an Ada or Hopper GPU.")
 
 
-def check_float8_trainer(trainer: Any, importer: Importer = importlib.import_module) -> None:
-    """Refuse a fit that float8 training cannot run (called at fit setup, before any logger writes).
+def check_float8_run(precision: str, device: torch.device | None,
+                     importer: Importer = importlib.import_module) -> None:
+    """Refuse a fit that float8 training cannot run: no torchao, a precision it cannot cast from, or a device
+    without float8 tensor cores.
 
     Args:
-        trainer: the Lightning trainer (its precision and its strategy's root device).
+        precision: the trainer's precision (``trainer.precision``).
+        device: the device the model trains on; None where it is not known yet (the command line, before the
+            trainer exists: it passes the CPU where the run can only train there).
         importer: imports a module by name (:func:`load_float8`).
 
     Raises:
-        LmtrainError: torchao is missing, the device has no float8 tensor cores, or the precision is fp16.
+        LmtrainError: torchao is missing, the precision is fp16, or the device has no float8 tensor cores.
     """
     load_float8(importer)
-    precision = str(trainer.precision)
     if precision not in FLOAT8_PRECISIONS:
         raise LmtrainError("model.float8", f"casts bf16 or fp32 values to float8 (torchao's recipes); this run's "
                            f"trainer.precision is {precision}.",
                            f"use trainer.precision: bf16-mixed (or one of {', '.join(FLOAT8_PRECISIONS)}).")
+    if device is not None:
+        check_float8_device(device)
+
+
+def check_float8_trainer(trainer: Any, importer: Importer = importlib.import_module) -> None:
+    """:func:`check_float8_run` for a Lightning trainer (its precision and its strategy's root device), at fit
+    setup, before any logger writes."""
+    check_float8_run(str(trainer.precision), None, importer)
     check_float8_device(torch.device(trainer.strategy.root_device))
 
 
