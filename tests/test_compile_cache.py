@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from refusals import one_line_error
 from subprocs import own_job_env
-from test_cli_refusals import one_line_error
 
 from lmtrain.cli import main
 from lmtrain.compile_cache import FOLDER_NAME, CompileCache, describe_outcome
