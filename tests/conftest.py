@@ -13,6 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tb.py and friends importable as plain modules
 
+from gputurn import gpu_turn  # noqa: E402
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
 
 
@@ -40,6 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def gpu_share(request: pytest.FixtureRequest) -> Any:
+    """GPU tests share the GPU with each other (``pytest -n 8``), except those marked ``gpu_alone``: they compare
+    one process's kernel times with its own step times, which other processes' kernels on the same GPU lengthen.
+    Such a test waits until it has the GPU to itself; the others wait while it runs (:func:`gputurn.gpu_turn`)."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    with gpu_turn(alone="gpu_alone" in request.keywords):
+        yield
 
 
 @pytest.fixture

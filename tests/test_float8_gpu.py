@@ -88,6 +88,7 @@ def test_float8_fits_track_the_bf16_losses(options: dict) -> None:
 @needs_float8
 def test_the_replay_matches_the_real_float8_gemm() -> None:
     module, _ = _fit(steps=1, **FLOAT8)
+    module.cuda()  # Lightning moves the module back to the CPU when fit ends
     layer = float8_linears(module)["model.blocks.0.mlp.w1"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1024, layer.in_features, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -40,3 +40,16 @@ def test_figures_of_the_tags_a_run_has(tmp_path: Path, tb_figures, capsys: pytes
     scalars, texts = tb_figures.read(log_dir)
     assert scalars["time/step_ms"] == [(0, 10.0), (1, 11.0), (2, 12.0)]
     assert texts["kernels/step_comparison"].endswith("| kernel busy time | 3.0 |")
+
+
+def test_long_text_lines_are_wrapped_or_cut(tb_figures) -> None:  # noqa: ANN001
+    prose = "word " * 70  # 350 characters
+    row = "| " + " | ".join(f"cell {i:03d}" for i in range(40)) + " |"
+    lines = tb_figures.panel_lines(f"{prose}\n{row}\nshort", width=100, max_lines=40)
+    assert all(len(line) <= 100 for line in lines)
+    assert lines[-1] == "short"
+    assert lines[-2] == row[:97] + "..."  # a table row is cut, not wrapped
+    wrapped = lines[:-2]
+    assert len(wrapped) == 4 and " ".join(w.strip() for w in wrapped) == prose.strip()
+    many = tb_figures.panel_lines("\n".join(f"line {i}" for i in range(50)), width=100, max_lines=40)
+    assert len(many) == 41 and many[-1] == "... (10 more lines)" and many[39] == "line 39"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 FIGURES: dict[str, tuple[str, list[str], list[str]]] = {
@@ -50,6 +51,25 @@ FIGURES: dict[str, tuple[str, list[str], list[str]]] = {
 }
 #: Lines of a text panel drawn at most (the rest is cut, with a line saying so).
 TEXT_LINES = 40
+#: Characters per drawn line: prose is wrapped at this width, a table row longer than it is cut (a wrapped row
+#: would break the table's columns). Without it one long line made a figure thousands of pixels wide.
+TEXT_WIDTH = 150
+
+
+def panel_lines(text: str, width: int = TEXT_WIDTH, max_lines: int = TEXT_LINES) -> list[str]:
+    """The lines of a text panel: prose wrapped at ``width``, table rows cut to it (ending in "..."), at most
+    ``max_lines`` of them and then one line saying how many more there were."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            lines.append(line)
+        elif line.lstrip().startswith("|"):
+            lines.append(line[:width - 3] + "...")
+        else:
+            lines += textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
+    return lines
 
 
 def read(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
@@ -77,7 +97,8 @@ def draw(title: str, scalars: dict[str, list[tuple[int, float]]], texts: dict[st
 
     columns = 3
     scalar_rows = -(-len(scalars) // columns)
-    text_heights = [min(TEXT_LINES, len(t.splitlines())) * 0.16 + 0.6 for t in texts.values()]
+    text_lines = {tag: panel_lines(text) for tag, text in texts.items()}
+    text_heights = [len(lines) * 0.16 + 0.6 for lines in text_lines.values()]
     height = 2.4 * scalar_rows + sum(text_heights) + 0.8
     fig = plt.figure(figsize=(13, height))
     grid = fig.add_gridspec(scalar_rows + len(texts), columns,
@@ -91,14 +112,11 @@ def draw(title: str, scalars: dict[str, list[tuple[int, float]]], texts: dict[st
         ax.grid(alpha=0.3)
         if len(values) == 1:
             ax.annotate(f"{ys[0]:.4g}", (steps[0], ys[0]), textcoords="offset points", xytext=(6, 6), fontsize=8)
-    for j, (tag, text) in enumerate(texts.items()):
+    for j, (tag, lines) in enumerate(text_lines.items()):
         ax = fig.add_subplot(grid[scalar_rows + j, :])
         ax.axis("off")
-        lines = text.splitlines()
-        shown = "\n".join(lines[:TEXT_LINES]) + (f"\n... ({len(lines) - TEXT_LINES} more lines)"
-                                                 if len(lines) > TEXT_LINES else "")
         ax.set_title(tag, fontsize=9, loc="left")
-        ax.text(0, 1, shown, family="monospace", fontsize=7, va="top", ha="left", transform=ax.transAxes)
+        ax.text(0, 1, "\n".join(lines), family="monospace", fontsize=7, va="top", ha="left", transform=ax.transAxes)
     fig.suptitle(f"{title}\nDrawn from the TensorBoard event files of {source}", fontsize=11)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
