@@ -100,8 +100,9 @@ inside each GEMM, so:
 
     weight casts         autocast makes no bf16 copy of a float8 layer's weight: (4 D^2 + 3 D F - F8) * c per layer,
                          and none of the head's when it is float8
-    float8 weight casts  with ``compile``, F8 * 1 per layer: the float8 weight, planned as kept for the backward
-                         pass (the compiler's choice against casting it again; to be measured)
+    float8 weights       none kept for the backward pass, with or without ``compile``: the 2.7B fast config with
+                         float8 peaked 1.4 GiB *below* its bf16 run on an H100 (32.2 against 33.6 GiB,
+                         benchmarks/2026-11-28-H100-float8-2.7B.md), where keeping them would have added 3.1 GiB
     float8 transients    the largest float8 layer's backward casts, 1 byte each: grad_output twice (n*N each), the
                          weight (K*N) and the input (n*K); rowwise adds fp32 scales per row and column. Added to the
                          last layer's backward. Amax and tensorwise scales are single fp32 numbers (nothing to plan).
@@ -263,11 +264,10 @@ def layer_activation_bytes(
         "rope_qk": 2 * n * d * c,
         "swiglu": 4 * n * f * c,
         # A float8 layer casts its weight to float8 itself (no autocast copy) and saves the weight and its input
-        # in high precision (torchao's autograd function); compile may keep the float8 weight for the backward
-        # instead of casting it again, planned here as kept.
+        # in high precision (torchao's autograd function); its float8 weight is cast again in the backward pass,
+        # compiled or not (measured: see the module docstring).
         "weight_casts": (4 * d * d + 3 * d * f - float8_block_elements(cfg)) * c if _weights_cast(cfg, precision)
         else 0,
-        "float8_weight_casts": float8_block_elements(cfg) if cfg.compile else 0,
     }
     if materializes_scores(cfg.attention):
         terms["attention"] = n * d * c + t * t + b * h * t * t * 4 + (b * h * t * t * c if c != 4 else 0)
