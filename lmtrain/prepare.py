@@ -406,7 +406,9 @@ def tokens_needed(window: int, val_fraction: float, test_fraction: float) -> int
 
     ``split_sizes`` rounds the held-out splits down, so the training split can lose a token as the corpus grows by
     one: the first size that serves may be followed by one that does not. From ``window / fraction + 1`` tokens on
-    every split serves (with room for floating-point rounding); counting down from there finds the threshold.
+    every split serves (with room for floating-point rounding); counting down from there finds the threshold. The
+    count stops after ``2**20`` sizes, which only a training fraction under about 1e-6 reaches: the size returned
+    then serves, but may not be the fewest.
     """
     used = [i for i, s in enumerate(SPLITS) if s in splits_in_use(test_fraction)]
     fractions = (1.0 - val_fraction - test_fraction, val_fraction, test_fraction)
@@ -416,7 +418,8 @@ def tokens_needed(window: int, val_fraction: float, test_fraction: float) -> int
         return all(sizes[i] >= window for i in used)
 
     n = max(math.ceil(window / fractions[i]) + 1 for i in used)
-    while n > 1 and serves(n - 1):
+    lowest = max(1, n - (1 << 20))
+    while n > lowest and serves(n - 1):
         n -= 1
     return n
 
