@@ -13,7 +13,9 @@ Each sample is a window of ``context_length + 1`` token ids (int64); the module 
                 a corpus every machine has.
 
 A prepared folder brings its own splits (``val_fraction``/``test_fraction`` were prepare's options and are
-not used here; an empty test split makes ``test`` report the validation part, with a warning). Other files
+not used here; an empty test split makes ``test`` report the validation part, with a warning); a split shorter
+than one window of ``context_length + 1`` tokens stops setup with a line naming its file (``prepare
+--context-length`` refuses to write such a folder). Other files
 are split, in order, into a train part, a validation part (the next ``val_fraction`` of the
 tokens) and a test part (the last ``test_fraction``; with 0, ``test`` reports the validation part and
 says so). Validation and test windows are fixed and evenly spaced.
@@ -365,9 +367,14 @@ class LMDataModule(pl.LightningDataModule):
                 raise LmtrainError("data.path", f"{file} is missing or not the {count:,} {dtype} ids that "
                                    f"{MANIFEST} lists.", "write the folder again with python -m lmtrain prepare.")
             if count < window:
-                raise LmtrainError("data.path", f"the {split} split of {folder} holds {count:,} tokens, fewer than "
-                                   f"one window of context_length + 1 = {window}.",
-                                   "prepare more text, or use a smaller model.context_length.")
+                # Every pass draws whole windows: validation or test could draw no batch, training none at all.
+                larger = {"train": "smaller --val-fraction/--test-fraction", "val": "a larger --val-fraction",
+                          "test": "a larger --test-fraction (or 0 for none)"}[split]
+                shorter = f", or set model.context_length to at most {count - 1:,}" if count > 1 else ""
+                raise LmtrainError("data.path", f"{file} (the {split} split) holds {count:,} tokens, fewer than one "
+                                   f"window of context_length {self.context_length:,} + 1 = {window:,}.",
+                                   f"prepare it again with more text or {larger} (--context-length "
+                                   f"{self.context_length} makes prepare check each split){shorter}.")
             tokens = np.memmap(file, dtype=dtype, mode="r")
             self._check_ids(tokens, str(file))
             arrays[split] = tokens

@@ -3,6 +3,7 @@
     python -m lmtrain prepare --input corpus/ --out data/corpus            # train a 10,000-token BPE, encode
     python -m lmtrain prepare --input 'books/*.txt' --out data/books --vocab-size 32000
     python -m lmtrain prepare --input more.txt --out data/more --tokenizer data/corpus/tokenizer.json
+    python -m lmtrain prepare --input corpus/ --out data/corpus --context-length 128   # each split holds a window
 
 The input is a text file, a folder (every file below it, recursively; binary files, recognised by a NUL byte
 or invalid UTF-8 in their first 64 KiB, are skipped) or a glob (``**`` recurses); ``python-stdlib`` is the running
@@ -32,11 +33,14 @@ and the encoder writes each batch of chunks to disk before reading the next. Pro
 done, total, rate), after a line naming the files and their size, when the input is larger than
 ``PROGRESS_MIN_BYTES``; a summary line ends every run.
 
-Bad input (a missing input, an empty corpus, a corpus too small to give the validation split, or a test split
-that was asked for, at least one token, an out folder that cannot be written or already holds another dataset, a
+Bad input (a missing input, an empty corpus, a corpus too small to give each split that ``fit`` reads one window of
+``--context-length`` + 1 tokens, an out folder that cannot be written or already holds another dataset, a
 vocabulary too small for the 256 byte symbols and the special tokens) stops with one line and exit 2, and nothing is
-written; the outputs are written to temporary files and renamed into place at the end, so an
-interrupted run leaves the folder as it was.
+written. The splits checked are train, val and, unless ``--test-fraction`` is 0, test; without ``--context-length``
+each needs 2 tokens (a window of the shortest context, 1), and the summary line says the longest context_length the
+splits serve. The data module refuses a split shorter than the run's window at setup in any case;
+``--context-length`` says so before anything is written. The outputs are written to temporary files and renamed
+into place at the end, so an interrupted run leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -326,6 +330,9 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     if not 0.0 <= args.test_fraction < 1.0 or args.val_fraction + args.test_fraction >= 1.0:
         raise LmtrainError("--test-fraction", f"must lie in [0, 1) and leave training data next to "
                            f"--val-fraction={args.val_fraction}, got {args.test_fraction}.", "use e.g. 0.05.")
+    if args.context_length is not None and args.context_length < 1:
+        raise LmtrainError("--context-length", f"must be a positive integer, got {args.context_length}.",
+                           "give the model.context_length that fit will use (e.g. 128), or leave it out.")
     return specials
 
 
@@ -384,25 +391,61 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if not quiet:
         parts = ", ".join(f"{s} {counts[s]:,}" for s in SPLITS)
         print(f"prepare: wrote {out} from {files}: vocabulary {vocab_size:,} ({dtype}), {n:,} tokens ({parts}), "
-              f"{corpus.total_bytes / max(n, 1):.2f} bytes per token", file=sys.stderr)
+              f"{corpus.total_bytes / max(n, 1):.2f} bytes per token; splits long enough for a context_length up to "
+              f"{min(counts[s] for s in splits_in_use(args.test_fraction)) - 1:,}", file=sys.stderr)
     return manifest
 
 
+def splits_in_use(test_fraction: float) -> tuple[str, ...]:
+    """The splits that ``fit``, ``validate`` and ``test`` read: all three, or no test split with a fraction of 0."""
+    return SPLITS if test_fraction > 0 else ("train", "val")
+
+
+def tokens_needed(window: int, val_fraction: float, test_fraction: float) -> int:
+    """The fewest tokens from which on every corpus size gives each split in use at least ``window`` tokens.
+
+    ``split_sizes`` rounds the held-out splits down, so the training split can lose a token as the corpus grows by
+    one: the first size that serves may be followed by one that does not. From ``window / fraction + 1`` tokens on
+    every split serves (with room for floating-point rounding); counting down from there finds the threshold. The
+    count stops after ``2**20`` sizes, which only a training fraction under about 1e-6 reaches: the size returned
+    then serves, but may not be the fewest.
+    """
+    used = [i for i, s in enumerate(SPLITS) if s in splits_in_use(test_fraction)]
+    fractions = (1.0 - val_fraction - test_fraction, val_fraction, test_fraction)
+
+    def serves(n: int) -> bool:
+        sizes = split_sizes(n, val_fraction, test_fraction)
+        return all(sizes[i] >= window for i in used)
+
+    n = max(math.ceil(window / fractions[i]) + 1 for i in used)
+    lowest = max(1, n - (1 << 20))
+    while n > lowest and serves(n - 1):
+        n -= 1
+    return n
+
+
 def _check_split_sizes(args: argparse.Namespace, n: int, counts: dict[str, int]) -> None:
-    """Stop when the validation split, or a test split that was asked for, holds no token: ``fit`` could not use
-    the folder (it needs a window of ``context_length + 1`` tokens in each)."""
-    empty = [s for s, fraction in (("val", args.val_fraction), ("test", args.test_fraction))
-             if fraction > 0 and counts[s] == 0]
-    if not empty:
+    """Stop when a split that ``fit``/``validate``/``test`` read is shorter than one window of ``--context-length``
+    + 1 tokens (without the option, of context_length 1, the least any model has): the data module would refuse
+    the folder at setup, so it is not written."""
+    context = args.context_length or 1
+    window = context + 1
+    used = splits_in_use(args.test_fraction)
+    short = [s for s in ("val", "test", "train") if s in used and counts[s] < window]
+    if not short:
         return
-    split = empty[0]
-    fraction = args.val_fraction if split == "val" else args.test_fraction
+    split = short[0]
     parts = ", ".join(f"{s} {counts[s]:,}" for s in SPLITS)
-    raise LmtrainError("--input", f"{args.input} encodes to {n:,} tokens ({parts}): too few for a {split} split of "
-                       f"{fraction:g}, and fit needs at least context_length + 1 tokens in each split.",
-                       f"give more text (at least {math.ceil(1 / fraction):,} tokens for any {split} split; "
-                       f"thousands for a useful one), or a larger --{'val' if split == 'val' else 'test'}-fraction"
-                       + (" (--test-fraction 0 for no test split)." if split == "test" else "."))
+    given = f"--context-length {context:,}" if args.context_length else "context_length 1 (the least)"
+    fixes = [f"give more text (at least {tokens_needed(window, args.val_fraction, args.test_fraction):,} tokens "
+             f"with these fractions{'' if args.context_length else '; many thousands for a useful model'})",
+             {"val": "a larger --val-fraction", "test": "a larger --test-fraction (0 for no test split)",
+              "train": "a smaller --val-fraction or --test-fraction"}[split]]
+    if args.context_length and counts[split] > 1:
+        fixes.append(f"a shorter --context-length (at most {counts[split] - 1:,} for this {split} split)")
+    raise LmtrainError("--input", f"{args.input} encodes to {n:,} tokens ({parts}): the {split} split holds "
+                       f"{counts[split]:,}, fewer than one window of {given} + 1 = {window:,} tokens, which fit "
+                       "needs in each split.", ", ".join(fixes[:-1]) + f", or {fixes[-1]}.")
 
 
 def _split_file(path: Path, itemsize: int, counts: dict[str, int], folder: Path) -> None:
@@ -429,6 +472,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="encode with this tokenizer.json instead of training one")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for validation (0.1)")
     parser.add_argument("--test-fraction", type=float, default=0.05, help="share of tokens for test (0.05)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="the context_length fit will use: refuse a split shorter than one window of it + 1 "
+                             "tokens (default: only a split too short for any, under 2 tokens)")
     parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress or summary lines")
 

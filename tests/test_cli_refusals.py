@@ -67,6 +67,21 @@ def test_bad_data_path_is_one_line(in_tmp: Path, capsys: pytest.CaptureFixture) 
     assert "nonexist does not exist" in line
 
 
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_prepared_split_shorter_than_the_context_is_one_line(command: str, in_tmp: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """A folder that prepare wrote without --context-length, whose validation split (30 tokens) is shorter than
+    the run's window: refused at data setup, naming the file, its count and the context length."""
+    from lmtrain.cli import main
+
+    (in_tmp / "c.txt").write_text("abcdefghij" * 30 + "\n")  # 301 one-byte tokens: train 256, val 30, test 15
+    assert main(["prepare", "--quiet", "--input", "c.txt", "--out", "ds", "--vocab-size", "257"]) == 0
+    line = refused([command, "--config", str(ROOT / "configs" / "tiny_bpe.yaml"), "--data.path", "ds",
+                    "--model.vocab_size", "257", "--model.context_length", "64"], "data.path", capsys, in_tmp)
+    assert "ds/val.bin (the val split) holds 30 tokens, fewer than one window of context_length 64 + 1 = 65." in line
+    assert "model.context_length to at most 29" in line.split("Fix:")[1]
+
+
 @pytest.mark.parametrize(("argument", "value"), [("prompts", "[]"), ("every_n_steps", "0")])
 def test_bad_sample_argument_writes_nothing(argument: str, value: str, in_tmp: Path,
                                             capsys: pytest.CaptureFixture) -> None:

@@ -373,7 +373,9 @@ def test_prepared_folder_checks(tmp_path: Path) -> None:
     with pytest.raises(LmtrainError, match=r"^model\.vocab_size: the tokenizer of .* has 1,200 tokens"):
         make(source="tokens", path=str(tmp_path / "ds"))
     write_prepared(tmp_path / "short", counts=(400, 10, 50))
-    with pytest.raises(LmtrainError, match=r"^data\.path: the val split of .* holds 10 tokens"):
+    with pytest.raises(LmtrainError, match=r"^data\.path: .*short/val\.bin \(the val split\) holds 10 tokens, "
+                                           r"fewer than one window of context_length 16 \+ 1 = 17\. Fix: .*"
+                                           r"--val-fraction .*model\.context_length to at most 9\.$"):
         make(source="tokens", path=str(tmp_path / "short"))
     write_prepared(tmp_path / "cut")
     (tmp_path / "cut" / "val.bin").write_bytes(b"\0" * 7)
@@ -382,6 +384,23 @@ def test_prepared_folder_checks(tmp_path: Path) -> None:
     (tmp_path / "plain").mkdir()
     with pytest.raises(LmtrainError, match=r"^data\.path: .* is a folder without dataset\.json"):
         make(source="tokens", path=str(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize(("counts", "split", "fix"), [((16, 100, 50), "train", "--val-fraction/--test-fraction"),
+                                                     ((400, 100, 16), "test", "--test-fraction"),
+                                                     ((400, 1, 50), "val", "--val-fraction")])
+def test_prepared_split_shorter_than_a_window_is_refused(counts: tuple[int, int, int], split: str, fix: str,
+                                                         tmp_path: Path) -> None:
+    """Any split one token short of a window stops setup (a pass could draw no window from it); exactly one window is
+    enough."""
+    write_prepared(tmp_path / "short", counts=counts)
+    count = counts[("train", "val", "test").index(split)]
+    with pytest.raises(LmtrainError, match=rf"^data\.path: .*{split}\.bin \(the {split} split\) holds {count} tokens"
+                                           rf", fewer than one window of context_length 16 \+ 1 = 17\. Fix: .*{fix}"):
+        make(source="tokens", path=str(tmp_path / "short"))
+    write_prepared(tmp_path / "enough", counts=tuple(max(c, WINDOW) for c in counts))
+    dm = make(source="tokens", path=str(tmp_path / "enough"), batch_size=2, train_batches=2, val_batches=2)
+    assert [tuple(b.shape) for b in getattr(dm, f"{split}_dataloader")()] == [(2, WINDOW), (2, WINDOW)]
 
 
 def test_prepared_folder_without_test_split_tests_on_validation(tmp_path: Path) -> None:

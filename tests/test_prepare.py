@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lmtrain.cli import main
-from lmtrain.prepare import Corpus, Progress, find_corpus, iter_chunks, split_sizes, token_dtype
+from lmtrain.prepare import Corpus, Progress, find_corpus, iter_chunks, split_sizes, token_dtype, tokens_needed
 
 EOT = "<|endoftext|>"
 
@@ -140,31 +140,97 @@ def test_prepare_errors_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
          field="--out")
 
 
-def test_prepare_refuses_empty_splits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A corpus too small for a validation split, or for a test split that was asked for: one line, nothing
-    written (fit could not use the folder). --vocab-size 257 (the bytes and <|endoftext|>, no merges) makes one
-    token per byte."""
+def test_prepare_refuses_splits_too_short_for_any_context(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --context-length, a split that fit reads needs 2 tokens (one window of context_length 1): a corpus too
+    small for that is refused with one line, nothing written. --vocab-size 257 (the bytes and <|endoftext|>, no
+    merges) makes one token per byte."""
     (tmp_path / "ten.txt").write_text("abcdefghij")
-    (tmp_path / "five.txt").write_text("abcde")
+    (tmp_path / "twenty.txt").write_text("abcdefghij" * 2)
     out = tmp_path / "out"
     _bad(capsys, out, "--input", tmp_path / "ten.txt", "--out", out, field="--input")  # 10,000 tokens: val 0
-    _bad(capsys, out, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257",
-         field="--input")  # 10 tokens: val 1, test 0 of 0.05
-    _bad(capsys, out, "--input", tmp_path / "five.txt", "--out", out, "--vocab-size", "257", "--test-fraction", "0",
-         field="--input")  # 5 tokens: val 0
+    _bad(capsys, out, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257", "--test-fraction", "0",
+         field="--input")  # 10 tokens: val 1, a window of no context
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    rc, err = run_prepare(capsys, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257")
-    assert rc == 2 and "too few for a test split of 0.05" in err and "--test-fraction 0" in err
+    rc, err = run_prepare(capsys, "--input", tmp_path / "twenty.txt", "--out", out, "--vocab-size", "257")
+    assert rc == 2 and ("(train 17, val 2, test 1): the test split holds 1, fewer than one window of context_length 1 "
+                        "(the least)") in err, err
+    assert "--test-fraction (0 for no test split)" in err and "at least 40 tokens with these fractions" in err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     rc = main(["prepare", "--input", str(tmp_path / "ten.txt"), "--out", str(out)])  # not --quiet: still one line
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: --input: "), err
-    rc, err = run_prepare(capsys, "--input", tmp_path / "ten.txt", "--out", out, "--vocab-size", "257",
-                          "--test-fraction", "0")  # no test split asked for: val 1, written
+    rc = main(["prepare", "--input", str(tmp_path / "twenty.txt"), "--out", str(out), "--vocab-size", "257",
+               "--test-fraction", "0"])  # no test split asked for: val 2, written
+    err = capsys.readouterr().err
     assert rc == 0, err
+    assert err.rstrip().endswith("splits long enough for a context_length up to 1")
     splits = json.loads((out / "dataset.json").read_text())["splits"]
-    assert [splits[s]["tokens"] for s in ("train", "val", "test")] == [9, 1, 0]
+    assert [splits[s]["tokens"] for s in ("train", "val", "test")] == [18, 2, 0]
+
+
+def test_prepare_refuses_splits_shorter_than_the_context(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --context-length N every split that fit reads must hold N + 1 tokens; the refusal names the split, its
+    count, the window and how much text would do. 301 one-byte tokens split into train 256, val 30, test 15."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefghij" * 30 + "\n")
+    out = tmp_path / "out"
+    base = ("--input", corpus, "--out", out, "--vocab-size", "257")
+    cases = [(("--context-length", "64"), "the val split holds 30, fewer than one window of --context-length 64 + "
+              "1 = 65 tokens", "a larger --val-fraction, or a shorter --context-length (at most 29 for this val"),
+             (("--context-length", "15"), "the test split holds 15, fewer than one window of --context-length 15 + "
+              "1 = 16 tokens", "a larger --test-fraction (0 for no test split), or a shorter --context-length (at "
+              "most 14 for this test"),
+             (("--context-length", "20", "--val-fraction", "0.5", "--test-fraction", "0.45"),
+              "(train 16, val 150, test 135): the train split holds 16, fewer than one window of --context-length "
+              "20 + 1 = 21", "a smaller --val-fraction or --test-fraction, or a shorter --context-length (at most 15")]
+    for extra, problem, fix in cases:
+        _bad(capsys, out, *base, *extra, field="--input")
+        err = run_prepare(capsys, *base, *extra)[1]
+        assert problem in err.split(" Fix: ")[0] and fix in err.split(" Fix: ")[1], err
+    _bad(capsys, out, *base, "--context-length", "0", field="--context-length")
+    rc, err = run_prepare(capsys, *base, "--context-length", "14")  # test holds exactly one window
+    assert rc == 0, err
+    # The text the refusal asks for is enough, one token less is not.
+    err = run_prepare(capsys, *base, "--context-length", "64", "--force")[1]
+    need = int(err.split("give more text (at least ")[1].split(" tokens")[0].replace(",", ""))
+    assert need == tokens_needed(65, 0.1, 0.05)
+    for size, rc in ((need - 1, 2), (need, 0)):
+        corpus.write_text("a" * size)
+        assert run_prepare(capsys, *base, "--context-length", "64", "--force")[0] == rc
+
+
+@pytest.mark.parametrize(("window", "val", "test"), [(2, 0.1, 0.05), (65, 0.1, 0.05), (129, 0.29, 0.0),
+                                                     (17, 0.07, 0.03), (1000, 0.5, 0.45), (50, 0.3, 0.3)])
+def test_tokens_needed_is_where_every_larger_corpus_serves(window: int, val: float, test: float) -> None:
+    """One more than the largest corpus size (counted well past window / fraction) that leaves a split in use short
+    of a window: the training split can shrink by a token as the corpus grows, so the first size that serves is not
+    always the answer."""
+    used = [0, 1, 2] if test > 0 else [0, 1]
+    smallest = min([1 - val - test, val] + ([test] if test > 0 else []))
+    short = [n for n in range(1, int(3 * window / smallest))
+             if min(split_sizes(n, val, test)[i] for i in used) < window]
+    assert tokens_needed(window, val, test) == short[-1] + 1
+
+
+def test_prepared_splits_serve_the_context_they_were_checked_for(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder written with --context-length N gives validation and test batches of N + 1 tokens; the data module
+    refuses a longer context at setup, naming the file."""
+    from lmtrain.data import LMDataModule
+    from lmtrain.errors import LmtrainError
+
+    (tmp_path / "c.txt").write_text("abcdefghij" * 30 + "\n")
+    out = tmp_path / "out"
+    assert run_prepare(capsys, "--input", tmp_path / "c.txt", "--out", out, "--vocab-size", "257",
+                       "--context-length", "14")[0] == 0
+    data = LMDataModule(source="tokens", path=str(out), batch_size=2, context_length=14, vocab_size=257,
+                        train_batches=1, val_batches=2)
+    for loader in (data.val_dataloader(), data.test_dataloader()):
+        assert [tuple(b.shape) for b in loader] == [(2, 15), (2, 15)]
+    with pytest.raises(LmtrainError, match=r"^data\.path: .*test\.bin \(the test split\) holds 15 tokens, fewer "
+                                           r"than one window of context_length 15 \+ 1 = 16\."):
+        LMDataModule(source="tokens", path=str(out), context_length=15, vocab_size=257)
 
 
 def test_prepare_refuses_another_dataset_in_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
