@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -129,19 +130,28 @@ def hta_differences(trace: Path, rank: int = 0) -> dict[str, Any]:
 
 def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
         extra: list[str] | None = None, timeout: int = FIT_TIMEOUT_S) -> dict[str, Any]:
-    """One ``python -m lmtrain fit`` in its own process; returns its exit status, time and log folder."""
+    """One ``python -m lmtrain fit`` in its own process; returns its exit status, time and log folder.
+
+    Every fit of one OUT shares the compile cache ``OUT/compile_cache``, so the second fit of a compiled config (the
+    timer-only reference) loads its kernels instead of compiling them again. Each fit runs under
+    :class:`hook_cost.HookCost`, which writes its callbacks' host time per step to ``hooks.json`` in its save
+    folder."""
     save = out / "runs" / name
     command = [sys.executable, "-m", "lmtrain", "fit", "--config", str(ROOT / "configs" / config), *args,
                "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(save),
-               "--trainer.enable_progress_bar", "false", *(extra or []), *callbacks]
+               "--trainer.enable_progress_bar", "false", "--compile_cache", str(out / "compile_cache"),
+               "--trainer.profiler", "hook_cost.HookCost", "--trainer.profiler.path", str(save / "hooks.json"),
+               *(extra or []), *callbacks]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
     start = time.perf_counter()
     with open(out / "runs" / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     return {"name": name, "rc": rc, "seconds": round(time.perf_counter() - start, 1), "log_dir": version_dir(save),
-            "command": " ".join(command[1:])}
+            "hooks": save / "hooks.json", "command": " ".join(command[1:])}
 
 
 def figures(result: dict[str, Any], hta: bool = True) -> dict[str, Any]:
