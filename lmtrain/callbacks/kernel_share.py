@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import statistics
 import warnings
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,12 @@ class KernelShare(Callback):
         kernels/{busy,span,wall}_to_timer_step      ratio: gpu_busy_ms_per_step, gpu_span_ms_per_step and
                                                     step_wall_ms over kernels/timer_step_ms (see
                                                     ``kernels/step_comparison`` and ``docs/callbacks.md``)
+        kernels/timer_profiled_step_ms              ms: with a CudaSyncTimer attached, its mean step over this
+                                                    window's active steps (the profiled ones it measured but left
+                                                    out of its statistics; at the fit's end)
+        kernels/{busy,span,wall}_to_timer_profiled  ratio: the same three over kernels/timer_profiled_step_ms
+                                                    (span: busy + idle, so near 1 when the trace accounts for the
+                                                    whole of the steps it profiled; span is CUDA only)
         kernels/communication_ms_{scope}            ms per step: collective time (NCCL; on CPU gloo/c10d op self
                                                     time) in ``step`` or a phase, where there is some
         kernels/communication_exposed_ms_{scope}    ms per step: the part no compute kernel overlaps (CUDA only)
@@ -137,8 +144,9 @@ class KernelShare(Callback):
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
 
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
-    backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span,
-    profiled step wall time and the timer's unprofiled step, per step, and their ratios), ``kernels/report``
+    backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span and
+    profiled step wall time per step, over the timer's median unprofiled step and over its mean on the profiled
+    steps), ``kernels/report``
     (Markdown answering the usual questions of a kernel profiling study), ``kernels/breakdown`` (the timeline
     tables above, per phase), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
     ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
@@ -197,6 +205,7 @@ class KernelShare(Callback):
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
         self._first_active: int | None = None
+        self._active_steps: range | None = None  # the steps whose kernels are reported, once the window has closed
         self._cuda = False
         self._done = False
         self.summary: analysis.KernelSummary | None = None  # the last window's summary (for scripts and tests)
@@ -267,17 +276,23 @@ class KernelShare(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``).
+        """Put the window's GPU time next to the timer's step (``analysis.kernels.step_comparison``): its median
+        over the unprofiled steps, and its mean over the very steps this window profiled (the active ones, which
+        the timer measures but leaves out of its statistics: ``CudaSyncTimer.step_ms``).
 
         ``on_fit_end`` runs after every callback's ``on_train_end`` (where a CudaSyncTimer reads its last steps),
         and before the loggers are finalised: the comparison is the same wherever the two stand in the callbacks
-        list. Rank 0 only reads the timer's summary (no collective)."""
+        list. Rank 0 only reads the timer's own results (no collective): with several ranks, the timer's times are
+        rank 0's, the trace's those of the lowest profiling rank (the same steps)."""
         if self._logged is None or trainer.global_rank != 0:
             return
         timer = next((c for c in trainer.callbacks if isinstance(c, CudaSyncTimer)), None)
         stats = timer.summary().get("step_ms") if timer is not None else None
         step_ms, count = (stats["median"], int(stats["count"])) if stats else (None, 0)
-        self.comparison, text = analysis.step_comparison(self._logged, step_ms, count)
+        steps = self._active_steps or range(0)
+        profiled = timer.step_ms(steps) if timer is not None else {}
+        profiled_ms = statistics.fmean(profiled.values()) if profiled and len(profiled) == len(steps) else None
+        self.comparison, text = analysis.step_comparison(self._logged, step_ms, count, profiled_ms, len(steps))
         step = max(self._phases.step, 0)
         log_scalars(trainer, self.comparison, step)
         log_text(trainer, "kernels/step_comparison", text, step)
@@ -342,6 +357,7 @@ class KernelShare(Callback):
                 torch.cuda.synchronize(pl_module.device)
             self._prof.prof.step()
         if self._window_steps == self.warmup + self.active:  # the same step on every rank
+            self._active_steps = range(self._first_active, self._phases.step + 1)
             self._finish(trainer, pl_module)
 
     def _start(self, pl_module: pl.LightningModule) -> None:
