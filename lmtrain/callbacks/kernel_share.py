@@ -14,6 +14,7 @@ import shutil
 import statistics
 import warnings
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -100,7 +101,8 @@ class KernelShare(Callback):
                                                     ``kernels/step_comparison`` and ``docs/callbacks.md``)
         kernels/timer_profiled_step_ms              ms: with a CudaSyncTimer attached, its mean step over this
                                                     window's active steps (the profiled ones it measured but left
-                                                    out of its statistics; at the fit's end)
+                                                    out of its statistics; at the fit's end; less ``close_ms``
+                                                    where the timer stands after KernelShare, see ``on_fit_end``)
         kernels/{busy,span,wall}_to_timer_profiled  ratio: the same three over kernels/timer_profiled_step_ms
                                                     (span: busy + idle, so near 1 when the trace accounts for the
                                                     whole of the steps it profiled; span is CUDA only)
@@ -206,6 +208,10 @@ class KernelShare(Callback):
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
         self._first_active: int | None = None
         self._active_steps: range | None = None  # the steps whose kernels are reported, once the window has closed
+        #: Host time in ms spent closing the window in the last active step's ``on_train_batch_end``, after the
+        #: device synchronisation: the profiler's stop, the trace's export and analysis, the ranks' gather and the
+        #: logging. A CudaSyncTimer standing after KernelShare in the callbacks list ends that step only after it.
+        self.close_ms: float | None = None
         self._cuda = False
         self._done = False
         self.summary: analysis.KernelSummary | None = None  # the last window's summary (for scripts and tests)
@@ -278,7 +284,9 @@ class KernelShare(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put the window's GPU time next to the timer's step (``analysis.kernels.step_comparison``): its median
         over the unprofiled steps, and its mean over the very steps this window profiled (the active ones, which
-        the timer measures but leaves out of its statistics: ``CudaSyncTimer.step_ms``).
+        the timer measures but leaves out of its statistics: ``CudaSyncTimer.step_ms``). Where the timer stands
+        after KernelShare in the callbacks list, its last profiled step ended only after KernelShare closed the
+        window (``close_ms``): that time is taken out of it, and the text says so.
 
         ``on_fit_end`` runs after every callback's ``on_train_end`` (where a CudaSyncTimer reads its last steps),
         and before the loggers are finalised: the comparison is the same wherever the two stand in the callbacks
@@ -291,8 +299,18 @@ class KernelShare(Callback):
         step_ms, count = (stats["median"], int(stats["count"])) if stats else (None, 0)
         steps = self._active_steps or range(0)
         profiled = timer.step_ms(steps) if timer is not None else {}
+        note = ""
+        if steps and steps[-1] in profiled and self.close_ms and \
+                trainer.callbacks.index(timer) > trainer.callbacks.index(self):
+            # The timer's hooks run after this callback's: its last profiled step ended after the window's closing,
+            # host time with the GPU idle that is no part of the step; take it out again.
+            profiled[steps[-1]] -= self.close_ms
+            note = (f"\n\nThe timer's last profiled step (step {steps[-1]}) is taken less the {self.close_ms:.1f} ms "
+                    "KernelShare spent closing its window (profiler stop, trace export and analysis), which the "
+                    "timer counted: it stands after KernelShare in the callbacks list.")
         profiled_ms = statistics.fmean(profiled.values()) if profiled and len(profiled) == len(steps) else None
         self.comparison, text = analysis.step_comparison(self._logged, step_ms, count, profiled_ms, len(steps))
+        text += note
         step = max(self._phases.step, 0)
         log_scalars(trainer, self.comparison, step)
         log_text(trainer, "kernels/step_comparison", text, step)
@@ -350,15 +368,20 @@ class KernelShare(Callback):
         self._window_steps += 1
         if self._window_steps == self.warmup + 1:
             self._first_active = self._phases.step
+        last = self._window_steps == self.warmup + self.active  # the same step on every rank
+        if (last or (self._prof is not None and self._window_steps == self.warmup)) and \
+                pl_module.device.type == "cuda":
+            # Let the GPU finish this step's kernels before the active steps start / the trace closes, so the
+            # trace holds exactly the active steps' kernels, and the window's closing below runs (and is timed)
+            # with the GPU idle, on every rank (see close_ms).
+            torch.cuda.synchronize(pl_module.device)
+        closing = perf_counter()
         if self._prof is not None:
-            if self._cuda and self._window_steps in (self.warmup, self.warmup + self.active):
-                # Let the GPU finish this step's kernels before the active steps start / the trace closes, so
-                # the trace holds exactly the active steps' kernels.
-                torch.cuda.synchronize(pl_module.device)
             self._prof.prof.step()
-        if self._window_steps == self.warmup + self.active:  # the same step on every rank
+        if last:
             self._active_steps = range(self._first_active, self._phases.step + 1)
             self._finish(trainer, pl_module)
+            self.close_ms = (perf_counter() - closing) * 1e3
 
     def _start(self, pl_module: pl.LightningModule) -> None:
         self._cuda = torch.cuda.is_available() and pl_module.device.type == "cuda"
