@@ -148,11 +148,10 @@ class KernelShare(Callback):
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
     backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span and
     profiled step wall time per step, over the timer's median unprofiled step and over its mean on the profiled
-    steps), ``kernels/report``
-    (Markdown answering the usual questions of a kernel profiling study), ``kernels/breakdown`` (the timeline
-    tables above, per phase), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
-    ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
-    ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
+    steps), ``kernels/report`` (Markdown answering the usual questions of a kernel profiling study),
+    ``kernels/breakdown`` (the timeline tables above, per phase), ``kernels/table_step`` and
+    ``kernels/table_{phase}`` (top kernels), image ``kernels/categories`` (bar chart of category time per phase);
+    written to the log dir: ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
     ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
 
     Args:
