@@ -68,3 +68,27 @@ def test_hta_compare_fails_when_hta_compared_nothing(tmp_path: Path, scripts: tu
     path.write_text(json.dumps(traces.eager()))
     assert hta_compare.main([str(path)]) == 1
     assert "HTA did not run on any trace" in capsys.readouterr().out
+
+
+def test_the_span_over_the_timer_on_the_profiled_steps_has_its_column(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType]) -> None:
+    """A host-bound fit's figures read from its TensorBoard scalars: span / profiled (the GPU span over the timer's
+    mean on the profiled steps) gets its own column; the busy criterion still judges busy / step alone."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    check, _ = scripts
+    logged = {"kernels/timer_step_ms": 61.5, "kernels/busy_to_timer_step": 0.195, "kernels/span_to_timer_step": 1.928,
+              "kernels/wall_to_timer_step": 1.951, "kernels/timer_profiled_step_ms": 119.8,
+              "kernels/span_to_timer_profiled": 0.99, "kernels/other_share_step": 0.0}
+    writer = SummaryWriter(str(tmp_path))
+    for tag, value in logged.items():
+        writer.add_scalar(tag, value, 39)
+    writer.close()
+    f = check.figures({"log_dir": tmp_path}, hta=False)
+    assert f["span_to_profiled"] == pytest.approx(0.99) and f["timer_profiled_ms"] == pytest.approx(119.8)
+    cells, ok = check.row("small_sdpa512", f, None)
+    assert dict(zip(check.HEADER, cells, strict=True)) == {
+        "fit": "small_sdpa512", "timer step ms": "61.500", "busy / step": "0.195", "span / step": "1.928",
+        "wall / step": "1.951", "span / profiled": "0.990", "other": "0.00%", "HTA breakdown (pts)": "-",
+        "HTA idle split (pts)": "-", "phases / step": "-", "overhead": "-", "pass": "NO: busy"}
+    assert not ok

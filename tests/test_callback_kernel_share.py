@@ -461,17 +461,49 @@ class LateTimer(CudaSyncTimer):
         super()._collect(trainer, 0 if self.ending else max(lag, 1))
 
 
+class SteppedClockTimer(LateTimer):
+    """LateTimer on a host-clock stand-in: each mark of step s moves the clock on by (s + 1) x 250 ms, so step s
+    lasts exactly (s + 1) x 1000 ms and every step's time names the step."""
+
+    now = 0.0
+
+    def _mark(self, name: str) -> None:
+        if self._batch is not None:
+            self.now += (self._current.index + 1) * 0.25
+            self._batch[name] = self.now
+
+
 @pytest.mark.parametrize("timer_first", [True, False])
 def test_the_step_comparison_reads_every_step_of_the_timer_in_either_order(tmp_path: Path, timer_first: bool) -> None:
-    """kernels/timer_step_ms is the timer's final median, over all its summarised steps, wherever KernelShare stands
-    in the callbacks list (the timer reads its last steps in its own on_train_end)."""
-    cb, timer = KernelShare(wait=1, warmup=1, active=1, chart=False), LateTimer(warmup_steps=0, print_summary=False)
+    """Wherever KernelShare stands in the callbacks list, the comparison has every step the timer measured (it reads
+    its last steps in its own on_train_end): kernels/timer_step_ms is the timer's final median over the unprofiled
+    steps 1 and 2 ((2000 + 3000) / 2 ms), and kernels/timer_profiled_step_ms its mean over the window's active steps
+    4 and 5 exactly ((5000 + 6000) / 2 ms; the window is steps 3..5), which its statistics leave out; the ratios
+    divide by them. A timer standing after KernelShare ends step 5 only after KernelShare has closed its window:
+    then step 5 counts less that closing time (close_ms; this clock stand-in never counted it, so the mean shows it
+    taken out). On a CPU there is no GPU span: no span ratio."""
+    cb = KernelShare(wait=3, warmup=1, active=2, chart=False)
+    timer = SteppedClockTimer(warmup_steps=1, print_summary=False)
     trainer = _fit(tmp_path, [timer, cb] if timer_first else [cb, timer], max_steps=6)
-    final = timer.summary()["step_ms"]
-    assert final["count"] == 6 - 2  # the profiled steps (warm-up and active) are excluded
-    assert f"median of {int(final['count'])} unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
-    assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])
-    assert scalars(trainer.log_dir)["kernels/timer_step_ms"][0][1] == pytest.approx(final["median"])
+    assert timer.step_ms(range(8)) == {s: (s + 1) * 1000.0 for s in range(6)}  # warm-up and excluded steps too
+    assert set(timer.excluded_steps) == {3, 4, 5} and timer.summary()["step_ms"]["count"] == 2
+    wall, busy = cb.metrics["kernels/step_wall_ms"], cb.metrics["kernels/total_ms_per_step"]
+    assert cb.close_ms > 0
+    profiled = (5000.0 + 6000.0 - (0.0 if timer_first else cb.close_ms)) / 2
+    expected = {"kernels/timer_step_ms": 2500.0, "kernels/timer_profiled_step_ms": profiled,
+                "kernels/busy_to_timer_profiled": busy / profiled, "kernels/wall_to_timer_profiled": wall / profiled,
+                "kernels/busy_to_timer_step": busy / 2500.0, "kernels/wall_to_timer_step": wall / 2500.0}
+    assert cb.comparison == pytest.approx(expected)
+    logged = scalars(trainer.log_dir)
+    assert {tag: logged[tag][0][1] for tag in expected} == pytest.approx(expected)
+    assert all(logged[tag][0][0] == 5 for tag in expected)  # at the fit's last step
+    assert "kernels/span_to_timer_profiled" not in logged
+    text = texts(trainer.log_dir)["kernels/step_comparison"][0]
+    rows = {cells[0]: cells[1:] for line in text.splitlines()
+            if line.startswith("|") and (cells := [c.strip() for c in line.strip("|").split("|")])}
+    assert rows["timer step, median of 2 unprofiled steps"] == ["2500.000", "1.000", f"{2500 / profiled:.3f}"]
+    assert rows["timer step, mean of 2 profiled steps"] == [f"{profiled:.3f}", f"{profiled / 2500:.3f}", "1.000"]
+    assert ("is taken less the" in text) is not timer_first
 
 
 class FailingAnalysis(KernelShare):
@@ -535,3 +567,10 @@ def test_the_step_comparison_on_a_gpu_in_either_order(tmp_path: Path, timer_firs
     assert final["count"] == 6 - 2
     assert "median of 4 unprofiled steps" in texts(trainer.log_dir)["kernels/step_comparison"][0]
     assert cb.comparison["kernels/timer_step_ms"] == pytest.approx(final["median"])
+    # the profiled (active) step 2 against the timer's events on that same step, read a step late; a timer after
+    # KernelShare counted the window's closing in it, taken out again
+    profiled = timer.step_ms([2])[2] - (0.0 if timer_first else cb.close_ms)
+    assert cb.comparison["kernels/timer_profiled_step_ms"] == pytest.approx(profiled)
+    span = cb.metrics["kernels/gpu_busy_ms_per_step"] + cb.metrics["kernels/gpu_idle_ms_per_step"]
+    assert cb.comparison["kernels/span_to_timer_profiled"] == pytest.approx(span / profiled)
+    assert scalars(trainer.log_dir)["kernels/span_to_timer_profiled"][0][1] == pytest.approx(span / profiled)

@@ -541,44 +541,68 @@ def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None
     return metrics
 
 
-def step_comparison(metrics: dict[str, float], timer_step_ms: float | None, timer_steps: int = 0
-                    ) -> tuple[dict[str, float], str]:
-    """The profiled steps' GPU time next to the step a timer measured on unprofiled steps: what it takes to judge
-    ``busy / step`` honestly.
+def step_comparison(metrics: dict[str, float], timer_step_ms: float | None, timer_steps: int = 0,
+                    profiled_step_ms: float | None = None, profiled_steps: int = 0) -> tuple[dict[str, float], str]:
+    """The profiled steps' GPU time next to a timer's step: on the unprofiled steps, and on the profiled ones.
 
-    Four times per step: kernel busy time (union of kernel intervals), the GPU span (first kernel start to last
-    kernel end of the active steps), the profiled step's own wall time (``ProfilerStep#`` ranges, profiler
-    overhead included) and the timer's median step outside every measurement window. ``busy / timer step`` far
-    below 1 with ``wall / timer step`` near 1 means the unprofiled steps wait for the host too (host-bound);
-    ``wall / timer step`` well above 1 means the profiler itself slowed the profiled steps (its per-launch cost).
+    Three times per profiled step, from the trace: kernel busy time (union of kernel intervals), the GPU span
+    (first kernel start to last kernel end of the active steps; busy + idle, by construction) and the profiled
+    step's own wall time (``ProfilerStep#`` ranges, profiler overhead included). Each is set against two steps of
+    the timer: its median over the steps outside every measurement window (``timer step``), and its mean over the
+    very steps that were profiled (``timer, profiled steps``; a mean, as the trace's per-step values are totals
+    over those steps divided by their number). How to read the ratios:
+
+    - ``busy / timer step``: how much of an ordinary step the GPU works. Far below 1 with ``wall / timer step``
+      near 1: the unprofiled steps wait for the host too (host-bound), not a misfiled kernel.
+    - ``span / timer, profiled steps``: whether the trace accounts for the whole of the steps it profiled (busy +
+      idle against the timer's own clock on the same steps); within a few % of 1.
+    - ``wall / timer step`` (and ``timer, profiled steps / timer step``): how much the profiler slowed the profiled
+      steps (its per-launch host cost); well above 1 means their idle time overstates an ordinary step's host wait.
 
     Args:
         metrics: a window's ``kernels/*`` metrics (:func:`trace_metrics`).
-        timer_step_ms: the timer's median step in ms (``CudaSyncTimer.summary()``), None without a timer.
+        timer_step_ms: the timer's median step in ms over the unprofiled steps (``CudaSyncTimer.summary()``),
+            None without a timer or without such steps.
         timer_steps: how many steps that median is over.
+        profiled_step_ms: the timer's mean step in ms over the profiled (active) steps
+            (``CudaSyncTimer.step_ms``), None without a timer or without its times of every one of them.
+        profiled_steps: how many steps that mean is over.
 
     Returns:
-        ``(scalars, markdown)``: ``kernels/timer_step_ms``, ``kernels/busy_to_timer_step``,
-        ``kernels/span_to_timer_step``, ``kernels/wall_to_timer_step`` (those that exist), and a table.
+        ``(scalars, markdown)``: ``kernels/timer_step_ms`` and ``kernels/{busy,span,wall}_to_timer_step`` when
+        ``timer_step_ms`` is given; ``kernels/timer_profiled_step_ms`` and
+        ``kernels/{busy,span,wall}_to_timer_profiled`` when ``profiled_step_ms`` is (each ratio whose time
+        exists); and a table of the times over both.
     """
-    busy = metrics.get("kernels/gpu_busy_ms_per_step", metrics.get("kernels/total_ms_per_step"))
-    rows_in = [("kernel busy time", busy),
-               ("GPU span (first kernel to last)", metrics.get("kernels/gpu_span_ms_per_step")),
-               ("profiled step, wall time", metrics.get("kernels/step_wall_ms")),
-               (f"timer step, median of {timer_steps} unprofiled steps", timer_step_ms)]
+    times = {"busy": metrics.get("kernels/gpu_busy_ms_per_step", metrics.get("kernels/total_ms_per_step")),
+             "span": metrics.get("kernels/gpu_span_ms_per_step"), "wall": metrics.get("kernels/step_wall_ms")}
     scalars: dict[str, float] = {}
-    if timer_step_ms:
-        scalars["kernels/timer_step_ms"] = timer_step_ms
-        for key, value in (("busy", busy), ("span", metrics.get("kernels/gpu_span_ms_per_step")),
-                           ("wall", metrics.get("kernels/step_wall_ms"))):
-            if value is not None:
-                scalars[f"kernels/{key}_to_timer_step"] = value / timer_step_ms
-    rows = [[name, "-" if v is None else f"{v:.3f}",
-             "-" if v is None or not timer_step_ms else f"{v / timer_step_ms:.3f}"] for name, v in rows_in]
-    text = markdown_table(["per step", "ms", "/ timer step"], rows)
-    if not timer_step_ms:
+    for reference, tag, ratio in ((timer_step_ms, "timer_step_ms", "timer_step"),
+                                  (profiled_step_ms, "timer_profiled_step_ms", "timer_profiled")):
+        if reference:
+            scalars[f"kernels/{tag}"] = reference
+            scalars.update({f"kernels/{key}_to_{ratio}": v / reference for key, v in times.items() if v is not None})
+    rows_in = [("kernel busy time", times["busy"]), ("GPU span (first kernel to last)", times["span"]),
+               ("profiled step, wall time", times["wall"]),
+               (f"timer step, median of {timer_steps} unprofiled steps", timer_step_ms),
+               (f"timer step, mean of {profiled_steps} profiled steps", profiled_step_ms)]
+
+    def cell(value: float | None, reference: float | None = 1.0) -> str:
+        return "-" if value is None or not reference else f"{value / reference:.3f}"
+
+    rows = [[name, cell(v), cell(v, timer_step_ms), cell(v, profiled_step_ms)] for name, v in rows_in]
+    text = markdown_table(["per step", "ms", "/ timer step", "/ timer, profiled steps"], rows)
+    if not timer_step_ms and not profiled_step_ms:
         text += ("\n\nNo timer step to compare with (attach CudaSyncTimer; its summary needs steps outside every "
                  "window).")
+    elif not timer_step_ms:
+        text += "\n\nNo unprofiled timer step to compare with (the timer's summary needs steps outside every window)."
+    elif not profiled_step_ms:
+        text += "\n\nThe timer did not measure every profiled step: nothing to compare with on those steps."
+    else:
+        text += ("\n\nbusy / timer step: the GPU's share of an ordinary step. span / timer, profiled steps: near 1 "
+                 "when the trace accounts for the whole profiled step. wall / timer step: how much the profiler "
+                 "slowed the profiled steps.")
     return scalars, text
 
 

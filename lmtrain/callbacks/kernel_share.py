@@ -11,8 +11,10 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import statistics
 import warnings
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,6 +99,13 @@ class KernelShare(Callback):
         kernels/{busy,span,wall}_to_timer_step      ratio: gpu_busy_ms_per_step, gpu_span_ms_per_step and
                                                     step_wall_ms over kernels/timer_step_ms (see
                                                     ``kernels/step_comparison`` and ``docs/callbacks.md``)
+        kernels/timer_profiled_step_ms              ms: with a CudaSyncTimer attached, its mean step over this
+                                                    window's active steps (the profiled ones it measured but left
+                                                    out of its statistics; at the fit's end; less ``close_ms``
+                                                    where the timer stands after KernelShare, see ``on_fit_end``)
+        kernels/{busy,span,wall}_to_timer_profiled  ratio: the same three over kernels/timer_profiled_step_ms
+                                                    (span: busy + idle, so near 1 when the trace accounts for the
+                                                    whole of the steps it profiled; span is CUDA only)
         kernels/communication_ms_{scope}            ms per step: collective time (NCCL; on CPU gloo/c10d op self
                                                     time) in ``step`` or a phase, where there is some
         kernels/communication_exposed_ms_{scope}    ms per step: the part no compute kernel overlaps (CUDA only)
@@ -137,12 +146,12 @@ class KernelShare(Callback):
     results, and rank 0 logs those of the lowest profiling rank (``analysis.kernels.merge_rank_metrics``).
 
     Values that do not exist in a run (a phase with no kernels, attention stages without the naive
-    backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span,
-    profiled step wall time and the timer's unprofiled step, per step, and their ratios), ``kernels/report``
-    (Markdown answering the usual questions of a kernel profiling study), ``kernels/breakdown`` (the timeline
-    tables above, per phase), ``kernels/table_step`` and ``kernels/table_{phase}`` (top kernels), image
-    ``kernels/categories`` (bar chart of category time per phase); written to the log dir:
-    ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
+    backend) are not logged. Also logged: text ``kernels/step_comparison`` (at the fit's end: busy, GPU span and
+    profiled step wall time per step, over the timer's median unprofiled step and over its mean on the profiled
+    steps), ``kernels/report`` (Markdown answering the usual questions of a kernel profiling study),
+    ``kernels/breakdown`` (the timeline tables above, per phase), ``kernels/table_step`` and
+    ``kernels/table_{phase}`` (top kernels), image ``kernels/categories`` (bar chart of category time per phase);
+    written to the log dir: ``kernel_table.csv`` (every kernel, full names, per phase) and, with ``export_trace``,
     ``kernel_trace.json.gz`` (open in Perfetto or chrome://tracing).
 
     Args:
@@ -197,6 +206,11 @@ class KernelShare(Callback):
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
         self._first_active: int | None = None
+        self._active_steps: range | None = None  # the steps whose kernels are reported, once the window has closed
+        #: Host time in ms spent closing the window in the last active step's ``on_train_batch_end``, after the
+        #: device synchronisation: the profiler's stop, the trace's export and analysis, the ranks' gather and the
+        #: logging. A CudaSyncTimer standing after KernelShare in the callbacks list ends that step only after it.
+        self.close_ms: float | None = None
         self._cuda = False
         self._done = False
         self.summary: analysis.KernelSummary | None = None  # the last window's summary (for scripts and tests)
@@ -267,17 +281,35 @@ class KernelShare(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the window's GPU time next to the timer's unprofiled step (``analysis.kernels.step_comparison``).
+        """Put the window's GPU time next to the timer's step (``analysis.kernels.step_comparison``): its median
+        over the unprofiled steps, and its mean over the very steps this window profiled (the active ones, which
+        the timer measures but leaves out of its statistics: ``CudaSyncTimer.step_ms``). Where the timer stands
+        after KernelShare in the callbacks list, its last profiled step ended only after KernelShare closed the
+        window (``close_ms``): that time is taken out of it, and the text says so.
 
         ``on_fit_end`` runs after every callback's ``on_train_end`` (where a CudaSyncTimer reads its last steps),
         and before the loggers are finalised: the comparison is the same wherever the two stand in the callbacks
-        list. Rank 0 only reads the timer's summary (no collective)."""
+        list. Rank 0 only reads the timer's own results (no collective): with several ranks, the timer's times are
+        rank 0's, the trace's those of the lowest profiling rank (the same steps)."""
         if self._logged is None or trainer.global_rank != 0:
             return
         timer = next((c for c in trainer.callbacks if isinstance(c, CudaSyncTimer)), None)
         stats = timer.summary().get("step_ms") if timer is not None else None
         step_ms, count = (stats["median"], int(stats["count"])) if stats else (None, 0)
-        self.comparison, text = analysis.step_comparison(self._logged, step_ms, count)
+        steps = self._active_steps or range(0)
+        profiled = timer.step_ms(steps) if timer is not None else {}
+        note = ""
+        if steps and steps[-1] in profiled and self.close_ms and \
+                trainer.callbacks.index(timer) > trainer.callbacks.index(self):
+            # The timer's hooks run after this callback's: its last profiled step ended after the window's closing,
+            # host time with the GPU idle that is no part of the step; take it out again.
+            profiled[steps[-1]] -= self.close_ms
+            note = (f"\n\nThe timer's last profiled step (step {steps[-1]}) is taken less the {self.close_ms:.1f} ms "
+                    "KernelShare spent closing its window (profiler stop, trace export and analysis), which the "
+                    "timer counted: it stands after KernelShare in the callbacks list.")
+        profiled_ms = statistics.fmean(profiled.values()) if profiled and len(profiled) == len(steps) else None
+        self.comparison, text = analysis.step_comparison(self._logged, step_ms, count, profiled_ms, len(steps))
+        text += note
         step = max(self._phases.step, 0)
         log_scalars(trainer, self.comparison, step)
         log_text(trainer, "kernels/step_comparison", text, step)
@@ -335,14 +367,20 @@ class KernelShare(Callback):
         self._window_steps += 1
         if self._window_steps == self.warmup + 1:
             self._first_active = self._phases.step
+        last = self._window_steps == self.warmup + self.active  # the same step on every rank
+        if (last or (self._prof is not None and self._window_steps == self.warmup)) and \
+                pl_module.device.type == "cuda":
+            # Let the GPU finish this step's kernels before the active steps start / the trace closes, so the
+            # trace holds exactly the active steps' kernels, and the window's closing below runs (and is timed)
+            # with the GPU idle, on every rank (see close_ms).
+            torch.cuda.synchronize(pl_module.device)
+        closing = perf_counter()
         if self._prof is not None:
-            if self._cuda and self._window_steps in (self.warmup, self.warmup + self.active):
-                # Let the GPU finish this step's kernels before the active steps start / the trace closes, so
-                # the trace holds exactly the active steps' kernels.
-                torch.cuda.synchronize(pl_module.device)
             self._prof.prof.step()
-        if self._window_steps == self.warmup + self.active:  # the same step on every rank
+        if last:
+            self._active_steps = range(self._first_active, self._phases.step + 1)
             self._finish(trainer, pl_module)
+            self.close_ms = (perf_counter() - closing) * 1e3
 
     def _start(self, pl_module: pl.LightningModule) -> None:
         self._cuda = torch.cuda.is_available() and pl_module.device.type == "cuda"

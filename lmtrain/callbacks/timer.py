@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
@@ -125,6 +126,9 @@ class CudaSyncTimer(pl.Callback):
             (those steps are in ``step_times`` but not in the summary's statistics).
         warmup_times: step time in ms of each warm-up step.
 
+    :meth:`step_ms` gives the step time of any measured step by index (warm-up and excluded steps included): what
+    KernelShare sets its profiled steps' GPU span against.
+
     Args:
         warmup_steps: steps measured and logged separately, not summarised.
         sync: ``events`` (CUDA events, no host sync inside the step) or ``synchronize``.
@@ -148,6 +152,7 @@ class CudaSyncTimer(pl.Callback):
         self.step_times: list[dict[str, float]] = []
         self.excluded_steps: dict[int, list[str]] = {}
         self.warmup_times: list[float] = []
+        self._step_ms: dict[int, float] = {}  # every measured step's time (warm-up and excluded ones too), by index
         self._phases = StepPhases()
         self._warn = WarnOnce()
         self._cuda = False
@@ -189,6 +194,7 @@ class CudaSyncTimer(pl.Callback):
         self.check_arguments()
         peak = self.peak_flops
         self.step_times, self.excluded_steps, self.warmup_times, self._summarised = [], {}, [], False
+        self._step_ms = {}
         self._pending, self._current, self._batch = [], None, None
         self._phases.reset()
         host_group(trainer)  # a collective the first time: made now, on every rank together
@@ -325,6 +331,7 @@ class CudaSyncTimer(pl.Callback):
         if "step_ms" not in seen:
             return
         step_ms = times["step_ms"]
+        self._step_ms[step.index] = step_ms
         log_now = step.index % self.log_every_n_steps == 0
         if step.warmup:
             self.warmup_times.append(step_ms)
@@ -372,6 +379,19 @@ class CudaSyncTimer(pl.Callback):
         """Statistics of the summarised steps (``excluded``: of the steps other callbacks perturbed): phase key ->
         mean, std (sample; 0 for one step), median, min, max (ms) and count."""
         return phase_statistics(self._rows(excluded), PHASES)
+
+    def step_ms(self, steps: Iterable[int]) -> dict[int, float]:
+        """The step time in ms of each of ``steps`` that this fit measured, by step index (``global_step`` axis).
+
+        Warm-up steps and the steps other callbacks perturbed are included: this is the timer's own measurement of
+        those very steps, whatever the summary leaves out. In events mode a step is read two steps later, and the
+        last ones in ``on_train_end``: after the fit, every step is here. A step not measured (not run yet, or cut
+        short by an exception) is absent.
+
+        Args:
+            steps: step indices, e.g. ``range(6, 8)``.
+        """
+        return {step: self._step_ms[step] for step in steps if step in self._step_ms}
 
     def _rows(self, excluded: bool) -> list[dict[str, float]]:
         return [row for row in self.step_times if (row["step"] in self.excluded_steps) == excluded]
