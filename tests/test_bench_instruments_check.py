@@ -92,3 +92,24 @@ def test_the_span_over_the_timer_on_the_profiled_steps_has_its_column(
         "wall / step": "1.951", "span / profiled": "0.990", "other": "0.00%", "HTA breakdown (pts)": "-",
         "HTA idle split (pts)": "-", "phases / step": "-", "overhead": "-", "pass": "NO: busy"}
     assert not ok
+
+
+def test_hooks_per_step_count_only_the_callbacks_the_reference_lacks(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    log_dir = tmp_path / "run" / "lmtrain" / "version_0"
+    log_dir.mkdir(parents=True)
+    (tmp_path / "run" / "hooks.json").write_text(json.dumps({
+        "CudaSyncTimer": {"median_us": 900.0, "max_us": 2000.0, "steps": 40},  # the reference runs it too
+        "NVTXRanges": {"median_us": 30.0, "max_us": 40.0, "steps": 40},
+        "MemorySnapshot": {"median_us": 20.0, "max_us": 9e6, "steps": 40},
+        "KernelShare{'wait': 5}": {"median_us": 40.0, "max_us": 5e6, "steps": 40},
+        "PrecisionInspector": {"median_us": 10.0, "max_us": 3e6, "steps": 40},
+        "TQDMProgressBar": {"median_us": 300.0, "max_us": 400.0, "steps": 40}}))
+    monkeypatch.setattr(check, "read", lambda log_dir: ({"kernels/timer_step_ms": [(39, 20.0)]}, {}))
+    f = check.figures({"log_dir": log_dir}, hta=False)
+    assert f["added_hooks_ms"] == pytest.approx(0.1) and f["hooks_to_step"] == pytest.approx(0.005)
+    cells, _ = check.row("fit", f, None)
+    assert cells[check.HEADER.index("hooks / step")] == "0.50%"
+    (tmp_path / "run" / "hooks.json").unlink()
+    assert check.figures({"log_dir": log_dir}, hta=False)["added_hooks_ms"] is None

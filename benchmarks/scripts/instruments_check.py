@@ -36,7 +36,11 @@ HTA out (its columns show ``-``); ``check`` on the fits' log folders compares wi
   idle split per stream (host wait, kernel wait, other); ``hta_compare.py`` prints the full tables;
 - ``phases / step``: for the CUDA-graph fits, the median over replayed steps of (forward + backward + optimizer,
   from the timing events inside the graph) / step (acceptance: within 2%);
-- ``overhead``: the timer's median step with all five attached / with the timer alone, minus 1 (acceptance: 1%).
+- ``overhead``: the timer's median step with all five attached / with the timer alone, minus 1 (acceptance: 1%);
+- ``hooks / step``: the host time per step of the four callbacks the reference fit does not run (the sum of their
+  hooks' per-step medians, measured in the instrumented fit by :mod:`hook_cost`) over the timer's step: what the
+  callbacks can add to a step outside their windows, whatever the host's speed in the other process. On a
+  host-bound step two processes differ by more than 1%; this figure does not depend on a second process.
 
 ``fsdp`` makes one FSDP2 fit (``configs/2.7B_bf16_fsdp.yaml``, ``--size`` small or 2.7B) with all five, KernelShare
 on every rank, and reports per rank the communication time, the part of it no compute overlaps, the overlap share
@@ -175,10 +179,27 @@ def figures(result: dict[str, Any], hta: bool = True) -> dict[str, Any]:
         ("comm_overlap_share", "breakdown/comm_overlap_share"))}
     out["phases_to_step"] = graph_phase_ratio(s)
     out["straggler_ratio"] = counted_median(s, "time/straggler_ratio")
+    out["added_hooks_ms"] = added_hooks_ms(log_dir.parents[1] / "hooks.json")
+    if out["added_hooks_ms"] is not None and out["timer_step_ms"]:
+        out["hooks_to_step"] = out["added_hooks_ms"] / out["timer_step_ms"]
     traces = sorted(log_dir.glob("kernel_trace*.json.gz")) if hta else []
     for rank, trace in enumerate(traces):
         out[f"hta_rank{rank}" if len(traces) > 1 else "hta"] = hta_differences(trace, rank)
     return out
+
+
+#: The callbacks a timer-only reference fit does not have (hook_cost.HookCost names them by their state keys,
+#: which may add arguments to the class name).
+ADDED = ("NVTXRanges", "MemorySnapshot", "KernelShare", "PrecisionInspector")
+
+
+def added_hooks_ms(path: Path) -> float | None:
+    """The host time per step (sum of the per-callback medians, ms) of the callbacks that the timer-only reference
+    does not run, from a fit's ``hooks.json`` (:mod:`hook_cost`); None without the file."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    return sum(r["median_us"] for name, r in report.items() if name.startswith(ADDED)) / 1e3
 
 
 def append(out: Path, record: dict[str, Any]) -> None:
@@ -208,12 +229,13 @@ def row(name: str, f: dict[str, Any], overhead: float | None, graphed: bool = Fa
              "HTA failed" if "hta_error" in hta else fmt(hta.get("hta_breakdown_points"), ".2f"),
              fmt(hta.get("hta_idle_split_points"), ".2f"), fmt(f.get("phases_to_step")),
              fmt(overhead, "+.2f", 100) + ("%" if overhead is not None else ""),
+             fmt(f.get("hooks_to_step"), ".2f", 100) + ("%" if f.get("hooks_to_step") is not None else ""),
              "yes" if not failed else "NO: " + ", ".join(failed)]
     return cells, not failed
 
 
 HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "span / profiled", "other",
-          "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "pass"]
+          "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
 
 
 def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
