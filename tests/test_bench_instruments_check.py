@@ -90,7 +90,7 @@ def test_the_span_over_the_timer_on_the_profiled_steps_has_its_column(
     assert dict(zip(check.HEADER, cells, strict=True)) == {
         "fit": "small_sdpa512", "timer step ms": "61.500", "busy / step": "0.195", "span / step": "1.928",
         "wall / step": "1.951", "span / profiled": "0.990", "other": "0.00%", "HTA breakdown (pts)": "-",
-        "HTA idle split (pts)": "-", "phases / step": "-", "overhead": "-", "pass": "NO: busy"}
+        "HTA idle split (pts)": "-", "phases / step": "-", "overhead": "-", "hooks / step": "-", "pass": "NO: busy"}
     assert not ok
 
 
