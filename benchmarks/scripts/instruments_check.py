@@ -10,7 +10,7 @@ Usage::
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only sdpa512 flash512
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only flash4096 fast
     # FSDP2 on two GPUs (all five callbacks, both ranks profiled)
-    python benchmarks/scripts/instruments_check.py fsdp OUT --size small --devices 2
+    python benchmarks/scripts/instruments_check.py fsdp OUT --size small --devices 2 [--context 1024]
     # only read fits made already (a run's version folder, logs/lmtrain/version_N)
     python benchmarks/scripts/instruments_check.py check LOG_DIR [LOG_DIR ...]
 
@@ -274,14 +274,14 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
     return 0 if all_ok else 1
 
 
-def fsdp(out: Path, size: str, devices: int, steps: int) -> int:
+def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     ranks = "[" + ",".join(str(r) for r in range(devices)) + "]"
     name = f"{size}_fsdp{devices}"
-    result = fit(out, name, "2.7B_bf16_fsdp.yaml", ["--model.size", size], five(f"--trainer.callbacks.ranks={ranks}"),
-                 steps,
-        extra=["--trainer.devices", str(devices), "--trainer.strategy.init_args.data_parallel_size", str(devices)],
-        timeout=540)
+    result = fit(out, name, "2.7B_bf16_fsdp.yaml", ["--model.size", size, "--model.context_length", str(context)],
+                 five(f"--trainer.callbacks.ranks={ranks}"), steps,
+                 extra=["--trainer.devices", str(devices), "--trainer.strategy.init_args.data_parallel_size",
+                        str(devices)], timeout=540)
     f = figures(result) if result["rc"] == 0 else {}
     append(out, {"fit": name, "five": result, **f})
     rows = [[name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("comm_ms")),
@@ -322,13 +322,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--size", default="small", choices=["small", "2.7B"])
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--context", type=int, default=512, help="tokens per sequence (the scaling runs use 1024)")
     p = sub.add_parser("check", help="read fits made already")
     p.add_argument("log_dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout)
     if args.command == "fsdp":
-        return fsdp(args.out, args.size, args.devices, args.steps)
+        return fsdp(args.out, args.size, args.devices, args.steps, args.context)
     return check(args.log_dirs)
 
 
