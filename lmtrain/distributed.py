@@ -9,8 +9,9 @@ compiled graph), then ``fully_shard`` with the block's ``reshard_after_forward``
 the root module last, which shards what is left (embedding, final norm, output head) and stays gathered from
 forward to backward. Then each unit is told which unit to prefetch (``model.fsdp_prefetch``, :func:`set_prefetch`).
 
-:func:`check_strategy_options` refuses the options a strategy cannot work with (the command line calls it when it
-parses, ``LMModule`` when a fit starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
+:func:`check_strategy_options` refuses the options a strategy cannot work with and :func:`check_fsdp_precision` the
+precisions FSDP2 cannot train in (``LMModule.check_settings`` calls both: the command line when it parses, a fit when
+it starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
 
 Precision. Under ``ModelParallelStrategy`` Lightning 2.6 accepts ``32-true``, ``bf16-mixed``,
 ``bf16-true`` and ``16-true`` (it refuses ``16-mixed`` when the trainer is built). For ``bf16-mixed`` it
@@ -71,8 +72,9 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 def check_fsdp_precision(precision: str) -> None:
     """Stop with one clear message when FSDP2 cannot train in ``precision``.
 
-    The command line can call this before it builds the trainer, so that ``16-mixed`` (which Lightning
-    itself rejects under ``ModelParallelStrategy`` with a message about Fabric) gets lmtrain's message.
+    The command line calls it (``LMModule.check_settings``) before it builds the trainer, so that ``16-mixed``
+    (which Lightning itself rejects under ``ModelParallelStrategy`` with a message about Fabric) gets lmtrain's
+    message.
 
     Raises:
         LmtrainError: ``precision`` is not one of :data:`FSDP_PRECISIONS`.
