@@ -151,7 +151,7 @@ def _lm_cli_class() -> type:
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
 
-                resolve_ckpt_path(section, subcommand)
+                resolve_ckpt_path(section, subcommand, expected_processes(section["trainer"]))
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()

@@ -241,3 +241,31 @@ def test_gpu_trainer_settings_the_options_cannot_work_with_are_refused_when_pars
     line = refused(["fit", "--config", TINY, "--trainer.accelerator", "gpu", "--trainer.devices", "1", *args], field,
                    capsys, in_tmp)
     assert problem in line
+
+
+@pytest.mark.parametrize(("saved", "args", "field"), [
+    ({"global_batch_size": 32}, [], "data.batch_size"),  # tiny.yaml: 16 windows a batch, one process
+    ({"global_batch_size": 16}, ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+     "data.batch_size"),
+    ({"seed": 5}, [], "data.seed"),
+], ids=["batch", "batch-on-2-processes", "seed"])
+def test_resuming_a_data_order_that_cannot_continue_is_refused_when_parsed(
+        saved: dict, args: list[str], field: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """The checkpoint's data order against the parsed data options and process count, before the trainer exists:
+    when the fit restores the data module, Lightning has printed its device lines and the logger has written."""
+    import lightning
+    import torch
+
+    from lmtrain.module import LMModule
+
+    inputs = in_tmp / "inputs"
+    inputs.mkdir()
+    ckpt = inputs / "step3.ckpt"
+    model = {"size": "tiny", "vocab_size": 256, "context_length": 128}
+    order = {"seed": 0, "source": "text", "global_batch_size": 16, "train_batches": 300, **saved}
+    # As much of a checkpoint as Lightning restores before the data module's state (the weights included).
+    torch.save({"pytorch-lightning_version": lightning.__version__, "hyper_parameters": model, "global_step": 3,
+                "state_dict": LMModule(**model).state_dict(),
+                "LMDataModule": {"next_batch": 3, "batch_in_epoch": 3, **order}}, ckpt)
+    line = refused(["fit", "--config", TINY, "--ckpt_path", str(ckpt), *args], field, capsys, in_tmp)
+    assert "data order cannot continue" in line
