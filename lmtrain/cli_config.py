@@ -147,6 +147,7 @@ def _lm_cli_class() -> type:
                 model_config = self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 self.model_class.check_settings(model_config, parsed_trainer_settings(section["trainer"]),
                                                 training=subcommand == "fit")
+                check_parsed_mesh(section["trainer"])
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
@@ -245,6 +246,27 @@ def parsed_trainer_settings(trainer: Any) -> TrainerSettings:
                            world_size=processes, device="cpu" if on_cpu else None,
                            accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
                            gradient_clip_val=trainer.get("gradient_clip_val"))
+
+
+def check_parsed_mesh(trainer: Any) -> None:
+    """FSDP2 given as a ``ModelParallelStrategy`` entry: the tensor-parallel size its device mesh will have
+    (``auto``: the processes of a node, Lightning's default), checked before the trainer exists
+    (``lmtrain.distributed.check_tensor_parallel_size``; the fit checks the mesh itself again, once every process
+    has started and the logger has written).
+
+    Raises:
+        LmtrainError: the mesh would have a tensor-parallel dimension.
+    """
+    from lmtrain.distributed import check_tensor_parallel_size
+
+    kind, processes = strategy_of(trainer, count_auto=True)
+    strategy = trainer.get("strategy")
+    if kind != "fsdp" or processes is None or not hasattr(strategy, "get"):
+        return
+    size = (strategy.get("init_args") or {}).get("tensor_parallel_size", "auto")
+    if size == "auto":
+        size = processes // int(trainer.get("num_nodes") or 1)
+    check_tensor_parallel_size(int(size), processes)
 
 
 def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any, module: Any) -> None:

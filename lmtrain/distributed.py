@@ -178,16 +178,27 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if DATA_PARALLEL_DIM not in names:
         raise LmtrainError("trainer.strategy", f"the device mesh has no {DATA_PARALLEL_DIM!r} dimension "
                            f"(dimensions: {names}).", "use lightning.pytorch.strategies.ModelParallelStrategy.")
-    tp = mesh[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1
-    if tp != 1:
-        world = mesh.size()
+    check_tensor_parallel_size(mesh[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1, mesh.size())
+    return mesh[DATA_PARALLEL_DIM]
+
+
+def check_tensor_parallel_size(tensor_parallel_size: int, world_size: int) -> None:
+    """Refuse a ``ModelParallelStrategy`` mesh with a tensor-parallel dimension: lmtrain shards data-parallel only.
+
+    Called with the strategy's mesh (:func:`data_parallel_mesh`) and by the command line before the trainer exists,
+    with the sizes the parsed ``trainer.strategy`` will give it (``lmtrain.cli_config.check_parsed_mesh``).
+
+    Raises:
+        LmtrainError: ``tensor_parallel_size`` is not 1.
+    """
+    if tensor_parallel_size != 1:
         raise LmtrainError(
             "trainer.strategy.init_args.tensor_parallel_size",
-            f"the device mesh has tensor_parallel size {tp}; lmtrain shards data-parallel only (FSDP2).",
-            f"set trainer.strategy.init_args.data_parallel_size: {world} (nodes x devices) and "
+            f"the device mesh has tensor_parallel size {tensor_parallel_size}; lmtrain shards data-parallel only "
+            "(FSDP2).",
+            f"set trainer.strategy.init_args.data_parallel_size: {world_size} (nodes x devices) and "
             "tensor_parallel_size: 1.",
         )
-    return mesh[DATA_PARALLEL_DIM]
 
 
 def shard_model(

@@ -176,8 +176,9 @@ def test_estimate_gpu_memory_must_leave_something(gib: str, problem: str, in_tmp
 # -- model options against the trainer's settings: refused at parse time, before Lightning's device lines ---------
 
 BF16 = ["--trainer.precision", "bf16-mixed"]
+TWO_CPU_PROCESSES = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", *BF16]
 #: Two processes of Lightning's FSDP1 (``fsdp``), a strategy that is neither DDP nor FSDP2.
-TWO_RANKS_OF_FSDP1 = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp"]
+TWO_RANKS_OF_FSDP1 = [*TWO_CPU_PROCESSES, "--trainer.strategy", "fsdp"]
 TRAINER_SETTING_REFUSALS = [
     (["--model.cuda_graphs", "true", "--trainer.accelerator", "cpu"], "model.cuda_graphs", "this run trains on cpu"),
     (["--model.cuda_graphs", "true", "--model.activation_checkpointing", "offload"], "model.cuda_graphs",
@@ -188,7 +189,7 @@ TRAINER_SETTING_REFUSALS = [
      "accumulate_grad_batches=2"),
     (["--model.master_weights", "true", *BF16, "--trainer.gradient_clip_val", "1.0"], "model.master_weights",
      "gradient_clip_val=1.0"),
-    (["--model.master_weights", "true", *BF16, *TWO_RANKS_OF_FSDP1], "model.master_weights",
+    (["--model.master_weights", "true", *TWO_RANKS_OF_FSDP1], "model.master_weights",
      "2 ranks of another strategy"),
     (["--model.optimizer_in_backward", "true", "--trainer.accumulate_grad_batches", "2"],
      "model.optimizer_in_backward", "accumulate_grad_batches=2"),
@@ -196,6 +197,12 @@ TRAINER_SETTING_REFUSALS = [
      "gradient_clip_val=1.0"),
     (["--model.optimizer_in_backward", "true", *TWO_RANKS_OF_FSDP1], "model.optimizer_in_backward",
      "averaged over the 2 ranks"),
+    # FSDP2 with Lightning's default sizes (auto, auto): one node of 2 processes is a tensor-parallel mesh of 2.
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}'],
+     "trainer.strategy.init_args.tensor_parallel_size", "tensor_parallel size 2"),
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", "lightning.pytorch.strategies.ModelParallelStrategy",
+      "--trainer.strategy.data_parallel_size", "1", "--trainer.strategy.tensor_parallel_size", "2"],
+     "trainer.strategy.init_args.tensor_parallel_size", "tensor_parallel size 2"),
 ]
 
 
