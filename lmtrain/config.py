@@ -309,7 +309,8 @@ class SpeedOptions(OptionGroup):
                            "keys stay those of the eager model).")
     step_mode: str = option(
         "train", "train (forward, backward, AdamW step), forward_backward (no optimizer step) or forward (no "
-        "gradients at all), for benchmarks that time part of a step with the same loop.", choices=STEP_MODES,
+        "gradients at all), for benchmarks that time part of a step with the same loop; those two take no "
+        "trainer.accumulate_grad_batches or trainer.gradient_clip_val.", choices=STEP_MODES,
         kind="step mode", short="mode")
     cuda_graphs: bool = option(
         False, "capture the whole training step (forward, backward, optimizer update) as one CUDA graph after "

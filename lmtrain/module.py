@@ -341,6 +341,8 @@ class LMModule(pl.LightningModule):
             check_float8_run(settings)
         if not training:
             return
+        if config.step_mode != "train":
+            check_step_mode_run(config.step_mode, settings)
         if config.cuda_graphs:
             check_graph_run(settings, needs_cuda=cls.graph_class.needs_cuda)
         if config.master_weights:
@@ -489,6 +491,26 @@ def strategy_kind_of(trainer: pl.Trainer) -> str:
         return strategy_kind(trainer.strategy)
     except ValueError:
         return "other"
+
+
+def check_step_mode_run(step_mode: str, settings: TrainerSettings) -> None:
+    """Refuse trainer settings of an optimizer step with a step mode that takes none (``forward``,
+    ``forward_backward``: the module optimises by hand, and Lightning refuses them for manual optimization with a
+    message that names neither option).
+
+    Raises:
+        LmtrainError: gradient accumulation or clipping, naming ``model.step_mode``.
+    """
+    why = f"{step_mode} takes no optimizer step, so"
+    fix = "or use model.step_mode: train."
+    if settings.accumulate_grad_batches > 1:
+        raise LmtrainError("model.step_mode", f"{why} there is no step to accumulate trainer.accumulate_grad_batches="
+                           f"{settings.accumulate_grad_batches} batches for.",
+                           "set trainer.accumulate_grad_batches: 1 for step-mode timing " + fix)
+    if settings.gradient_clip_val:
+        raise LmtrainError("model.step_mode", f"{why} there is no step to clip the gradients for "
+                           f"(trainer.gradient_clip_val={settings.gradient_clip_val}).",
+                           "unset trainer.gradient_clip_val for step-mode timing " + fix)
 
 
 def trainer_settings(trainer: pl.Trainer) -> TrainerSettings:

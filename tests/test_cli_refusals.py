@@ -197,6 +197,10 @@ TRAINER_SETTING_REFUSALS = [
      "gradient_clip_val=1.0"),
     (["--model.optimizer_in_backward", "true", *TWO_RANKS_OF_FSDP1], "model.optimizer_in_backward",
      "averaged over the 2 ranks"),
+    (["--model.step_mode", "forward_backward", "--trainer.gradient_clip_val", "1.0"], "model.step_mode",
+     "gradient_clip_val=1.0"),
+    (["--model.step_mode", "forward", "--trainer.accumulate_grad_batches", "2"], "model.step_mode",
+     "accumulate_grad_batches=2"),
     # FSDP2 with Lightning's default sizes (auto, auto): one node of 2 processes is a tensor-parallel mesh of 2.
     ([*TWO_CPU_PROCESSES, "--trainer.strategy", '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}'],
      "trainer.strategy.init_args.tensor_parallel_size", "tensor_parallel size 2"),
