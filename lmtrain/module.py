@@ -332,7 +332,8 @@ class LMModule(pl.LightningModule):
             config: the model's options.
             settings: the trainer's settings.
             training: the run trains (``fit``); validate and test take no training step, so the options of the
-                training step (``cuda_graphs``, ``master_weights``, ``optimizer_in_backward``) are not checked.
+                training step (``step_mode``, ``cuda_graphs``, ``master_weights``, ``optimizer_in_backward``) are not
+                checked.
         """
         check_strategy_options(config, settings.strategy, settings.world_size)
         if settings.strategy == "fsdp":
