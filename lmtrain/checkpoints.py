@@ -395,7 +395,7 @@ def _set(namespace: Any, key: str, value: Any) -> None:
         setattr(namespace, key, value)
 
 
-def resolve_ckpt_path(config: Any, subcommand: str) -> None:
+def resolve_ckpt_path(config: Any, subcommand: str, processes: int | None = None) -> None:
     """Resolve and check ``ckpt_path`` in a LightningCLI subcommand's config, right after parsing.
 
     Call it from ``LightningCLI.parse_arguments`` (after ``super()``): LightningCLI then replaces the model
@@ -414,10 +414,13 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
     Args:
         config: ``LightningCLI.config[subcommand]`` (a jsonargparse Namespace; a dict works too).
         subcommand: ``fit``, ``validate``, ``test`` or ``predict``.
+        processes: the processes the trainer will run; given, ``fit`` also checks that the checkpoint's data order
+            can continue (:func:`check_checkpoint_data_order`).
 
     Raises:
         LmtrainError: ``validate``/``test`` asked for ``last`` and there is no checkpoint, the given
-            checkpoint file does not exist, or its model differs from the requested one.
+            checkpoint file does not exist, its model differs from the requested one, or (``fit``) it has trained
+            ``max_steps`` already or its data order cannot continue with the requested data options.
     """
     ckpt_path = _get(config, "ckpt_path")
     if ckpt_path is None:
@@ -431,6 +434,8 @@ def resolve_ckpt_path(config: Any, subcommand: str) -> None:
             check_checkpoint_model(ckpt_path, _get(config, "model"))
         if subcommand == "fit":
             check_steps_left(ckpt_path, _get(_get(config, "trainer"), "max_steps"))
+            if processes is not None:
+                check_checkpoint_data_order(ckpt_path, _get(config, "data"), processes)
     if ckpt_path is not None and is_distributed_checkpoint(ckpt_path):
         _read_folder_unsharded(config, subcommand, ckpt_path)
     if logging_in is not None:  # said once every check passed: a refused checkpoint gets its one line only
@@ -511,6 +516,27 @@ def check_steps_left(ckpt_path: str | os.PathLike, max_steps: int | None) -> Non
         raise LmtrainError("trainer.max_steps", f"the checkpoint {ckpt_path} is at step {step}, so "
                            f"max_steps {max_steps} leaves nothing to train.",
                            f"give --trainer.max_steps above {step} to train on, or use validate/test to evaluate it.")
+
+
+def check_checkpoint_data_order(ckpt_path: str | os.PathLike, data: Any, processes: int) -> None:
+    """Stop, before the trainer exists, when ``fit`` of a checkpoint could not continue its data order with the
+    requested data options on ``processes`` processes (``lmtrain.data.check_data_order``, which the fit runs again
+    when it restores the data module: by then Lightning has printed its device lines and the logger has written).
+
+    Args:
+        ckpt_path: the checkpoint to resume.
+        data: the parsed ``data`` section (``LMDataModule``'s arguments).
+        processes: the processes the trainer will run.
+
+    Raises:
+        LmtrainError: the checkpoint was written with another seed, source, global batch or epoch size.
+    """
+    from lmtrain.data import LMDataModule, check_data_order, data_order
+
+    saved = read_checkpoint(ckpt_path).get(LMDataModule.__qualname__)  # where Lightning keeps the data's state
+    if saved:
+        check_data_order(saved, data_order(_get(data, "seed"), _get(data, "source"), _get(data, "batch_size"),
+                                           processes, _get(data, "train_batches")))
 
 
 def read_checkpoint(ckpt_path: str | os.PathLike) -> dict[str, Any]:

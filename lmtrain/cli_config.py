@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtrain.config import ModelConfig
+from lmtrain.config import ModelConfig, TrainerSettings
 from lmtrain.errors import LmtrainError
 
 #: Default TensorBoard folder of ``fit`` (``logs/lmtrain/version_N``).
@@ -142,25 +142,17 @@ def _lm_cli_class() -> type:
                 check_log_folder(section)
                 check_compile_cache(section)
                 # Every option and the combinations that cannot work, checked by the schema at parse time; then the
-                # options the trainer's strategy cannot work with.
+                # trainer settings the options cannot work with (strategy, devices, precision, accumulation,
+                # clipping): here, not only when the fit starts, where Lightning has printed its device lines.
                 model_config = self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
-                from lmtrain.distributed import check_strategy_options
-
-                check_strategy_options(model_config, *strategy_of(section["trainer"]))
-                if model_config.float8 != "none":  # here, not only at fit setup: before the trainer's device lines
-                    import torch
-
-                    from lmtrain.float8 import check_float8_run
-
-                    trainer = section["trainer"]
-                    on_cpu = _runs_on_cpu(str(trainer.get("accelerator") or "auto"))
-                    check_float8_run(normalize_precision(trainer.get("precision")),
-                                     torch.device("cpu") if on_cpu else None)
+                self.model_class.check_settings(model_config, parsed_trainer_settings(section["trainer"]),
+                                                training=subcommand == "fit")
+                check_parsed_mesh(section["trainer"])
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
 
-                resolve_ckpt_path(section, subcommand)
+                resolve_ckpt_path(section, subcommand, expected_processes(section["trainer"]))
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
@@ -198,9 +190,10 @@ def _lm_cli_class() -> type:
 _LMCLI: type | None = None
 
 
-def strategy_of(trainer: Any) -> tuple[str, int | None]:
+def strategy_of(trainer: Any, count_auto: bool = False) -> tuple[str, int | None]:
     """The strategy kind (``lmtrain.module.strategy_kind_of``'s names) and the number of processes of a parsed
-    ``trainer`` section; None processes where ``devices`` is ``auto`` or -1 (known only once the trainer exists).
+    ``trainer`` section; None processes where ``devices`` is ``auto`` or -1 (known only once the trainer exists),
+    unless ``count_auto``: then ``auto`` counts one process per visible GPU (one on the CPU), as Lightning does.
 
     ``strategy: auto`` on more than one process is ``ddp``: Lightning's ``auto`` then builds a ``DDPStrategy`` (with
     PyTorch's own DDP arguments, not lmtrain's ``DDP_DEFAULTS``)."""
@@ -225,6 +218,10 @@ def strategy_of(trainer: Any) -> tuple[str, int | None]:
             count = None
     if count is not None and count < 1:
         count = None
+    if count is None and count_auto:
+        import torch
+
+        count = 1 if _runs_on_cpu(str(trainer.get("accelerator") or "auto")) else max(1, torch.cuda.device_count())
     nodes = trainer.get("num_nodes", 1) if hasattr(trainer, "get") else 1
     processes = None if count is None else count * int(nodes or 1)
     if kind == "single" and processes is not None and processes > 1 and str(strategy or "auto") == "auto":
@@ -235,14 +232,41 @@ def strategy_of(trainer: Any) -> tuple[str, int | None]:
 def expected_processes(trainer: Any) -> int:
     """The number of processes a parsed ``trainer`` section will run, before the trainer exists: its devices and
     nodes, or for ``devices: auto`` one per visible GPU (one on the CPU), as Lightning counts them."""
-    processes = strategy_of(trainer)[1]
-    if processes is not None:
-        return processes
-    if _runs_on_cpu(str(trainer.get("accelerator") or "auto")):
-        return 1
-    import torch
+    return strategy_of(trainer, count_auto=True)[1] or 1
 
-    return max(1, torch.cuda.device_count()) * int(trainer.get("num_nodes") or 1)
+
+def parsed_trainer_settings(trainer: Any) -> TrainerSettings:
+    """The settings a parsed ``trainer`` section will give the trainer, for ``LMModule.check_settings`` before the
+    trainer exists: precision, strategy kind and processes (:func:`strategy_of`, ``devices: auto`` counted),
+    accumulation and clipping. The device is known only for a run that can train on the CPU alone (which GPU, and so
+    its compute capability, is known once the trainer exists)."""
+    kind, processes = strategy_of(trainer, count_auto=True)
+    on_cpu = _runs_on_cpu(str(trainer.get("accelerator") or "auto"))
+    return TrainerSettings(precision=normalize_precision(trainer.get("precision")), strategy=kind,
+                           world_size=processes, device="cpu" if on_cpu else None,
+                           accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
+                           gradient_clip_val=trainer.get("gradient_clip_val"))
+
+
+def check_parsed_mesh(trainer: Any) -> None:
+    """FSDP2 given as a ``ModelParallelStrategy`` entry: the tensor-parallel size its device mesh will have
+    (``auto``: the processes of a node, Lightning's default), checked before the trainer exists
+    (``lmtrain.distributed.check_tensor_parallel_size``; the fit checks the mesh itself again, once every process
+    has started and the logger has written).
+
+    Raises:
+        LmtrainError: the mesh would have a tensor-parallel dimension.
+    """
+    from lmtrain.distributed import check_tensor_parallel_size
+
+    kind, processes = strategy_of(trainer, count_auto=True)
+    strategy = trainer.get("strategy")
+    if kind != "fsdp" or processes is None or not hasattr(strategy, "get"):
+        return
+    size = (strategy.get("init_args") or {}).get("tensor_parallel_size", "auto")
+    if size == "auto":
+        size = processes // int(trainer.get("num_nodes") or 1)
+    check_tensor_parallel_size(int(size), processes)
 
 
 def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any, module: Any) -> None:

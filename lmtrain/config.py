@@ -24,8 +24,9 @@ Everything else reads these fields instead of declaring the options again:
 
 Checks happen at construction (``__post_init__``): each field's type, range and choices, then each group's own
 rules, then the combinations across groups that cannot work, each as one ``LmtrainError`` naming
-``model.<field>`` (and the other option of a combination) and the fix. Checks that need the trainer (precision,
-strategy, devices) stay with ``LMModule.check_trainer``.
+``model.<field>`` (and the other option of a combination) and the fix. Checks that need the trainer's settings
+(precision, strategy, devices, accumulation, clipping: :class:`TrainerSettings`) are ``LMModule.check_settings``'s,
+which the command line calls right after parsing and a fit again when it starts.
 
 A new option is one field in the group it belongs to; a new group (float8, say) is one more dataclass among
 ``ModelConfig``'s bases, and a subclass of ``ModelConfig`` with an extra group is a full schema on its own
@@ -308,7 +309,8 @@ class SpeedOptions(OptionGroup):
                            "keys stay those of the eager model).")
     step_mode: str = option(
         "train", "train (forward, backward, AdamW step), forward_backward (no optimizer step) or forward (no "
-        "gradients at all), for benchmarks that time part of a step with the same loop.", choices=STEP_MODES,
+        "gradients at all), for benchmarks that time part of a step with the same loop; those two take no "
+        "trainer.accumulate_grad_batches or trainer.gradient_clip_val.", choices=STEP_MODES,
         kind="step mode", short="mode")
     cuda_graphs: bool = option(
         False, "capture the whole training step (forward, backward, optimizer update) as one CUDA graph after "
@@ -458,6 +460,11 @@ class ModelConfig(Float8Options, SpeedOptions, MemoryOptions, OptimizerOptions, 
             raise LmtrainError("model.optimizer_in_backward", f"updates parameters inside the backward pass, but "
                                f"step_mode={self.step_mode!r} takes no optimizer step.",
                                "set model.optimizer_in_backward: false for forward or forward_backward timing.")
+        if self.cuda_graphs and self.activation_checkpointing == "offload":
+            raise LmtrainError("model.cuda_graphs", "replays the whole step as one graph, so it cannot copy saved "
+                               "tensors to freshly pinned host memory (model.activation_checkpointing: offload).",
+                               "use model.activation_checkpointing: full or selective, or set model.cuda_graphs: "
+                               "false.")
         if self.float8_head and self.loss_chunk_tokens:
             raise LmtrainError("model.float8_head", "converts the output head, but model.loss_chunk_tokens computes "
                                "the head's product itself, a chunk at a time, in the trainer's precision.",
@@ -492,6 +499,36 @@ class ModelConfig(Float8Options, SpeedOptions, MemoryOptions, OptimizerOptions, 
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The trainer's settings that the model options are checked against (``LMModule.check_settings``): read from a
+    Lightning trainer when a fit starts (``lmtrain.module.trainer_settings``), or from the parsed ``trainer:`` section
+    before the trainer exists (``lmtrain.cli_config.parsed_trainer_settings``), so that the command line refuses a
+    combination with one line before Lightning prints anything.
+
+    Attributes:
+        precision: Lightning's long precision name (``32-true``, ``bf16-mixed``, ...).
+        strategy: ``single``, ``ddp``, ``fsdp`` or ``other`` (``lmtrain.memory_plan.strategy_kind``).
+        world_size: processes of the run; None where not known yet (checks that need it pass).
+        device: the device the model trains on (``cpu``, ``cuda:0``); None where not known yet (checks that need
+            it pass).
+        accumulate_grad_batches: ``trainer.accumulate_grad_batches``.
+        gradient_clip_val: ``trainer.gradient_clip_val`` (None or 0: no clipping).
+    """
+
+    precision: str = "32-true"
+    strategy: str = "single"
+    world_size: int | None = 1
+    device: str | None = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+
+    @property
+    def several_ranks(self) -> bool:
+        """The run is known to have more than one process."""
+        return self.world_size is not None and self.world_size > 1
 
 
 #: The groups whose fields describe how a step is computed and what it keeps: the options of a bench cell and of

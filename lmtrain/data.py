@@ -191,6 +191,37 @@ class ResumableLoader(DataLoader):
             progress.resumed = True
 
 
+#: What fixes the training sample order (:func:`data_order`'s keys) and the option that sets each.
+_ORDER_OPTIONS = {"seed": "data.seed", "source": "data.source", "global_batch_size": "data.batch_size",
+                  "train_batches": "data.train_batches"}
+
+
+def data_order(seed: int, source: str, batch_size: int, world_size: int, train_batches: int) -> dict[str, Any]:
+    """What fixes the training sample order, as ``LMDataModule.state_dict`` stores it in a checkpoint: the seed, the
+    source, the global batch (``batch_size`` per process x ``world_size`` processes) and the epoch's batches."""
+    return {"seed": seed, "source": source, "global_batch_size": batch_size * world_size,
+            "train_batches": train_batches}
+
+
+def check_data_order(saved: dict[str, Any], run: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint's data order that this run's options cannot continue exactly (called when a
+    fit restores the data module's state, and by the command line before the trainer exists).
+
+    Args:
+        saved: the checkpoint's data-module state (``LMDataModule.state_dict``; keys it lacks are not compared).
+        run: this run's :func:`data_order`.
+
+    Raises:
+        LmtrainError: another seed, source, global batch or epoch size, naming the option to change.
+    """
+    for key, option in _ORDER_OPTIONS.items():
+        if key in saved and saved[key] != run[key]:
+            what = "data.batch_size x number of devices" if key == "global_batch_size" else option
+            raise LmtrainError(option, f"the checkpoint was written with {key}={saved[key]!r}, this run has "
+                               f"{run[key]!r}, so the data order cannot continue where it stopped.",
+                               f"resume with {what} = {saved[key]!r}, or start a new run without --ckpt_path.")
+
+
 class LMDataModule(pl.LightningDataModule):
     """Token windows for language-model training, in a seed-determined order that checkpoints keep.
 
@@ -505,10 +536,7 @@ class LMDataModule(pl.LightningDataModule):
         return {
             "next_batch": self.progress.next_batch,
             "batch_in_epoch": self.progress.batch_in_epoch,
-            "seed": self.seed,
-            "source": self.source,
-            "global_batch_size": self.batch_size * self.world_size,
-            "train_batches": self.train_batches,
+            **data_order(self.seed, self.source, self.batch_size, self.world_size, self.train_batches),
             "tokenizer": self.tokenizer,
         }
 
@@ -517,20 +545,12 @@ class LMDataModule(pl.LightningDataModule):
 
         Raises:
             LmtrainError: the checkpoint was written with another seed, source, global batch or epoch size,
-                so the order could not continue exactly.
+                so the order could not continue exactly (:func:`check_data_order`).
         """
         trainer = self.trainer
         if trainer is not None and trainer.state.fn != "fit":
             return  # validate/test read fixed windows: the training position does not matter
-        mine = self.state_dict()
-        for key, option in (("seed", "data.seed"), ("source", "data.source"),
-                            ("global_batch_size", "data.batch_size"), ("train_batches", "data.train_batches")):
-            if key in state_dict and state_dict[key] != mine[key]:
-                what = "data.batch_size x number of devices" if key == "global_batch_size" else option
-                raise LmtrainError(option, f"the checkpoint was written with {key}={state_dict[key]!r}, this run "
-                                   f"has {mine[key]!r}, so the data order cannot continue where it stopped.",
-                                   f"resume with {what} = {state_dict[key]!r}, or start a new run without "
-                                   "--ckpt_path.")
+        check_data_order(state_dict, self.state_dict())
         self.progress = ReadProgress(int(state_dict.get("next_batch", 0)), int(state_dict.get("batch_in_epoch", 0)),
                                      resumed=True)
 

@@ -9,8 +9,9 @@ compiled graph), then ``fully_shard`` with the block's ``reshard_after_forward``
 the root module last, which shards what is left (embedding, final norm, output head) and stays gathered from
 forward to backward. Then each unit is told which unit to prefetch (``model.fsdp_prefetch``, :func:`set_prefetch`).
 
-:func:`check_strategy_options` refuses the options a strategy cannot work with (the command line calls it when it
-parses, ``LMModule`` when a fit starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
+:func:`check_strategy_options` refuses the options a strategy cannot work with and :func:`check_fsdp_precision` the
+precisions FSDP2 cannot train in (``LMModule.check_settings`` calls both: the command line when it parses, a fit when
+it starts); :func:`ddp_strategy` is what ``trainer.strategy: ddp`` builds.
 
 Precision. Under ``ModelParallelStrategy`` Lightning 2.6 accepts ``32-true``, ``bf16-mixed``,
 ``bf16-true`` and ``16-true`` (it refuses ``16-mixed`` when the trainer is built). For ``bf16-mixed`` it
@@ -71,8 +72,9 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 def check_fsdp_precision(precision: str) -> None:
     """Stop with one clear message when FSDP2 cannot train in ``precision``.
 
-    The command line can call this before it builds the trainer, so that ``16-mixed`` (which Lightning
-    itself rejects under ``ModelParallelStrategy`` with a message about Fabric) gets lmtrain's message.
+    The command line calls it (``LMModule.check_settings``) before it builds the trainer, so that ``16-mixed``
+    (which Lightning itself rejects under ``ModelParallelStrategy`` with a message about Fabric) gets lmtrain's
+    message.
 
     Raises:
         LmtrainError: ``precision`` is not one of :data:`FSDP_PRECISIONS`.
@@ -176,16 +178,27 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if DATA_PARALLEL_DIM not in names:
         raise LmtrainError("trainer.strategy", f"the device mesh has no {DATA_PARALLEL_DIM!r} dimension "
                            f"(dimensions: {names}).", "use lightning.pytorch.strategies.ModelParallelStrategy.")
-    tp = mesh[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1
-    if tp != 1:
-        world = mesh.size()
+    check_tensor_parallel_size(mesh[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1, mesh.size())
+    return mesh[DATA_PARALLEL_DIM]
+
+
+def check_tensor_parallel_size(tensor_parallel_size: int, world_size: int) -> None:
+    """Refuse a ``ModelParallelStrategy`` mesh with a tensor-parallel dimension: lmtrain shards data-parallel only.
+
+    Called with the strategy's mesh (:func:`data_parallel_mesh`) and by the command line before the trainer exists,
+    with the sizes the parsed ``trainer.strategy`` will give it (``lmtrain.cli_config.check_parsed_mesh``).
+
+    Raises:
+        LmtrainError: ``tensor_parallel_size`` is not 1.
+    """
+    if tensor_parallel_size != 1:
         raise LmtrainError(
             "trainer.strategy.init_args.tensor_parallel_size",
-            f"the device mesh has tensor_parallel size {tp}; lmtrain shards data-parallel only (FSDP2).",
-            f"set trainer.strategy.init_args.data_parallel_size: {world} (nodes x devices) and "
+            f"the device mesh has tensor_parallel size {tensor_parallel_size}; lmtrain shards data-parallel only "
+            "(FSDP2).",
+            f"set trainer.strategy.init_args.data_parallel_size: {world_size} (nodes x devices) and "
             "tensor_parallel_size: 1.",
         )
-    return mesh[DATA_PARALLEL_DIM]
 
 
 def shard_model(

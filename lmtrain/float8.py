@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lmtrain.analysis.float8 import CastSpec
-from lmtrain.config import ModelConfig
+from lmtrain.config import ModelConfig, TrainerSettings
 from lmtrain.errors import LmtrainError
 
 #: Smallest CUDA compute capability with float8 tensor cores (Ada 8.9, Hopper 9.0).
@@ -190,34 +190,25 @@ def check_float8_device(device: torch.device, capability: tuple[int, int] | None
                            f"has {major}.{minor}.", "set model.float8: none on this GPU, or use an Ada or Hopper GPU.")
 
 
-def check_float8_run(precision: str, device: torch.device | None,
-                     importer: Importer = importlib.import_module) -> None:
+def check_float8_run(settings: TrainerSettings, importer: Importer = importlib.import_module) -> None:
     """Refuse a fit that float8 training cannot run: no torchao, a precision it cannot cast from, or a device
     without float8 tensor cores.
 
     Args:
-        precision: the trainer's precision (``trainer.precision``).
-        device: the device the model trains on; None where it is not known yet (the command line, before the
-            trainer exists: it passes the CPU where the run can only train there).
+        settings: the trainer's settings (``LMModule.check_settings``: at parse time, where the device is known only
+            for a run that can train on the CPU alone, and when a fit starts).
         importer: imports a module by name (:func:`load_float8`).
 
     Raises:
         LmtrainError: torchao is missing, the precision is fp16, or the device has no float8 tensor cores.
     """
     load_float8(importer)
-    if precision not in FLOAT8_PRECISIONS:
+    if settings.precision not in FLOAT8_PRECISIONS:
         raise LmtrainError("model.float8", f"casts bf16 or fp32 values to float8 (torchao's recipes); this run's "
-                           f"trainer.precision is {precision}.",
+                           f"trainer.precision is {settings.precision}.",
                            f"use trainer.precision: bf16-mixed (or one of {', '.join(FLOAT8_PRECISIONS)}).")
-    if device is not None:
-        check_float8_device(device)
-
-
-def check_float8_trainer(trainer: Any, importer: Importer = importlib.import_module) -> None:
-    """:func:`check_float8_run` for a Lightning trainer (its precision and its strategy's root device), at fit
-    setup, before any logger writes."""
-    check_float8_run(str(trainer.precision), None, importer)
-    check_float8_device(torch.device(trainer.strategy.root_device))
+    if settings.device is not None:
+        check_float8_device(torch.device(settings.device))
 
 
 def gemm_specs(config: Any) -> dict[str, tuple[CastSpec, CastSpec] | None]:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from lmtrain.analysis.timing import MARKS
+from lmtrain.config import TrainerSettings
 from lmtrain.errors import LmtrainError
 from lmtrain.optim import InBackwardAdamW
 
@@ -435,39 +436,34 @@ class GraphedStep:
         self.capture_step = module.trainer.global_step
 
 
-def check_graph_trainer(trainer: Any, activation_checkpointing: tuple[str, ...], needs_cuda: bool = True) -> None:
+def check_graph_run(settings: TrainerSettings, needs_cuda: bool = True) -> None:
     """Refuse trainer settings a graphed step (``model.cuda_graphs``) cannot work with.
 
     Args:
-        trainer: the Lightning trainer.
-        activation_checkpointing: the model's checkpointing policies (``activation_checkpointing``,
-            ``checkpoint_rest``).
+        settings: the trainer's settings (``LMModule.check_settings``: at parse time and when a fit starts).
         needs_cuda: the graph class needs a CUDA device (the CPU stand-in of the tests does not).
 
     Raises:
-        LmtrainError: no CUDA device, several devices, accumulation, clipping, ``16-mixed`` or offload.
+        LmtrainError: no CUDA device, several devices, accumulation, clipping or ``16-mixed``.
     """
     field, why = "model.cuda_graphs", "replays the whole step as one graph, so"
     off = "or set model.cuda_graphs: false."
-    device = trainer.strategy.root_device
-    if needs_cuda and device.type != "cuda":
+    device = None if settings.device is None else torch.device(settings.device)
+    if needs_cuda and device is not None and device.type != "cuda":
         raise LmtrainError(field, f"needs a CUDA device; this run trains on {device.type}.",
                            "train on a GPU (trainer.accelerator: gpu) " + off)
-    if getattr(trainer, "world_size", 1) > 1:
-        raise LmtrainError(field, f"captures the step of one device; this run has {trainer.world_size} "
+    if settings.several_ranks:
+        raise LmtrainError(field, f"captures the step of one device; this run has {settings.world_size} "
                            "devices (their gradient communication is not captured).",
                            "use trainer.devices: 1 " + off)
-    if trainer.accumulate_grad_batches > 1:
+    if settings.accumulate_grad_batches > 1:
         raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
-                           f"{trainer.accumulate_grad_batches} batches.",
+                           f"{settings.accumulate_grad_batches} batches.",
                            "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
-    if trainer.gradient_clip_val:
+    if settings.gradient_clip_val:
         raise LmtrainError(field, f"{why} clipping by the gradient norm (trainer.gradient_clip_val="
-                           f"{trainer.gradient_clip_val}) would happen after the update, outside the graph.",
+                           f"{settings.gradient_clip_val}) would happen after the update, outside the graph.",
                            "unset trainer.gradient_clip_val " + off)
-    if str(trainer.precision) == "16-mixed":
+    if settings.precision == "16-mixed":
         raise LmtrainError(field, f"{why} the loss scaler's host-side checks (trainer.precision=16-mixed) "
                            "cannot run inside it.", "use trainer.precision: bf16-mixed " + off)
-    if "offload" in activation_checkpointing:
-        raise LmtrainError(field, f"{why} it cannot copy saved tensors to freshly pinned host memory "
-                           "(activation_checkpointing: offload).", "use full or selective checkpointing " + off)

@@ -131,6 +131,7 @@ from lmtrain.config import ModelConfig, step_fields
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import block_linear_shapes, converts_shape
 from lmtrain.flops import STEP_MODES, matmul_parameter_count, parameter_count
+from lmtrain.optim import check_master_weights_precision
 
 GIB = 1024**3
 
@@ -211,9 +212,7 @@ def static_bytes(cfg: ModelConfig, precision: str, mode: str = "train") -> tuple
     p, k = parameter_count(cfg), parameter_tensor_count(cfg)
     if not cfg.master_weights:
         return p * w, p * w, (2 * p * w + k * 4 if mode == "train" else 0)
-    if precision != "bf16-mixed":
-        raise LmtrainError("model.master_weights", f"needs trainer.precision bf16-mixed, got {precision}.",
-                           "use trainer.precision: bf16-mixed, or model.master_weights: false.")
+    check_master_weights_precision(precision)
     mm = linear_parameter_count(cfg)
     weights = mm * 2 + (p - mm) * 4
     per_master = 12 if cfg.optimizer_state_dtype == "float32" else 6
@@ -861,9 +860,8 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
     # FSDP2.
     from lmtrain.distributed import FSDP_PRECISIONS
 
-    if cfg.master_weights and precision != "bf16-mixed":
-        raise LmtrainError("model.master_weights", f"needs trainer.precision bf16-mixed, got {precision}.",
-                           "use trainer.precision: bf16-mixed, or model.master_weights: false.")
+    if cfg.master_weights:
+        check_master_weights_precision(precision)
     if precision not in FSDP_PRECISIONS:
         raise ValueError(f"FSDP2 runs in {FSDP_PRECISIONS}, got {precision!r}")
     # param_dtype: bf16 under bf16-mixed (the policy), else the parameters' own; reduce_dtype: fp32 or w.

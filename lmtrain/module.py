@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,12 +22,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import needs_gpu
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
-from lmtrain.config import DEFAULT_SIZE, ModelConfig, cli_parameters, compile_kwargs
-from lmtrain.distributed import check_strategy_options
+from lmtrain.config import DEFAULT_SIZE, ModelConfig, TrainerSettings, cli_parameters, compile_kwargs
+from lmtrain.distributed import check_fsdp_precision, check_strategy_options
 from lmtrain.errors import LmtrainError
-from lmtrain.float8 import check_float8_trainer, convert_model
+from lmtrain.float8 import check_float8_run, convert_model
 from lmtrain.flops import compute_dtype, float8_flops_per_step, flops_per_step
-from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_trainer, lr_as_tensors
+from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_run, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
 from lmtrain.optim import (
@@ -34,8 +35,8 @@ from lmtrain.optim import (
     InBackwardAdamW,
     MasterWeightAdamW,
     bf16_with_masters,
-    check_in_backward_trainer,
-    check_master_weights_trainer,
+    check_in_backward_run,
+    check_master_weights_run,
     linear_weights,
     weight_decay_groups,
 )
@@ -307,25 +308,48 @@ class LMModule(pl.LightningModule):
         return []
 
     def check_trainer(self, trainer: pl.Trainer) -> None:
-        """Refuse trainer settings this module's options cannot work with (one ``LmtrainError``, field and fix).
+        """Refuse trainer settings this module's options cannot work with: :meth:`check_settings` of the trainer's
+        settings (:func:`trainer_settings`).
 
-        Called from ``configure_callbacks`` at the start of every fit, before Lightning's own configuration checks;
-        a command line can call it before ``fit`` to stop before anything is written. Each option's checks live
-        with what implements it (``lmtrain.graphs``, ``lmtrain.optim``).
+        Called from ``configure_callbacks`` at the start of every fit, before Lightning's own configuration checks.
         """
-        config = self.config
-        # The mesh is set only once the strategy has set up; the strategy itself is known from the start.
-        strategy = "fsdp" if self.device_mesh is not None else strategy_kind_of(trainer)
-        check_strategy_options(config, strategy, getattr(trainer, "world_size", 1))
-        if config.cuda_graphs:
-            check_graph_trainer(trainer, (config.activation_checkpointing, config.checkpoint_rest),
-                                needs_cuda=self.graph_class.needs_cuda)
-        if config.master_weights:
-            check_master_weights_trainer(trainer, strategy)
-        if config.optimizer_in_backward:
-            check_in_backward_trainer(trainer, strategy)
+        settings = trainer_settings(trainer)
+        if self.device_mesh is not None:  # set only once the strategy has set up; the strategy is known before
+            settings = replace(settings, strategy="fsdp")
+        self.check_settings(self.config, settings)
+
+    @classmethod
+    def check_settings(cls, config: ModelConfig, settings: TrainerSettings, training: bool = True) -> None:
+        """Refuse trainer settings that ``config``'s options cannot work with (one ``LmtrainError``, field and fix).
+
+        The command line calls it right after parsing, with the settings the trainer will have
+        (``lmtrain.cli_config.parsed_trainer_settings``), so that a refusal is its one line before Lightning prints
+        or writes anything; :meth:`check_trainer` calls it again when a fit starts, with the trainer's own. Each
+        option's rules live with what implements it (``lmtrain.distributed``, ``lmtrain.float8``,
+        ``lmtrain.graphs``, ``lmtrain.optim``).
+
+        Args:
+            config: the model's options.
+            settings: the trainer's settings.
+            training: the run trains (``fit``); validate and test take no training step, so the options of the
+                training step (``step_mode``, ``cuda_graphs``, ``master_weights``, ``optimizer_in_backward``) are not
+                checked.
+        """
+        check_strategy_options(config, settings.strategy, settings.world_size)
+        if settings.strategy == "fsdp":
+            check_fsdp_precision(settings.precision)
         if config.float8 != "none":
-            check_float8_trainer(trainer)
+            check_float8_run(settings)
+        if not training:
+            return
+        if config.step_mode != "train":
+            check_step_mode_run(config.step_mode, settings)
+        if config.cuda_graphs:
+            check_graph_run(settings, needs_cuda=cls.graph_class.needs_cuda)
+        if config.master_weights:
+            check_master_weights_run(settings)
+        if config.optimizer_in_backward:
+            check_in_backward_run(settings)
 
     def teardown(self, stage: str) -> None:
         # The in-backward optimizer's hooks live on the parameters: remove them with the fit that made them.
@@ -468,6 +492,37 @@ def strategy_kind_of(trainer: pl.Trainer) -> str:
         return strategy_kind(trainer.strategy)
     except ValueError:
         return "other"
+
+
+def check_step_mode_run(step_mode: str, settings: TrainerSettings) -> None:
+    """Refuse trainer settings of an optimizer step with a step mode that takes none (``forward``,
+    ``forward_backward``: the module optimises by hand, and Lightning refuses them for manual optimization with a
+    message that names neither option).
+
+    Raises:
+        LmtrainError: gradient accumulation or clipping, naming ``model.step_mode``.
+    """
+    why = f"{step_mode} takes no optimizer step, so"
+    fix = "or use model.step_mode: train."
+    if settings.accumulate_grad_batches > 1:
+        raise LmtrainError("model.step_mode", f"{why} there is no step to accumulate trainer.accumulate_grad_batches="
+                           f"{settings.accumulate_grad_batches} batches for.",
+                           "set trainer.accumulate_grad_batches: 1 for step-mode timing " + fix)
+    if settings.gradient_clip_val:
+        raise LmtrainError("model.step_mode", f"{why} there is no step to clip the gradients for "
+                           f"(trainer.gradient_clip_val={settings.gradient_clip_val}).",
+                           "unset trainer.gradient_clip_val for step-mode timing " + fix)
+
+
+def trainer_settings(trainer: pl.Trainer) -> TrainerSettings:
+    """The settings of a Lightning trainer that :meth:`LMModule.check_settings` checks the options against (the
+    device: its strategy's root device)."""
+    strategy = getattr(trainer, "strategy", None)
+    device = None if strategy is None else strategy.root_device
+    return TrainerSettings(precision=str(trainer.precision), strategy=strategy_kind_of(trainer),
+                           world_size=getattr(trainer, "world_size", 1), device=None if device is None else str(device),
+                           accumulate_grad_batches=trainer.accumulate_grad_batches,
+                           gradient_clip_val=trainer.gradient_clip_val)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

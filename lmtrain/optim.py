@@ -1,7 +1,7 @@
 """lmtrain's optimizers: AdamW over fp32 master weights for bf16 matrix weights, and AdamW inside the backward pass.
 
 :class:`InBackwardAdamW` (``model.optimizer_in_backward``) updates each parameter as soon as its gradient is complete
-(see its docstring); :func:`check_in_backward_trainer` and :func:`check_master_weights_trainer` refuse the trainer
+(see its docstring); :func:`check_in_backward_run` and :func:`check_master_weights_run` refuse the trainer
 settings each cannot work with. The rest of this docstring is about :class:`MasterWeightAdamW`.
 
 Under ``bf16-mixed`` (autocast to bf16) the weights are fp32 and every step moves, per matrix parameter:
@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from lmtrain.config import TrainerSettings
 from lmtrain.errors import LmtrainError
 from lmtrain.kernels import triton_interpreted
 
@@ -794,66 +795,75 @@ class InBackwardAdamW(torch.optim.Optimizer):
         self._handles = []
 
 
-def check_in_backward_trainer(trainer: Any, strategy: str) -> None:
+def check_in_backward_run(settings: TrainerSettings) -> None:
     """Refuse trainer settings the in-backward optimizer (``model.optimizer_in_backward``) cannot work with.
 
     Args:
-        trainer: the Lightning trainer.
-        strategy: its strategy kind (``lmtrain.memory_plan.strategy_kind``: ``single``, ``ddp``, ``fsdp``).
+        settings: the trainer's settings (``LMModule.check_settings``: at parse time and when a fit starts).
 
     Raises:
         LmtrainError: gradient accumulation, gradient clipping, ``16-mixed``, or several ranks of a strategy other
             than FSDP2 and DDP (DDP is refused by ``lmtrain.distributed.check_strategy_options``).
     """
     field, why = "model.optimizer_in_backward", "updates each parameter as soon as its gradient exists, so"
-    if trainer.accumulate_grad_batches > 1:
+    if settings.accumulate_grad_batches > 1:
         raise LmtrainError(field, f"{why} gradients cannot accumulate over trainer.accumulate_grad_batches="
-                           f"{trainer.accumulate_grad_batches} batches.",
+                           f"{settings.accumulate_grad_batches} batches.",
                            "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) or "
                            "model.optimizer_in_backward: false.")
-    if trainer.gradient_clip_val:
+    if settings.gradient_clip_val:
         raise LmtrainError(field, f"{why} no global gradient norm exists to clip by "
-                           f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                           f"(trainer.gradient_clip_val={settings.gradient_clip_val}).",
                            "unset trainer.gradient_clip_val or set model.optimizer_in_backward: false.")
-    if str(trainer.precision) == "16-mixed":
+    if settings.precision == "16-mixed":
         raise LmtrainError(field, f"{why} it would update from loss-scaled fp16 gradients before the "
                            "scaler could unscale or skip them (trainer.precision=16-mixed).",
                            "use trainer.precision: bf16-mixed (no loss scaling) or "
                            "model.optimizer_in_backward: false.")
-    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
+    if settings.several_ranks and settings.strategy not in ("fsdp", "ddp"):  # DDP: check_strategy_options
         raise LmtrainError(field, f"{why} under a strategy other than FSDP2 each rank would update from its own "
-                           f"gradient, before it is averaged over the {trainer.world_size} ranks.",
+                           f"gradient, before it is averaged over the {settings.world_size} ranks.",
                            "use FSDP2 (trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy, "
                            "which runs the update after each gradient's reduce-scatter) or "
                            "model.optimizer_in_backward: false.")
 
 
-def check_master_weights_trainer(trainer: Any, strategy: str) -> None:
+def check_master_weights_run(settings: TrainerSettings) -> None:
     """Refuse trainer settings the master-weight optimizer (``model.master_weights``) cannot work with.
 
+    Under FSDP2 the fp32 shards are the masters (``MasterWeightAdamW(params_are_masters=True)``); under DDP the
+    linear weights are made bf16 before DDP wraps the model (:func:`bf16_with_masters`).
+
     Args:
-        trainer: the Lightning trainer.
-        strategy: its strategy kind (``fsdp`` when a device mesh is set). Under FSDP2 the fp32 shards are the
-            masters (``MasterWeightAdamW(params_are_masters=True)``); under DDP the linear weights are made bf16
-            before DDP wraps the model (:func:`bf16_with_masters`).
+        settings: the trainer's settings (``LMModule.check_settings``: at parse time and when a fit starts).
 
     Raises:
         LmtrainError: a precision other than ``bf16-mixed``, several ranks of a strategy other than FSDP2 and DDP,
             accumulation or clipping.
     """
     field, off = "model.master_weights", "or set model.master_weights: false."
-    if str(trainer.precision) != "bf16-mixed":
-        raise LmtrainError(field, f"stores the weights autocast's bf16 copies would hold, so it needs "
-                           f"trainer.precision: bf16-mixed (this run: {trainer.precision}).",
-                           "use trainer.precision: bf16-mixed " + off)
-    if getattr(trainer, "world_size", 1) > 1 and strategy not in ("fsdp", "ddp"):
-        raise LmtrainError(field, f"runs on one device, under DDP or under FSDP2 (this run: {trainer.world_size} "
+    check_master_weights_precision(settings.precision)
+    if settings.several_ranks and settings.strategy not in ("fsdp", "ddp"):
+        raise LmtrainError(field, f"runs on one device, under DDP or under FSDP2 (this run: {settings.world_size} "
                            "ranks of another strategy).", "use trainer.strategy: ddp or FSDP2 " + off)
-    if trainer.accumulate_grad_batches > 1:
+    if settings.accumulate_grad_batches > 1:
         raise LmtrainError(field, "keeps gradients in bf16, so accumulating them over trainer."
-                           f"accumulate_grad_batches={trainer.accumulate_grad_batches} batches would sum in bf16.",
+                           f"accumulate_grad_batches={settings.accumulate_grad_batches} batches would sum in bf16.",
                            "set trainer.accumulate_grad_batches: 1 (raise data.batch_size instead) " + off)
-    if trainer.gradient_clip_val:
+    if settings.gradient_clip_val:
         raise LmtrainError(field, "keeps gradients in bf16, where the clipping norm would be computed "
-                           f"(trainer.gradient_clip_val={trainer.gradient_clip_val}).",
+                           f"(trainer.gradient_clip_val={settings.gradient_clip_val}).",
                            "unset trainer.gradient_clip_val " + off)
+
+
+def check_master_weights_precision(precision: str) -> None:
+    """Refuse ``model.master_weights`` with a precision other than ``bf16-mixed`` (the trainer check and the
+    memory planner's).
+
+    Raises:
+        LmtrainError: ``precision`` is not ``bf16-mixed``.
+    """
+    if precision != "bf16-mixed":
+        raise LmtrainError("model.master_weights", f"stores the weights autocast's bf16 copies would hold, so it "
+                           f"needs trainer.precision: bf16-mixed (this run: {precision}).",
+                           "use trainer.precision: bf16-mixed or set model.master_weights: false.")

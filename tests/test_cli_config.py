@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -142,3 +142,43 @@ def test_no_import_circle_in_lmtrain() -> None:
         if start not in done:
             visit(start, [start])
     assert cycles == []
+
+
+TRAINER_SECTIONS = [
+    [],
+    ["--trainer.precision", "bf16", "--trainer.accumulate_grad_batches", "4", "--trainer.gradient_clip_val", "0.5"],
+    ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+    ["--trainer.accelerator", "cpu", "--trainer.devices", "2"],  # strategy auto on two processes: DDP
+]
+
+
+@pytest.mark.parametrize("args", TRAINER_SECTIONS, ids=["defaults", "bf16-accumulate-clip", "ddp", "auto-on-2"])
+def test_parsed_trainer_settings_are_those_of_the_trainer_it_builds(args: list[str]) -> None:
+    """What the command line checks the options against before the trainer exists is what a fit's own check reads
+    of the trainer that Lightning builds from the same section (the device: on a machine without a GPU)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lmtrain.cli_config import parsed_trainer_settings
+    from lmtrain.module import trainer_settings
+
+    trainer = resolve_args(["--config", TINY, *args]).trainer
+    built = pl.Trainer(**{key: trainer[key] for key in ("accelerator", "devices", "num_nodes", "strategy", "precision",
+                                                        "accumulate_grad_batches", "gradient_clip_val")},
+                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    parsed = parsed_trainer_settings(trainer)
+    if parsed.device is None and torch.cuda.is_available():  # which GPU is known once the trainer exists
+        parsed = replace(parsed, device=str(built.strategy.root_device))
+    assert parsed == trainer_settings(built)
+
+
+def test_validate_and_test_are_not_refused_for_options_of_the_training_step() -> None:
+    """``check_settings`` at parse time of validate/test (``training=False``) leaves out the rules of the training
+    step: a master-weights model evaluates in 32-true."""
+    from lmtrain.config import TrainerSettings
+
+    config = ModelConfig.from_size("tiny", master_weights=True)
+    LMModule.check_settings(config, TrainerSettings(precision="32-true", accumulate_grad_batches=2), training=False)
+    with pytest.raises(LmtrainError) as info:
+        LMModule.check_settings(config, TrainerSettings(precision="32-true"))
+    assert info.value.field == "model.master_weights"

@@ -186,3 +186,112 @@ def test_estimate_gpu_memory_must_leave_something(gib: str, problem: str, in_tmp
                                                   capsys: pytest.CaptureFixture) -> None:
     line = refused(["estimate", "--config", TINY, "--gpu-memory-gib", gib], "--gpu-memory-gib", capsys, in_tmp)
     assert problem in line
+
+
+# -- model options against the trainer's settings: refused at parse time, before Lightning's device lines ---------
+
+BF16 = ["--trainer.precision", "bf16-mixed"]
+TWO_CPU_PROCESSES = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", *BF16]
+#: Two processes of Lightning's FSDP1 (``fsdp``), a strategy that is neither DDP nor FSDP2.
+TWO_RANKS_OF_FSDP1 = [*TWO_CPU_PROCESSES, "--trainer.strategy", "fsdp"]
+TRAINER_SETTING_REFUSALS = [
+    (["--model.cuda_graphs", "true", "--trainer.accelerator", "cpu"], "model.cuda_graphs", "this run trains on cpu"),
+    (["--model.cuda_graphs", "true", "--model.activation_checkpointing", "offload"], "model.cuda_graphs",
+     "activation_checkpointing: offload"),
+    (["--model.master_weights", "true", "--trainer.precision", "32-true"], "model.master_weights",
+     "needs trainer.precision: bf16-mixed (this run: 32-true)"),
+    (["--model.master_weights", "true", *BF16, "--trainer.accumulate_grad_batches", "2"], "model.master_weights",
+     "accumulate_grad_batches=2"),
+    (["--model.master_weights", "true", *BF16, "--trainer.gradient_clip_val", "1.0"], "model.master_weights",
+     "gradient_clip_val=1.0"),
+    (["--model.master_weights", "true", *TWO_RANKS_OF_FSDP1], "model.master_weights",
+     "2 ranks of another strategy"),
+    (["--model.optimizer_in_backward", "true", "--trainer.accumulate_grad_batches", "2"],
+     "model.optimizer_in_backward", "accumulate_grad_batches=2"),
+    (["--model.optimizer_in_backward", "true", "--trainer.gradient_clip_val", "1.0"], "model.optimizer_in_backward",
+     "gradient_clip_val=1.0"),
+    (["--model.optimizer_in_backward", "true", *TWO_RANKS_OF_FSDP1], "model.optimizer_in_backward",
+     "averaged over the 2 ranks"),
+    (["--model.step_mode", "forward_backward", "--trainer.gradient_clip_val", "1.0"], "model.step_mode",
+     "gradient_clip_val=1.0"),
+    (["--model.step_mode", "forward", "--trainer.accumulate_grad_batches", "2"], "model.step_mode",
+     "accumulate_grad_batches=2"),
+    # FSDP2 with Lightning's default sizes (auto, auto): one node of 2 processes is a tensor-parallel mesh of 2.
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}'],
+     "trainer.strategy.init_args.tensor_parallel_size", "tensor_parallel size 2"),
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", "lightning.pytorch.strategies.ModelParallelStrategy",
+      "--trainer.strategy.data_parallel_size", "1", "--trainer.strategy.tensor_parallel_size", "2"],
+     "trainer.strategy.init_args.tensor_parallel_size", "tensor_parallel size 2"),
+]
+
+
+@pytest.mark.parametrize(("args", "field", "problem"), TRAINER_SETTING_REFUSALS)
+def test_trainer_settings_the_options_cannot_work_with_are_refused_when_parsed(
+        args: list[str], field: str, problem: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """The refusal is the whole of stderr: checked from the parsed trainer section, before Lightning builds the
+    trainer and prints which devices it found."""
+    line = refused(["fit", "--config", TINY, *args], field, capsys, in_tmp)
+    assert problem in line
+
+
+def test_cuda_graphs_on_a_machine_without_a_gpu_is_refused_when_parsed(in_tmp: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """``trainer.accelerator: auto`` (the configs' default) trains on the CPU where no GPU is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: accelerator auto trains on it")
+    line = refused(["fit", "--config", TINY, "--model.cuda_graphs", "true"], "model.cuda_graphs", capsys, in_tmp)
+    assert "this run trains on cpu" in line
+
+
+GPU_TRAINER_SETTING_REFUSALS = [
+    (["--model.cuda_graphs", "true", "--trainer.accumulate_grad_batches", "2"], "model.cuda_graphs",
+     "accumulate_grad_batches=2"),
+    (["--model.cuda_graphs", "true", "--trainer.gradient_clip_val", "1.0"], "model.cuda_graphs",
+     "gradient_clip_val=1.0"),
+    (["--model.cuda_graphs", "true", "--trainer.precision", "16-mixed"], "model.cuda_graphs", "16-mixed"),
+    (["--model.optimizer_in_backward", "true", "--trainer.precision", "16-mixed"], "model.optimizer_in_backward",
+     "16-mixed"),
+    (["--trainer.precision", "16-true", "--trainer.strategy", "lightning.pytorch.strategies.ModelParallelStrategy",
+      "--trainer.strategy.data_parallel_size", "1", "--trainer.strategy.tensor_parallel_size", "1"],
+     "trainer.precision", "FSDP2"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("args", "field", "problem"), GPU_TRAINER_SETTING_REFUSALS)
+def test_gpu_trainer_settings_the_options_cannot_work_with_are_refused_when_parsed(
+        args: list[str], field: str, problem: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """As above, for the settings a CPU run refuses for another reason first (no CUDA device, 16-bit floats)."""
+    line = refused(["fit", "--config", TINY, "--trainer.accelerator", "gpu", "--trainer.devices", "1", *args], field,
+                   capsys, in_tmp)
+    assert problem in line
+
+
+@pytest.mark.parametrize(("saved", "args", "field"), [
+    ({"global_batch_size": 32}, [], "data.batch_size"),  # tiny.yaml: 16 windows a batch, one process
+    ({"global_batch_size": 16}, ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+     "data.batch_size"),
+    ({"seed": 5}, [], "data.seed"),
+], ids=["batch", "batch-on-2-processes", "seed"])
+def test_resuming_a_data_order_that_cannot_continue_is_refused_when_parsed(
+        saved: dict, args: list[str], field: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """The checkpoint's data order against the parsed data options and process count, before the trainer exists:
+    when the fit restores the data module, Lightning has printed its device lines and the logger has written."""
+    import lightning
+    import torch
+
+    from lmtrain.module import LMModule
+
+    inputs = in_tmp / "inputs"
+    inputs.mkdir()
+    ckpt = inputs / "step3.ckpt"
+    model = {"size": "tiny", "vocab_size": 256, "context_length": 128}
+    order = {"seed": 0, "source": "text", "global_batch_size": 16, "train_batches": 300, **saved}
+    # As much of a checkpoint as Lightning restores before the data module's state (the weights included).
+    torch.save({"pytorch-lightning_version": lightning.__version__, "hyper_parameters": model, "global_step": 3,
+                "state_dict": LMModule(**model).state_dict(),
+                "LMDataModule": {"next_batch": 3, "batch_in_epoch": 3, **order}}, ckpt)
+    line = refused(["fit", "--config", TINY, "--ckpt_path", str(ckpt), *args], field, capsys, in_tmp)
+    assert "data order cannot continue" in line

@@ -94,6 +94,8 @@ def test_the_command_line_and_the_module_take_exactly_the_schema() -> None:
     (dict(master_weights=True, optimizer_in_backward=True), "model.master_weights", "model.optimizer_in_backward"),
     (dict(optimizer_in_backward=True, step_mode="forward"), "model.optimizer_in_backward", "step_mode"),
     (dict(cuda_graphs=True, step_mode="forward_backward"), "model.cuda_graphs", "step_mode"),
+    (dict(cuda_graphs=True, activation_checkpointing="offload"), "model.cuda_graphs",
+     "model.activation_checkpointing"),
     (dict(compile_mode="max-autotune-no-cudagraphs"), "model.compile_mode", "model.compile"),
     (dict(optimizer_state_dtype="bfloat16"), "model.optimizer_state_dtype", "model.master_weights"),
     (dict(float8_head=True), "model.float8_head", "model.float8"),

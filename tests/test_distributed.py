@@ -175,7 +175,9 @@ def test_fsdp2_with_activation_checkpointing_matches_one(single_run: dict, tmp_p
 
 
 def _trainer_like(strategy: object, world_size: int) -> SimpleNamespace:
-    """What ``LMModule.check_trainer`` reads of a trainer, for a bf16-mixed fit without accumulation or clipping."""
+    """What ``LMModule.check_trainer`` reads of a trainer, for a bf16-mixed fit without accumulation or clipping
+    (the strategy's devices set, as the trainer sets them, for its root device)."""
+    strategy.parallel_devices = [torch.device("cpu")] * world_size
     return SimpleNamespace(strategy=strategy, world_size=world_size, accumulate_grad_batches=1,
                            gradient_clip_val=None, precision="bf16-mixed")
 

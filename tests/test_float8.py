@@ -9,7 +9,7 @@ hand (``lmtrain.float8.convert_model``) to exercise the inspector.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import lightning.pytorch as pl
 import pytest
@@ -22,12 +22,12 @@ from tb import scalars, texts
 from lmtrain.analysis import float8 as f8
 from lmtrain.callbacks import PrecisionInspector
 from lmtrain.callbacks.precision import Float8Probe
-from lmtrain.config import ModelConfig
+from lmtrain.config import ModelConfig, TrainerSettings
 from lmtrain.data import LMDataModule
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import (
     check_float8_device,
-    check_float8_trainer,
+    check_float8_run,
     convert_model,
     converts,
     float8_linears,
@@ -107,7 +107,7 @@ def _one_line(error: LmtrainError) -> str:
 def test_missing_torchao_is_refused_with_the_install_fix() -> None:
     for call in (lambda: load_float8(_no_torchao), lambda: convert_model(TransformerLM(_config()), _config(),
                                                                          importer=_no_torchao),
-                 lambda: check_float8_trainer(SimpleNamespace(precision="bf16-mixed"), importer=_no_torchao)):
+                 lambda: check_float8_run(TrainerSettings(precision="bf16-mixed"), importer=_no_torchao)):
         with pytest.raises(LmtrainError) as info:
             call()
         assert _one_line(info.value).endswith("Fix: pip install lmtrain[float8]")
@@ -125,9 +125,8 @@ def test_devices_without_float8_tensor_cores_are_refused() -> None:
 
 
 def test_fp16_precision_is_refused() -> None:
-    trainer = SimpleNamespace(precision="16-mixed", strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
     with pytest.raises(LmtrainError, match="16-mixed") as info:
-        check_float8_trainer(trainer)
+        check_float8_run(TrainerSettings(precision="16-mixed", device="cuda:0"))
     _one_line(info.value)
 
 
