@@ -133,7 +133,9 @@ def _lm_cli_class() -> type:
                 # validate/test of a checkpoint alone: its run's data options first, the given ones over them.
                 data = checkpoint_data_options(self.config[subcommand], subcommand)
                 if data is not None:
-                    self.config = parser.parse_args([subcommand, "--data", json.dumps(data), *args[1:]])
+                    args = [subcommand, "--data", json.dumps(data), *args[1:]]
+                    self.config = parser.parse_args(args)
+            self.config = with_strategy_class(parser, args, self.config)
             # Checked right after the parse, before LightningCLI seeds, builds or writes anything.
             if subcommand is not None:
                 section = self.config[subcommand]
@@ -248,25 +250,70 @@ def parsed_trainer_settings(trainer: Any) -> TrainerSettings:
                            gradient_clip_val=trainer.get("gradient_clip_val"))
 
 
-def check_parsed_mesh(trainer: Any) -> None:
-    """FSDP2 given as a ``ModelParallelStrategy`` entry: the tensor-parallel size its device mesh will have
-    (``auto``: the processes of a node, Lightning's default), checked before the trainer exists
-    (``lmtrain.distributed.check_tensor_parallel_size``; the fit checks the mesh itself again, once every process
-    has started and the logger has written).
+def strategy_class_path(strategy: Any) -> str | None:
+    """The import path of the ``Strategy`` class that a ``trainer.strategy`` string names: a full import path
+    (``lightning.pytorch.strategies.ModelParallelStrategy``) or a class name of ``lightning.pytorch.strategies``
+    (``ModelParallelStrategy``). None for Lightning's strategy names (``auto``, ``ddp``, ``fsdp``, ..., in any case,
+    as the trainer reads them) and for what is not a string (a ``class_path`` entry, a strategy object).
 
     Raises:
-        LmtrainError: the mesh would have a tensor-parallel dimension.
+        LmtrainError: the string is neither a strategy name of Lightning's nor a ``Strategy`` class.
     """
-    from lmtrain.distributed import check_tensor_parallel_size
+    if not isinstance(strategy, str):
+        return None
+    import importlib
+
+    from lightning.pytorch import strategies
+
+    if strategy.lower() == "auto" or strategy.lower() in strategies.StrategyRegistry.available_strategies():
+        return None
+    module_name, _, class_name = strategy.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name) if module_name else strategies, class_name, None)
+    except Exception:  # noqa: BLE001 - whatever stops the import, the string names no strategy class
+        found = None
+    if isinstance(found, type) and issubclass(found, strategies.Strategy):
+        return strategy if module_name else f"{strategies.__name__}.{class_name}"
+    raise LmtrainError("trainer.strategy", f"{strategy!r} is neither a strategy name of Lightning's nor the import "
+                       "path of a Strategy class.",
+                       "give a name (auto, ddp, ddp_spawn, fsdp, ...) or a class, e.g. "
+                       "lightning.pytorch.strategies.ModelParallelStrategy (FSDP2, as in configs/2.7B_bf16_fsdp.yaml).")
+
+
+def with_strategy_class(parser: Any, args: Sequence[str], config: Any) -> Any:
+    """``config``, parsed from ``args``, or where its ``trainer.strategy`` is a string that names a ``Strategy`` class
+    (:func:`strategy_class_path`), parsed again with that class as a ``class_path`` entry (its default
+    ``init_args``): LightningCLI keeps such a string as a strategy name, which the trainer refuses in a traceback.
+
+    Raises:
+        LmtrainError: ``trainer.strategy`` is a string that names neither a strategy of Lightning's nor a class.
+    """
+    subcommand = config.get("subcommand")
+    class_path = strategy_class_path(config[subcommand]["trainer"].get("strategy")) if subcommand else None
+    if class_path is None:
+        return config
+    return parser.parse_args([*args, "--trainer.strategy", json.dumps({"class_path": class_path})])
+
+
+def check_parsed_mesh(trainer: Any) -> None:
+    """FSDP2 given as a ``ModelParallelStrategy`` entry: the device mesh its sizes will make (``auto``: Lightning's
+    default, resolved as Lightning does, ``lmtrain.distributed.mesh_sizes``) against the processes of the run,
+    checked before the trainer exists (``lmtrain.distributed.check_mesh_sizes``; the fit checks the mesh itself
+    again, once every process has started and the logger has written).
+
+    Raises:
+        LmtrainError: the mesh is not as large as the run's processes, or has a tensor-parallel dimension.
+    """
+    from lmtrain.distributed import check_mesh_sizes
 
     kind, processes = strategy_of(trainer, count_auto=True)
     strategy = trainer.get("strategy")
     if kind != "fsdp" or processes is None or not hasattr(strategy, "get"):
         return
-    size = (strategy.get("init_args") or {}).get("tensor_parallel_size", "auto")
-    if size == "auto":
-        size = processes // int(trainer.get("num_nodes") or 1)
-    check_tensor_parallel_size(int(size), processes)
+    init_args = strategy.get("init_args") or {}
+    nodes = int(trainer.get("num_nodes") or 1)
+    check_mesh_sizes(init_args.get("data_parallel_size", "auto"), init_args.get("tensor_parallel_size", "auto"),
+                     nodes, processes // nodes)
 
 
 def check_callbacks(callbacks: Sequence[Any], world_size: int, datamodule: Any, module: Any) -> None:
@@ -409,7 +456,7 @@ def resolve_args(args: Sequence[str], subcommand: str = "fit", module_class: typ
     class _Resolve(base):  # type: ignore[misc, valid-type]
         def parse_arguments(self, parser: Any, args: Any) -> None:
             # Stop LightningCLI right after the parse: no seeding, no instantiation, nothing written.
-            raise _Parsed(parser.parse_args(args))
+            raise _Parsed(with_strategy_class(parser, args, parser.parse_args(args)))
 
     try:
         _Resolve(module_class or LMModule, LMDataModule, args=argv, trainer_defaults=_TRAINER_DEFAULTS,

@@ -182,11 +182,66 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[DATA_PARALLEL_DIM]
 
 
+def mesh_sizes(data_parallel_size: int | str, tensor_parallel_size: int | str, num_nodes: int,
+               devices: int) -> tuple[int, int]:
+    """The data- and tensor-parallel sizes of the mesh that ``ModelParallelStrategy`` builds from its arguments, as
+    Lightning resolves them in ``setup_environment``: ``auto`` data-parallel is the number of nodes, ``auto``
+    tensor-parallel the processes of one node.
+
+    Args:
+        data_parallel_size: the strategy's ``data_parallel_size`` (an integer or ``auto``).
+        tensor_parallel_size: the strategy's ``tensor_parallel_size`` (an integer or ``auto``).
+        num_nodes: ``trainer.num_nodes``.
+        devices: processes per node (``trainer.devices`` as Lightning counts them).
+    """
+    data = num_nodes if data_parallel_size == "auto" else int(data_parallel_size)
+    tensor = devices if tensor_parallel_size == "auto" else int(tensor_parallel_size)
+    return data, tensor
+
+
+def check_mesh_sizes(data_parallel_size: int | str, tensor_parallel_size: int | str, num_nodes: int,
+                     devices: int) -> None:
+    """Refuse ``ModelParallelStrategy`` sizes that lmtrain cannot train with, before any process starts: a mesh
+    whose size is not the number of processes (Lightning's ``RuntimeError`` once every process has started), or one
+    with a tensor-parallel dimension (:func:`check_tensor_parallel_size`).
+
+    The command line calls it with the parsed ``trainer.strategy.init_args`` (``lmtrain.cli_config.check_parsed_mesh``).
+
+    Args:
+        data_parallel_size: the strategy's ``data_parallel_size`` (an integer or ``auto``, :func:`mesh_sizes`).
+        tensor_parallel_size: the strategy's ``tensor_parallel_size`` (an integer or ``auto``).
+        num_nodes: ``trainer.num_nodes``.
+        devices: processes per node (``trainer.devices`` as Lightning counts them).
+
+    Raises:
+        LmtrainError: data_parallel_size x tensor_parallel_size is not nodes x devices (naming
+            ``tensor_parallel_size`` where it is not 1, ``data_parallel_size`` otherwise), or tensor_parallel_size
+            is not 1.
+    """
+    data, tensor = mesh_sizes(data_parallel_size, tensor_parallel_size, num_nodes, devices)
+    world_size = num_nodes * devices
+    if data * tensor != world_size:
+        shown = {"data": f"auto ({data}: the nodes)" if data_parallel_size == "auto" else str(data),
+                 "tensor": f"auto ({tensor}: the devices of a node)" if tensor_parallel_size == "auto" else str(tensor)}
+        field = "tensor_parallel_size" if tensor != 1 else "data_parallel_size"
+        # A larger data-parallel size than processes may mean the devices were meant to grow, not the size to shrink.
+        grow = tensor == 1 and data > world_size
+        more = f", or give the run {data} processes (trainer.num_nodes x trainer.devices)" if grow else ""
+        raise LmtrainError(
+            f"trainer.strategy.init_args.{field}",
+            f"data_parallel_size {shown['data']} x tensor_parallel_size {shown['tensor']} makes a device mesh of size "
+            f"{data * tensor}, but the run's process count is {world_size} (nodes x devices: {num_nodes} x {devices}).",
+            f"set trainer.strategy.init_args.data_parallel_size: {world_size} (nodes x devices) and "
+            f"tensor_parallel_size: 1{more}.",
+        )
+    check_tensor_parallel_size(tensor, world_size)
+
+
 def check_tensor_parallel_size(tensor_parallel_size: int, world_size: int) -> None:
     """Refuse a ``ModelParallelStrategy`` mesh with a tensor-parallel dimension: lmtrain shards data-parallel only.
 
-    Called with the strategy's mesh (:func:`data_parallel_mesh`) and by the command line before the trainer exists,
-    with the sizes the parsed ``trainer.strategy`` will give it (``lmtrain.cli_config.check_parsed_mesh``).
+    Called with the strategy's mesh (:func:`data_parallel_mesh`) and, before any process starts, by
+    :func:`check_mesh_sizes` with the sizes the parsed ``trainer.strategy`` will give it.
 
     Raises:
         LmtrainError: ``tensor_parallel_size`` is not 1.

@@ -234,6 +234,62 @@ def test_trainer_settings_the_options_cannot_work_with_are_refused_when_parsed(
     assert problem in line
 
 
+#: FSDP2 as the class alone (Lightning's default sizes, auto and auto), and with given sizes.
+MODEL_PARALLEL = ["--trainer.strategy", "lightning.pytorch.strategies.ModelParallelStrategy"]
+
+
+def _sizes(data: str, tensor: str) -> list[str]:
+    return [*MODEL_PARALLEL, "--trainer.strategy.data_parallel_size", data,
+            "--trainer.strategy.tensor_parallel_size", tensor]
+
+
+MESH_REFUSALS = [
+    # The class named alone is the class with its default sizes: one node of 2 processes is a tensor-parallel mesh.
+    ([*TWO_CPU_PROCESSES, *MODEL_PARALLEL], "trainer.strategy.init_args.tensor_parallel_size",
+     "the device mesh has tensor_parallel size 2"),
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", "ModelParallelStrategy"],
+     "trainer.strategy.init_args.tensor_parallel_size", "the device mesh has tensor_parallel size 2"),
+    ([*TWO_CPU_PROCESSES, "--trainer.strategy", "lightning.pytorch.strategies.NoSuchStrategy"], "trainer.strategy",
+     "'lightning.pytorch.strategies.NoSuchStrategy' is neither a strategy name of Lightning's nor the import path"),
+    # data_parallel_size x tensor_parallel_size against the processes (nodes x devices).
+    ([*TWO_CPU_PROCESSES, *_sizes("4", "1")], "trainer.strategy.init_args.data_parallel_size",
+     "data_parallel_size 4 x tensor_parallel_size 1 makes a device mesh of size 4, but the run's process count is 2 "
+     "(nodes x devices: 1 x 2). Fix: set trainer.strategy.init_args.data_parallel_size: 2 (nodes x devices) and "
+     "tensor_parallel_size: 1, or give the run 4 processes (trainer.num_nodes x trainer.devices)."),
+    ([*TWO_CPU_PROCESSES, *_sizes("1", "1")], "trainer.strategy.init_args.data_parallel_size",
+     "a device mesh of size 1, but the run's process count is 2"),
+    ([*TWO_CPU_PROCESSES, *_sizes("auto", "1")], "trainer.strategy.init_args.data_parallel_size",
+     "data_parallel_size auto (1: the nodes) x tensor_parallel_size 1 makes a device mesh of size 1"),
+    ([*TWO_CPU_PROCESSES, *_sizes("2", "auto")], "trainer.strategy.init_args.tensor_parallel_size",
+     "tensor_parallel_size auto (2: the devices of a node) makes a device mesh of size 4"),
+    (["--trainer.accelerator", "cpu", "--trainer.devices", "1", *_sizes("2", "1")],
+     "trainer.strategy.init_args.data_parallel_size", "a device mesh of size 2, but the run's process count is 1"),
+]
+
+
+@pytest.mark.parametrize(("args", "field", "problem"), MESH_REFUSALS, ids=[
+    "class-alone", "class-name-alone", "no-such-class", "data-larger", "data-smaller", "data-auto", "tensor-auto",
+    "one-device"])
+def test_strategy_and_mesh_that_cannot_run_are_refused_when_parsed(args: list[str], field: str, problem: str,
+                                                                   in_tmp: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Refused before any process starts: Lightning would refuse a class path given as a string with a traceback,
+    and a mesh whose size is not the number of processes once every process has started."""
+    line = refused(["fit", "--config", TINY, *args], field, capsys, in_tmp)
+    assert problem in line
+
+
+def test_strategy_class_named_alone_is_built_with_its_defaults() -> None:
+    """The command line's parse (resolve_config parses as fit does) turns the class named alone into its class_path
+    entry, with Lightning's default sizes."""
+    from lmtrain.cli_config import resolve_config
+
+    strategy = resolve_config(TINY, MODEL_PARALLEL).trainer["strategy"]
+    assert strategy["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert strategy["init_args"]["data_parallel_size"] == strategy["init_args"]["tensor_parallel_size"] == "auto"
+    assert resolve_config(TINY, ["--trainer.strategy", "ddp"]).trainer["strategy"] == "ddp"
+
+
 def test_cuda_graphs_on_a_machine_without_a_gpu_is_refused_when_parsed(in_tmp: Path,
                                                                        capsys: pytest.CaptureFixture) -> None:
     """``trainer.accelerator: auto`` (the configs' default) trains on the CPU where no GPU is visible."""

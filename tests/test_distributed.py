@@ -235,6 +235,120 @@ def test_fsdp_rejects_fp16() -> None:
     assert mixed_precision_policy("32-true").param_dtype is None
 
 
+# -- the device mesh of ModelParallelStrategy, checked before any process starts -----------------------------
+
+
+def _mesh_refusal(*sizes: object) -> tuple[str, str, str]:
+    from lmtrain.distributed import check_mesh_sizes
+    from lmtrain.errors import LmtrainError
+
+    with pytest.raises(LmtrainError) as info:
+        check_mesh_sizes(*sizes)
+    return info.value.field, info.value.problem, info.value.fix
+
+
+def test_mesh_sizes_resolve_auto_as_lightning_does() -> None:
+    """``auto`` data-parallel is the number of nodes, ``auto`` tensor-parallel the processes of a node (Lightning's
+    ModelParallelStrategy.setup_environment)."""
+    from lmtrain.distributed import mesh_sizes
+
+    assert mesh_sizes("auto", "auto", 2, 8) == (2, 8)
+    assert mesh_sizes(16, "auto", 2, 8) == (16, 8)
+    assert mesh_sizes("auto", 1, 2, 8) == (2, 1)
+    assert mesh_sizes(4, 2, 1, 8) == (4, 2)
+
+
+def test_mesh_of_every_process_passes() -> None:
+    from lmtrain.distributed import check_mesh_sizes
+
+    check_mesh_sizes(16, 1, 2, 8)
+    check_mesh_sizes("auto", "auto", 4, 1)  # one process a node: the data-parallel size is the nodes
+    check_mesh_sizes(1, "auto", 1, 1)
+
+
+def test_mesh_smaller_than_the_processes_is_refused() -> None:
+    field, problem, fix = _mesh_refusal(1, 1, 1, 2)
+    assert field == "trainer.strategy.init_args.data_parallel_size"
+    assert problem == ("data_parallel_size 1 x tensor_parallel_size 1 makes a device mesh of size 1, but the run's "
+                       "process count is 2 (nodes x devices: 1 x 2).")
+    assert fix == "set trainer.strategy.init_args.data_parallel_size: 2 (nodes x devices) and tensor_parallel_size: 1."
+
+
+def test_mesh_larger_than_the_processes_is_refused() -> None:
+    field, problem, fix = _mesh_refusal(16, 1, 1, 8)
+    assert field == "trainer.strategy.init_args.data_parallel_size"
+    assert problem == ("data_parallel_size 16 x tensor_parallel_size 1 makes a device mesh of size 16, but the run's "
+                       "process count is 8 (nodes x devices: 1 x 8).")
+    assert fix == ("set trainer.strategy.init_args.data_parallel_size: 8 (nodes x devices) and tensor_parallel_size: "
+                   "1, or give the run 16 processes (trainer.num_nodes x trainer.devices).")
+
+
+def test_mesh_refusal_names_the_resolved_auto_sizes() -> None:
+    field, problem, fix = _mesh_refusal("auto", 1, 2, 8)
+    assert field == "trainer.strategy.init_args.data_parallel_size"
+    assert problem == ("data_parallel_size auto (2: the nodes) x tensor_parallel_size 1 makes a device mesh of size "
+                       "2, but the run's process count is 16 (nodes x devices: 2 x 8).")
+    assert fix == ("set trainer.strategy.init_args.data_parallel_size: 16 (nodes x devices) and "
+                   "tensor_parallel_size: 1.")
+    field, problem, fix = _mesh_refusal(2, "auto", 1, 2)
+    assert field == "trainer.strategy.init_args.tensor_parallel_size"
+    assert problem == ("data_parallel_size 2 x tensor_parallel_size auto (2: the devices of a node) makes a device "
+                       "mesh of size 4, but the run's process count is 2 (nodes x devices: 1 x 2).")
+    assert fix == "set trainer.strategy.init_args.data_parallel_size: 2 (nodes x devices) and tensor_parallel_size: 1."
+
+
+def test_mesh_of_every_process_with_tensor_parallelism_is_refused() -> None:
+    """Lightning's defaults on one node of 2: a mesh of the right size, tensor-parallel (lmtrain shards data-parallel
+    only)."""
+    field, problem, fix = _mesh_refusal("auto", "auto", 1, 2)
+    assert field == "trainer.strategy.init_args.tensor_parallel_size"
+    assert problem == "the device mesh has tensor_parallel size 2; lmtrain shards data-parallel only (FSDP2)."
+    assert fix == "set trainer.strategy.init_args.data_parallel_size: 2 (nodes x devices) and tensor_parallel_size: 1."
+
+
+@pytest.mark.parametrize(("trainer", "processes"), [
+    ({"accelerator": "gpu", "num_nodes": 2, "devices": 1}, 2),
+    ({"accelerator": "gpu", "devices": [0, 1, 2]}, 3),
+    ({"accelerator": "gpu", "devices": "0,1"}, 2),
+    ({"accelerator": "cpu", "devices": "auto"}, 1),  # one process on the CPU
+], ids=["nodes", "device-list", "device-string", "auto-on-cpu"])
+def test_parsed_mesh_counts_the_processes_as_lightning_does(trainer: dict, processes: int) -> None:
+    from lmtrain.cli_config import check_parsed_mesh
+    from lmtrain.errors import LmtrainError
+
+    def section(data_parallel_size: int) -> dict:
+        strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                    "init_args": {"data_parallel_size": data_parallel_size, "tensor_parallel_size": 1}}
+        return {"num_nodes": 1, **trainer, "strategy": strategy}
+
+    check_parsed_mesh(section(processes))
+    with pytest.raises(LmtrainError) as info:
+        check_parsed_mesh(section(processes + 1))
+    assert info.value.field == "trainer.strategy.init_args.data_parallel_size"
+    assert f"the run's process count is {processes} (nodes x devices: " in info.value.problem
+
+
+def test_strategy_class_named_alone_is_its_class_path() -> None:
+    """A Strategy class given as a string, by import path or by its name in lightning.pytorch.strategies, is built
+    as its class_path entry; Lightning's names stay names; anything else is refused."""
+    from lmtrain.cli_config import strategy_class_path
+    from lmtrain.errors import LmtrainError
+
+    path = "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert strategy_class_path(path) == path
+    assert strategy_class_path("ModelParallelStrategy") == path
+    assert strategy_class_path("lightning.pytorch.strategies.DDPStrategy") == "lightning.pytorch.strategies.DDPStrategy"
+    for name in ("auto", "ddp", "DDP", "fsdp", "ddp_spawn"):
+        assert strategy_class_path(name) is None
+    assert strategy_class_path({"class_path": path}) is None
+    for bogus in ("bogus", "lightning.pytorch.strategies.NoSuch", "torch.nn.Linear", "no_such_module.Strategy"):
+        with pytest.raises(LmtrainError) as info:
+            strategy_class_path(bogus)
+        assert info.value.field == "trainer.strategy"
+        assert info.value.problem == (f"{bogus!r} is neither a strategy name of Lightning's nor the import path of a "
+                                      "Strategy class.")
+
+
 # -- the planner ---------------------------------------------------------------------------------------------
 
 
