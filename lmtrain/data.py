@@ -56,7 +56,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lmtrain.errors import LmtrainError
-from lmtrain.prepare import MANIFEST, STDLIB_ALIAS, TOKENIZER_FILE
+from lmtrain.prepare import MANIFEST, MORE_TOKENS_FOR, STDLIB_ALIAS, TOKENIZER_FILE
 
 Source = Literal["synthetic", "tokens", "text"]
 Split = Literal["train", "val", "test"]
@@ -399,12 +399,10 @@ class LMDataModule(pl.LightningDataModule):
                                    f"{MANIFEST} lists.", "write the folder again with python -m lmtrain prepare.")
             if count < window:
                 # Every pass draws whole windows: validation or test could draw no batch, training none at all.
-                larger = {"train": "smaller --val-fraction/--test-fraction", "val": "a larger --val-fraction",
-                          "test": "a larger --test-fraction (or 0 for none)"}[split]
                 shorter = f", or set model.context_length to at most {count - 1:,}" if count > 1 else ""
                 raise LmtrainError("data.path", f"{file} (the {split} split) holds {count:,} tokens, fewer than one "
                                    f"window of context_length {self.context_length:,} + 1 = {window:,}.",
-                                   f"prepare it again with more text or {larger} (--context-length "
+                                   f"prepare it again with more text or {MORE_TOKENS_FOR[split]} (--context-length "
                                    f"{self.context_length} makes prepare check each split){shorter}.")
             tokens = np.memmap(file, dtype=dtype, mode="r")
             self._check_ids(tokens, str(file))

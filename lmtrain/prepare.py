@@ -396,6 +396,11 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     return manifest
 
 
+#: Per split: the prepare option that gives it more tokens (prepare's refusal and the data module's name it).
+MORE_TOKENS_FOR = {"train": "a smaller --val-fraction or --test-fraction", "val": "a larger --val-fraction",
+                   "test": "a larger --test-fraction (0 for no test split)"}
+
+
 def splits_in_use(test_fraction: float) -> tuple[str, ...]:
     """The splits that ``fit``, ``validate`` and ``test`` read: all three, or no test split with a fraction of 0."""
     return SPLITS if test_fraction > 0 else ("train", "val")
@@ -439,8 +444,7 @@ def _check_split_sizes(args: argparse.Namespace, n: int, counts: dict[str, int])
     given = f"--context-length {context:,}" if args.context_length else "context_length 1 (the least)"
     fixes = [f"give more text (at least {tokens_needed(window, args.val_fraction, args.test_fraction):,} tokens "
              f"with these fractions{'' if args.context_length else '; many thousands for a useful model'})",
-             {"val": "a larger --val-fraction", "test": "a larger --test-fraction (0 for no test split)",
-              "train": "a smaller --val-fraction or --test-fraction"}[split]]
+             MORE_TOKENS_FOR[split]]
     if args.context_length and counts[split] > 1:
         fixes.append(f"a shorter --context-length (at most {counts[split] - 1:,} for this {split} split)")
     raise LmtrainError("--input", f"{args.input} encodes to {n:,} tokens ({parts}): the {split} split holds "
