@@ -147,14 +147,14 @@ def _lm_cli_class() -> type:
                 # trainer settings the options cannot work with (strategy, devices, precision, accumulation,
                 # clipping): here, not only when the fit starts, where Lightning has printed its device lines.
                 model_config = self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
-                self.model_class.check_settings(model_config, parsed_trainer_settings(section["trainer"]),
-                                                training=subcommand == "fit")
+                settings = parsed_trainer_settings(section["trainer"])
+                self.model_class.check_settings(model_config, settings, training=subcommand == "fit")
                 check_parsed_mesh(section["trainer"])
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
 
-                resolve_ckpt_path(section, subcommand, expected_processes(section["trainer"]))
+                resolve_ckpt_path(section, subcommand, settings.world_size or 1)  # expected_processes' count
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
