@@ -112,3 +112,12 @@ def test_cpu_smoke_end_to_end(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     kept = json.loads((out / "results.json").read_text())["runs"]
     assert set(kept) == set(runs) and kept["bf16_compact"] == runs["bf16_compact"]
+
+
+def test_side_by_side_launch_shows_one_gpu_and_stops_a_hung_run(driver) -> None:  # noqa: ANN001
+    show = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+    status, output, _ = driver.finish(driver.launch(show, "3"), timeout=60)
+    assert (status, output.strip()) == (0, "3")
+    status, output, wall = driver.finish(driver.launch([sys.executable, "-c", "import time; time.sleep(30)"], None),
+                                         timeout=1)
+    assert status == -1 and "stopped after 1 s" in output and wall < 20

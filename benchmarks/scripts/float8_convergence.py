@@ -3,7 +3,7 @@ the `small` model (128,625,408 parameters) on real text, same seed and data, com
 
     python benchmarks/scripts/float8_convergence.py --out DIR [--steps 2000] [--val-every 100] [--runs NAME ...]
         [--val-batches 25] [--max-bytes 32000000] [--extra "--model.lr 6e-4"] [--run-timeout 240]
-        [--compile-cache DIR/compile_cache] [--cpu-smoke]
+        [--compile-cache DIR/compile_cache] [--gpus 0,1,2,3] [--cpu-smoke]
 
 The four runs (``RUNS``), each a ``python -m lmtrain fit`` subprocess of ``configs/small_bf16_fast.yaml`` (compiled,
 the whole step one CUDA graph, bf16-mixed) with the options that tell them apart given explicitly:
@@ -59,6 +59,9 @@ inside the limit, split the runs over two calls into the same ``--out`` and ``--
 bf16_fp32_state bf16_compact`` (about 3.5 minutes), then ``--runs float8 float8_compact`` (about 5 minutes); the
 second call's table has all four.
 
+``--gpus 0,1,2,3`` runs the four side by side, one GPU each, on a machine with several GPUs: the wall time of
+the slowest run instead of the sum (each process compiles on its own; the runs share the compile cache folder).
+
 ``--cpu-smoke`` checks the script end to end on a CPU: the tiny model (vocab 256, context 64, batch 2), 4 steps
 validated every 2, no compile, no CUDA graphs, 200 kB of text. lmtrain refuses float8 on a CPU (exit 2 with one
 line), so the two float8 runs are recorded as ``refused`` with that line and left out of the exit status (on a GPU a
@@ -70,6 +73,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -238,6 +242,43 @@ def passed(rows: dict[str, dict], names: list[str], allow_refused: bool = False)
         for r in ran)
 
 
+def launch(command: list[str], gpu: str | None) -> tuple[subprocess.Popen, float]:
+    """Starts one run (output captured), shown only GPU ``gpu`` when given; returns it and its start time."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               env=env)
+    return process, time.perf_counter()
+
+
+def finish(started: tuple[subprocess.Popen, float], timeout: float) -> tuple[int, str, float]:
+    """Waits for a run launched by :func:`launch`, stopping it ``timeout`` seconds after its start; returns its exit
+    status (-1 when stopped), output and wall time."""
+    process, start = started
+    try:
+        output, _ = process.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        status = process.returncode
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        status, output = -1, (output or "") + f"\nstopped after {timeout} s"
+    return status, output, time.perf_counter() - start
+
+
+def record(rows: dict[str, dict], name: str, command: list[str], status: int, output: str, wall: float,
+           out: Path) -> None:
+    """Keeps a finished run's log and summary (``rows[name]``) and prints its line."""
+    (out / f"{name}.log").write_text(output)
+    rows[name] = summarise(name, command, status, wall, output, out / "tensorboard" / name)
+    row = rows[name]
+    print(f"{name}: exit {status}, wall {wall:.1f} s, final val loss {row.get('final_val_loss')}, "
+          f"median step {row.get('step_ms_median')} ms" + (f" ({row['refused']})" if "refused" in row else ""),
+          flush=True)
+    if status not in (0, REFUSED):
+        print(output[-3000:], file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="results folder (created)")
@@ -252,6 +293,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run-timeout", type=int, default=240, help="seconds before one run is stopped")
     parser.add_argument("--compile-cache", type=Path, default=None,
                         help="compile cache folder the runs share (default DIR/compile_cache)")
+    parser.add_argument("--gpus", type=lambda v: [g for g in v.split(",") if g], default=None,
+                        help="comma-separated GPU indices: run the runs side by side, one process per run, each shown "
+                             "one of these GPUs in turn (CUDA_VISIBLE_DEVICES); by default they run one after another "
+                             "on whatever the process sees. Step times of runs sharing a GPU are not comparable")
     parser.add_argument("--cpu-smoke", action="store_true", help="the tiny model, a few steps, on a CPU")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -279,29 +324,24 @@ def main(argv: list[str]) -> int:
     print(f"float8 runs set --model.float8_min_features {FLOAT8_MIN_FEATURES}: every block linear layer of small "
           "(768 and 3072 wide) is converted; the default 2048 would convert none.", flush=True)
     began = time.perf_counter()
+    commands = {}
     for name in args.runs:
-        log_dir = out / "tensorboard" / name
-        shutil.rmtree(log_dir, ignore_errors=True)  # a repeated run must not mix its events with the last one's
-        command = run_command(name, out, args.compile_cache or out / "compile_cache", extra)
-        print(f"{name}: {shlex.join(command)}", flush=True)
-        start = time.perf_counter()
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout, cwd=REPO)
-            status, output = result.returncode, result.stdout + result.stderr
-        except subprocess.TimeoutExpired as e:
-            status = -1
-            output = "".join(o if isinstance(o, str) else (o or b"").decode(errors="replace")
-                             for o in (e.stdout, e.stderr)) + f"\nstopped after {args.run_timeout} s"
-        wall = time.perf_counter() - start
-        (out / f"{name}.log").write_text(output)
-        rows[name] = summarise(name, command, status, wall, output, log_dir)
-        row = rows[name]
-        print(f"{name}: exit {status}, wall {wall:.1f} s, final val loss {row.get('final_val_loss')}, "
-              f"median step {row.get('step_ms_median')} ms" + (f" ({row['refused']})" if "refused" in row else ""),
-              flush=True)
-        if status not in (0, REFUSED):
-            print(output[-3000:], file=sys.stderr)
-        write(rows, out, settings)
+        shutil.rmtree(out / "tensorboard" / name, ignore_errors=True)  # a repeated run must not mix its events
+        commands[name] = run_command(name, out, args.compile_cache or out / "compile_cache", extra)
+        print(f"{name}: {shlex.join(commands[name])}", flush=True)
+    if args.gpus:
+        # Side by side, one process per run, each shown only its GPU (round robin when runs outnumber GPUs).
+        pending = {name: launch(commands[name], args.gpus[i % len(args.gpus)]) for i, name in enumerate(args.runs)}
+        print(f"running {len(pending)} run(s) side by side on GPU(s) {','.join(args.gpus)}", flush=True)
+        for name, process in pending.items():
+            status, output, wall = finish(process, args.run_timeout)
+            record(rows, name, commands[name], status, output, wall, out)
+            write(rows, out, settings)
+    else:
+        for name in args.runs:
+            status, output, wall = finish(launch(commands[name], None), args.run_timeout)
+            record(rows, name, commands[name], status, output, wall, out)
+            write(rows, out, settings)
     print("\n" + write(rows, out, settings))
     print(f"\nresults: {out / 'results.json'}, curves: {out / 'curves.png'}, "
           f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
