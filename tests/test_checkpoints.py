@@ -404,3 +404,31 @@ def test_cli_negative_token_ids_are_one_line(tmp_path: Path) -> None:
     line = _one_error_line(result, "data.path")
     assert "negative token id -7" in line
     assert list(cwd.iterdir()) == []  # nothing written
+
+
+def test_lightning_per_step_sigterm_broadcast_is_skipped_on_several_ranks_and_restored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda tensor, src=0, **_: calls.append(tensor.clone()))
+    real = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    loop = real.fit_loop.epoch_loop
+    loop._broadcast_sigterm_tensor()  # Lightning's own check: one broadcast of the flag
+    assert len(calls) == 1 and calls[0].tolist() == [0]
+    callback = CheckpointOnSignal(peer_timeout_s=None)
+    one_rank = SimpleNamespace(world_size=1, fit_loop=real.fit_loop, checkpoint_callback=None, received_sigterm=False)
+    callback.on_train_start(one_rank, None)  # one process: Lightning does not broadcast there; left alone
+    loop._broadcast_sigterm_tensor()
+    assert len(calls) == 2
+    callback.teardown(one_rank, None, "fit")
+    two_ranks = SimpleNamespace(world_size=2, fit_loop=real.fit_loop, checkpoint_callback=None, received_sigterm=True)
+    callback.on_train_start(two_ranks, None)
+    try:
+        loop._broadcast_sigterm_tensor()
+        assert len(calls) == 2  # skipped while the callback owns SIGTERM
+        assert callback.received == "SIGTERM"  # a SIGTERM Lightning's handler took before training is kept
+    finally:
+        callback.teardown(two_ranks, None, "fit")
+    loop._broadcast_sigterm_tensor()
+    assert len(calls) == 3  # Lightning's check is back after the fit

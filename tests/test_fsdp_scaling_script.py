@@ -199,3 +199,28 @@ def test_cells_past_the_budget_are_error_rows(driver, tmp_path: Path) -> None:  
     results = driver.run_cells(cells, tmp_path, {}, cell_timeout=60, budget=0)
     assert [r["error"] for r in results.values()] == ["not run: --budget spent"] * 2 and not marker.exists()
     assert list(json.loads((tmp_path / "results.json").read_text())) == ["ddp1", "ddp2"]
+
+
+def test_lsync_cells_put_lightnings_sigterm_check_back_and_scale_over_the_plain_one_gpu_cell(
+        driver, tmp_path: Path) -> None:  # noqa: ANN001
+    plain, lsync = (driver.plan(c, _args(driver), tmp_path) for c in ("fsdp2", "fsdp_lsync2"))
+    added = [a for a in lsync.cmd if a not in plain.cmd and not a.endswith("fsdp_lsync2.json")]
+    assert added == ["--trainer.callbacks+=lightning_sigterm_check.LightningSigtermCheck"]
+    ddp = driver.plan("ddp_lsync2", _args(driver), tmp_path)
+    assert "configs/xl_bf16_ddp.yaml" in ddp.cmd and added[0] in ddp.cmd and ddp.context == 128
+    results = {"fsdp1": {"devices": 1, "step_ms": 100.0, "tokens_per_s_per_gpu": 1000.0},
+               "fsdp_lsync2": {"devices": 2, "step_ms": 125.0, "tokens_per_s_per_gpu": 800.0}}
+    row = [r for r in driver.table(results).splitlines() if r.startswith("| fsdp_lsync2 ")][0]
+    assert [c.strip() for c in row.split("|")][6] == "0.800"
+
+
+def test_lightning_sigterm_check_removes_the_stand_in(driver) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from conftest import load_script
+    check = load_script("lightning_sigterm_check").LightningSigtermCheck()
+    loop = SimpleNamespace(_broadcast_sigterm_tensor=lambda: None)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop))
+    check.on_train_batch_start(trainer, None, None, 0)
+    assert "_broadcast_sigterm_tensor" not in vars(loop)
+    check.on_train_batch_start(trainer, None, None, 1)  # nothing left to remove: no error

@@ -17,6 +17,9 @@ Cells (compiled, bf16-mixed, synthetic tokens, batch 4 per GPU):
                 --model.compile_fullgraph true); not run by default (the budget fits five 2.7B/xl cells)
     baselineN   benchmarks/scripts/fsdp_baseline.py under torchrun on N GPUs (baseline1 is not run by default)
     ddpN        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml on N GPUs (DDP)
+    fsdp_lsyncN, ddp_lsyncN
+                fsdpN, ddpN with Lightning's per-step SIGTERM broadcast put back (lightning_sigterm_check.py):
+                what lmtrain's skipping it buys, in the same run; their scaling is over fsdp1, ddp1
 
 The default cells are ``fsdp1 fsdp2 baseline2 ddp1 ddp2``; to split lmtrain's speed into framework overhead and
 recipe gains, run ``--cells fsdp2 fsdp_same2 baseline2``. What is left between fsdp_same and the baseline: lmtrain's
@@ -61,7 +64,7 @@ sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the
 from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-KINDS = ("fsdp", "fsdp_same", "baseline", "ddp")
+KINDS = ("fsdp", "fsdp_same", "baseline", "ddp", "fsdp_lsync", "ddp_lsync")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
 #: The baseline's recipe (benchmarks/scripts/fsdp_baseline.py) in lmtrain's options, on top of the FSDP2 config.
@@ -69,7 +72,11 @@ BASELINE_RECIPE = ["--model.fsdp_reshard_after_forward", "blocks", "--model.fsdp
                    "--model.master_weights", "false", "--model.optimizer_state_dtype", "float32",
                    "--model.compile_fullgraph", "true"]
 #: Which recipe each kind of cell runs (the table's "recipe" column).
-RECIPES = {"fsdp": "lmtrain config", "fsdp_same": "baseline's", "baseline": "baseline", "ddp": "lmtrain config"}
+RECIPES = {"fsdp": "lmtrain config", "fsdp_same": "baseline's", "baseline": "baseline", "ddp": "lmtrain config",
+           "fsdp_lsync": "lmtrain config + Lightning's SIGTERM sync",
+           "ddp_lsync": "lmtrain config + Lightning's SIGTERM sync"}
+#: Lightning's per-step SIGTERM broadcast, which lmtrain skips, put back (the *_lsync cells).
+LIGHTNING_SYNC = ["--trainer.callbacks+=lightning_sigterm_check.LightningSigtermCheck"]
 #: Seconds a stopped cell's processes get between SIGTERM and SIGKILL (torchrun passes SIGTERM on to its workers).
 STOP_GRACE_S = 5.0
 
@@ -106,8 +113,8 @@ def cell_kind(cell: str) -> str:
 def cell_name(text: str) -> str:
     """Check a ``--cells`` entry: one of :data:`KINDS` followed by a GPU count of at least 1."""
     if cell_kind(text) not in KINDS or cell_kind(text) == text or cell_devices(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN or ddpN (N GPUs, at "
-                                         "least 1)")
+        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN, ddpN, fsdp_lsyncN or "
+                                         "ddp_lsyncN (N GPUs, at least 1)")
     return text
 
 
@@ -189,13 +196,14 @@ def plan(cell: str, args: argparse.Namespace, out_dir: Path) -> Cell:
                "--warmup", str(args.warmup), "--steps", str(args.steps)]
         return Cell(cell, cmd, devices, args.context, printed_step_ms)
     out = out_dir / f"{cell}.json"
-    if kind == "ddp":
+    sync = LIGHTNING_SYNC if kind.endswith("_lsync") else []
+    if kind in ("ddp", "ddp_lsync"):
         cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.warmup, args.steps, out,
-                           args.extra)
+                           sync + args.extra)
         return Cell(cell, cmd, devices, args.ddp_context, timer_step_ms(cell))
     recipe = BASELINE_RECIPE if kind == "fsdp_same" else []
     cmd = lmtrain_cell("configs/2.7B_bf16_fsdp.yaml", devices, args.context, args.warmup, args.steps, out,
-                       recipe + args.extra)
+                       recipe + sync + args.extra)
     return Cell(cell, cmd, devices, args.context, timer_step_ms(cell))
 
 
@@ -303,7 +311,7 @@ def table(results: dict[str, dict]) -> str:
                          f"{cell}.stderr.log) | | | | |")
             continue
         devices = r["devices"]
-        scaling = _ratio(r, results.get(f"{kind}1", {})) if devices > 1 else ""
+        scaling = _ratio(r, results.get(f"{kind.removesuffix('_lsync')}1", {})) if devices > 1 else ""
         over = _ratio(r, results.get(f"baseline{devices}", {})) if kind in ("fsdp", "fsdp_same") else ""
         gain = _ratio(r, results.get(f"fsdp_same{devices}", {})) if kind == "fsdp" else ""
         lines.append(f"| {cell} | {devices} | {RECIPES[kind]} | {r['step_ms']:.1f} | "
