@@ -33,7 +33,9 @@ optimizer       lmtrain's master-weight AdamW kernel, multi-tensor (foreach) and
 elementwise     inductor pointwise kernels (``triton_poi_``), ATen elementwise kernels, activations, masks
 reduction       inductor reductions (``triton_red_``, ``triton_per_``) of anything else, ``reduce_kernel``, sums
 communication   collectives: NCCL (``ncclDevKernel_*``, ``ncclKernel_*``), on CPU gloo / c10d operators
-copy            memcpy / memset, copy and cast kernels, ``cat``, index gathers and scatters (embedding)
+copy            memcpy / memset, copy and cast kernels, ``cat``, FSDP2's ``chunk_cat`` (the reduce-scatter's input),
+                index gathers and scatters (embedding; its backward's sort of the token ids: cub radix sort, scan,
+                unique-by-key, segment offsets)
 other           everything else (a GPU test checks this stays under 1% of kernel time on the default paths)
 ==============  ====================================================================================
 """
@@ -73,7 +75,11 @@ CATEGORY_RULES: list[tuple[str, re.Pattern[str]]] = [
                         r"index_select|embedding|embedding_dense_backward|index|index_put_|gather|scatter|"
                         r"scatter_add_|repeat)$|"
                         r"index_?select|indexselect|embedding|index_elementwise|indexing_backward|gather|scatter|"
-                        r"compute_grad_weight|sum_and_scatter|krn_partials|_to_copy", _I)),
+                        r"compute_grad_weight|sum_and_scatter|krn_partials|_to_copy|"
+                        # FSDP2's reduce-scatter input (gradients cast and packed), and the embedding backward's
+                        # sort of its token ids (cub radix sort, scan, unique-by-key) and segment kernels
+                        r"chunk_cat|DeviceRadixSort|DeviceScan(Init)?Kernel|DeviceCompactInit|unique_by_key|"
+                        r"partial_segment", _I)),
     ("reduction", re.compile(r"reduce|reduction|welford|argmax|argmin|cumsum|"
                              r"^aten::(sum|mean|max|min|amax|amin|var|std|prod|all|any|logsumexp)$", _I)),
     ("elementwise", re.compile(r"elementwise|pointwise|functor|silu|gelu|relu|sigmoid|tanh|log|sqrt|"
