@@ -224,3 +224,21 @@ def test_lightning_sigterm_check_removes_the_stand_in(driver) -> None:  # noqa: 
     check.on_train_batch_start(trainer, None, None, 0)
     assert "_broadcast_sigterm_tensor" not in vars(loop)
     check.on_train_batch_start(trainer, None, None, 1)  # nothing left to remove: no error
+
+
+def test_fast1_cell_is_the_fast_config_on_one_gpu_and_fsdp_cells_are_set_against_it(driver, tmp_path: Path) -> None:  # noqa: ANN001, E501
+    fast = driver.plan("fast1", _args(driver), tmp_path)
+    cmd = fast.cmd
+    assert cmd[cmd.index("--config") + 1] == "configs/2.7B_bf16_fast.yaml"
+    assert cmd[cmd.index("--trainer.devices") + 1] == "1" and fast.context == 256
+    assert "--trainer.strategy.data_parallel_size" not in cmd
+    for bad in ("fast2", "fast4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="fast1"):
+            driver.cell_name(bad)
+    results = {"fast1": {"devices": 1, "step_ms": 100.0, "tokens_per_s_per_gpu": 40960.0},
+               "fsdp4": {"devices": 4, "step_ms": 200.0, "tokens_per_s_per_gpu": 20480.0},
+               "ddp2": {"devices": 2, "step_ms": 100.0, "tokens_per_s_per_gpu": 40960.0}}
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in driver.table(results).splitlines()[2:]}
+    assert rows["fsdp4"][8] == "0.500" and rows["fast1"][8] == "" and rows["ddp2"][8] == ""
+    assert rows["fast1"][5] == ""  # no scaling of the one-GPU cell over itself

@@ -17,6 +17,9 @@ Cells (compiled, bf16-mixed, synthetic tokens, batch 4 per GPU):
                 --model.compile_fullgraph true); not run by default (the budget fits five 2.7B/xl cells)
     baselineN   benchmarks/scripts/fsdp_baseline.py under torchrun on N GPUs (baseline1 is not run by default)
     ddpN        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml on N GPUs (DDP)
+    fast1       python -m lmtrain fit --config configs/2.7B_bf16_fast.yaml on one GPU at the FSDP2 cells' context
+                and batch (the single-GPU fast recipe: one CUDA graph per step, master weights, compact state):
+                the table's "over fast1" column sets every FSDP2 cell's tokens/s per GPU against it
     fsdp_lsyncN, ddp_lsyncN
                 fsdpN, ddpN with Lightning's per-step SIGTERM broadcast put back (lightning_sigterm_check.py):
                 what lmtrain's skipping it buys, in the same run; their scaling is over fsdp1, ddp1
@@ -64,7 +67,7 @@ sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the
 from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-KINDS = ("fsdp", "fsdp_same", "baseline", "ddp", "fsdp_lsync", "ddp_lsync")
+KINDS = ("fsdp", "fsdp_same", "baseline", "ddp", "fsdp_lsync", "ddp_lsync", "fast")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
 #: The baseline's recipe (benchmarks/scripts/fsdp_baseline.py) in lmtrain's options, on top of the FSDP2 config.
@@ -74,7 +77,7 @@ BASELINE_RECIPE = ["--model.fsdp_reshard_after_forward", "blocks", "--model.fsdp
 #: Which recipe each kind of cell runs (the table's "recipe" column).
 RECIPES = {"fsdp": "lmtrain config", "fsdp_same": "baseline's", "baseline": "baseline", "ddp": "lmtrain config",
            "fsdp_lsync": "lmtrain config + Lightning's SIGTERM sync",
-           "ddp_lsync": "lmtrain config + Lightning's SIGTERM sync"}
+           "ddp_lsync": "lmtrain config + Lightning's SIGTERM sync", "fast": "2.7B fast config (1 GPU)"}
 #: Lightning's per-step SIGTERM broadcast, which lmtrain skips, put back (the *_lsync cells).
 LIGHTNING_SYNC = ["--trainer.callbacks+=lightning_sigterm_check.LightningSigtermCheck"]
 #: Seconds a stopped cell's processes get between SIGTERM and SIGKILL (torchrun passes SIGTERM on to its workers).
@@ -113,8 +116,10 @@ def cell_kind(cell: str) -> str:
 def cell_name(text: str) -> str:
     """Check a ``--cells`` entry: one of :data:`KINDS` followed by a GPU count of at least 1."""
     if cell_kind(text) not in KINDS or cell_kind(text) == text or cell_devices(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN, ddpN, fsdp_lsyncN or "
-                                         "ddp_lsyncN (N GPUs, at least 1)")
+        raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN, ddpN, fsdp_lsyncN, "
+                                         "ddp_lsyncN (N GPUs, at least 1) or fast1")
+    if cell_kind(text) == "fast" and cell_devices(text) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the fast recipe is a one-GPU cell: fast1")
     return text
 
 
@@ -196,6 +201,9 @@ def plan(cell: str, args: argparse.Namespace, out_dir: Path) -> Cell:
                "--warmup", str(args.warmup), "--steps", str(args.steps)]
         return Cell(cell, cmd, devices, args.context, printed_step_ms)
     out = out_dir / f"{cell}.json"
+    if kind == "fast":
+        cmd = lmtrain_cell("configs/2.7B_bf16_fast.yaml", 1, args.context, args.warmup, args.steps, out, args.extra)
+        return Cell(cell, cmd, 1, args.context, timer_step_ms(cell))
     sync = LIGHTNING_SYNC if kind.endswith("_lsync") else []
     if kind in ("ddp", "ddp_lsync"):
         cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.warmup, args.steps, out,
@@ -301,21 +309,23 @@ def table(results: dict[str, dict]) -> str:
     """The results as Markdown: recipe, step time, tokens/s per GPU, scaling over the 1-GPU cell of the same kind,
     lmtrain's FSDP2 cells over the baseline at the same GPU count, and fsdp over fsdp_same (the recipe's gain)."""
     lines = ["| cell | GPUs | recipe | step ms (median) | tokens/s per GPU | scaling over 1 GPU | over baseline "
-             "| recipe gain (fsdp over fsdp_same) |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| recipe gain (fsdp over fsdp_same) | over fast1 |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for cell, r in results.items():
         kind = cell_kind(cell)
         if "error" in r:
             reason = r["error"].splitlines()[0][:120].replace("|", "/")
             lines.append(f"| {cell} | {cell_devices(cell)} | {RECIPES[kind]} | failed: {reason} (see "
-                         f"{cell}.stderr.log) | | | | |")
+                         f"{cell}.stderr.log) | | | | | |")
             continue
         devices = r["devices"]
-        scaling = _ratio(r, results.get(f"{kind.removesuffix('_lsync')}1", {})) if devices > 1 else ""
+        scaling = (_ratio(r, results.get(f"{kind.removesuffix('_lsync')}1", {}))
+                   if devices > 1 and kind != "fast" else "")
         over = _ratio(r, results.get(f"baseline{devices}", {})) if kind in ("fsdp", "fsdp_same") else ""
         gain = _ratio(r, results.get(f"fsdp_same{devices}", {})) if kind == "fsdp" else ""
+        fast = _ratio(r, results.get("fast1", {})) if kind in ("fsdp", "fsdp_same", "fsdp_lsync") else ""
         lines.append(f"| {cell} | {devices} | {RECIPES[kind]} | {r['step_ms']:.1f} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {scaling} | {over} | {gain} |")
+                     f"{r['tokens_per_s_per_gpu']:,.0f} | {scaling} | {over} | {gain} | {fast} |")
     return "\n".join(lines)
 
 
