@@ -113,3 +113,40 @@ def test_hooks_per_step_count_only_the_callbacks_the_reference_lacks(
     assert cells[check.HEADER.index("hooks / step")] == "0.50%"
     (tmp_path / "run" / "hooks.json").unlink()
     assert check.figures({"log_dir": log_dir}, hta=False)["added_hooks_ms"] is None
+
+
+def test_default_fits_are_the_four_paths_and_the_others_run_when_named(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    made: list[tuple[str, list[str]]] = []
+
+    def fit(out: Path, name: str, config: str, args: list[str], *rest: object, timeout: int, **kw: object) -> dict:
+        made.append((name, args))
+        return {"name": name, "rc": 1, "seconds": 1.0, "log_dir": None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    check.main(["run", str(tmp_path / "a"), "--models", "small"])
+    assert [n for n, _ in made if not n.endswith("_timer")] == [f"small_{k}" for k in check.DEFAULT_FITS]
+    made.clear()
+    check.main(["run", str(tmp_path / "b"), "--models", "small", "--only", "inbackward", "checkpointing"])
+    assert [(n, a) for n, a in made if not n.endswith("_timer")] == [
+        ("small_inbackward", ["--model.optimizer_in_backward", "true"]),
+        ("small_checkpointing", ["--model.activation_checkpointing", "full"])]
+
+
+def test_ddp_fit_uses_the_ddp_config_without_a_mesh_size(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    calls: list[tuple[str, str, list[str]]] = []
+
+    def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
+            extra: list[str] | None = None, timeout: int = 0) -> dict:
+        calls.append((name, config, extra or []))
+        return {"name": name, "rc": 1, "seconds": 1.0, "log_dir": None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    assert check.main(["fsdp", str(tmp_path), "--size", "xl", "--strategy", "ddp", "--devices", "4"]) == 1
+    assert check.main(["fsdp", str(tmp_path), "--size", "small", "--devices", "2"]) == 1
+    assert calls == [("xl_ddp4", "xl_bf16_ddp.yaml", ["--trainer.devices", "4"]),
+                     ("small_fsdp2", "2.7B_bf16_fsdp.yaml",
+                      ["--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"])]

@@ -42,7 +42,12 @@ HTA out (its columns show ``-``); ``check`` on the fits' log folders compares wi
   callbacks can add to a step outside their windows, whatever the host's speed in the other process. On a
   host-bound step two processes differ by more than 1%; this figure does not depend on a second process.
 
-``fsdp`` makes one FSDP2 fit (``configs/2.7B_bf16_fsdp.yaml``, ``--size`` small or 2.7B) with all five, KernelShare
+``run --only compiled compact inbackward checkpointing`` adds the other shipped paths (compiled without CUDA graphs,
+master weights with the compact state, the optimizer in the backward pass, full activation checkpointing), each
+fitted as the four are.
+
+``fsdp`` makes one FSDP2 fit (``configs/2.7B_bf16_fsdp.yaml``, ``--size`` small, xl or 2.7B; ``--strategy ddp``:
+DDP, ``configs/xl_bf16_ddp.yaml``) with all five, KernelShare
 on every rank, and reports per rank the communication time, the part of it no compute overlaps, the overlap share
 (lmtrain's and HTA's) and the timer's straggler ratio.
 """
@@ -87,7 +92,15 @@ FITS = {
     "flash512": ("{m}_bf16.yaml", ["--model.attention", "flash_triton"]),
     "flash4096": ("{m}_bf16.yaml", ["--model.attention", "flash_triton", "--model.context_length", "4096"]),
     "fast": ("{m}_bf16_fast.yaml", []),
+    # The other shipped training paths (not run by default): compiled without graphs, master weights with the
+    # compact state, the optimizer inside the backward pass, activation checkpointing.
+    "compiled": ("{m}_bf16.yaml", ["--model.compile", "true"]),
+    "compact": ("{m}_bf16.yaml", ["--model.master_weights", "true", "--model.optimizer_state_dtype", "bfloat16"]),
+    "inbackward": ("{m}_bf16.yaml", ["--model.optimizer_in_backward", "true"]),
+    "checkpointing": ("{m}_bf16.yaml", ["--model.activation_checkpointing", "full"]),
 }
+#: The fits ``run`` makes without ``--only``: the four paths of the acceptance table.
+DEFAULT_FITS = ("sdpa512", "flash512", "flash4096", "fast")
 LIMITS = {"other": 0.01, "busy": 0.03, "hta": 2.0, "phases": 0.02, "overhead": 0.01}
 #: Seconds one fit may run before it is stopped (a 2.7B fit of ``run`` takes about two minutes; the first compiled
 #: one more): a hung fit costs at most this, and the command's other fits still run.
@@ -245,7 +258,7 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
     for model in models:
         rows = []
         for key, (config, args) in FITS.items():
-            if only and key not in only:
+            if key not in (only or DEFAULT_FITS):
                 continue
             kind = "fast" if key == "fast" else "eager"
             steps = STEPS[model][kind]
@@ -274,14 +287,19 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
     return 0 if all_ok else 1
 
 
-def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512) -> int:
+def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, strategy: str = "fsdp") -> int:
+    """One fit on ``devices`` GPUs with all five callbacks, KernelShare on every rank: FSDP2
+    (``configs/2.7B_bf16_fsdp.yaml``) or, with ``strategy="ddp"``, DDP (``configs/xl_bf16_ddp.yaml``), the model
+    set to ``size``."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     ranks = "[" + ",".join(str(r) for r in range(devices)) + "]"
-    name = f"{size}_fsdp{devices}"
-    result = fit(out, name, "2.7B_bf16_fsdp.yaml", ["--model.size", size, "--model.context_length", str(context)],
-                 five(f"--trainer.callbacks.ranks={ranks}"), steps,
-                 extra=["--trainer.devices", str(devices), "--trainer.strategy.init_args.data_parallel_size",
-                        str(devices)], timeout=540)
+    name = f"{size}_{strategy}{devices}"
+    config = "2.7B_bf16_fsdp.yaml" if strategy == "fsdp" else "xl_bf16_ddp.yaml"
+    extra = ["--trainer.devices", str(devices)]
+    if strategy == "fsdp":
+        extra += ["--trainer.strategy.init_args.data_parallel_size", str(devices)]
+    result = fit(out, name, config, ["--model.size", size, "--model.context_length", str(context)],
+                 five(f"--trainer.callbacks.ranks={ranks}"), steps, extra=extra, timeout=540)
     f = figures(result) if result["rc"] == 0 else {}
     append(out, {"fit": name, "five": result, **f})
     rows = [[name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("comm_ms")),
@@ -313,13 +331,17 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("run", help="the fits of one or both models, then the table")
     p.add_argument("out", type=Path)
     p.add_argument("--models", nargs="+", default=["small"], choices=sorted(STEPS))
-    p.add_argument("--only", nargs="+", choices=sorted(FITS), help="some of the four fits only")
+    p.add_argument("--only", nargs="+", choices=sorted(FITS),
+                   help=f"these fits (default: {' '.join(DEFAULT_FITS)}; also "
+                        f"{' '.join(k for k in FITS if k not in DEFAULT_FITS)})")
     p.add_argument("--skip-hta", action="store_true",
                    help="no HTA comparison (HTA not installed here): run check on the log folders later")
     p.add_argument("--fit-timeout", type=int, default=FIT_TIMEOUT_S, help="seconds one fit may run")
-    p = sub.add_parser("fsdp", help="one FSDP2 fit on several GPUs")
+    p = sub.add_parser("fsdp", help="one FSDP2 (or DDP) fit on several GPUs")
     p.add_argument("out", type=Path)
-    p.add_argument("--size", default="small", choices=["small", "2.7B"])
+    p.add_argument("--size", default="small", choices=["small", "xl", "2.7B"])
+    p.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"],
+                   help="fsdp: configs/2.7B_bf16_fsdp.yaml; ddp: configs/xl_bf16_ddp.yaml (the model set to --size)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--context", type=int, default=512, help="tokens per sequence (the scaling runs use 1024)")
@@ -329,7 +351,7 @@ def main(argv: list[str]) -> int:
     if args.command == "run":
         return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout)
     if args.command == "fsdp":
-        return fsdp(args.out, args.size, args.devices, args.steps, args.context)
+        return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy)
     return check(args.log_dirs)
 
 
