@@ -27,6 +27,7 @@ fp32 (the loss already is). The residual stream is then bf16 (the embedding's ou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -108,11 +109,34 @@ def ddp_arguments(accumulate_grad_batches: int = 1, **overrides: Any) -> dict[st
 
 
 def ddp_strategy(accumulate_grad_batches: int = 1, **overrides: Any) -> Any:
-    """A Lightning ``DDPStrategy`` with :func:`ddp_arguments` (what ``trainer.strategy: ddp`` builds on lmtrain's
-    command line; a ``class_path`` strategy is taken as written)."""
+    """A Lightning ``DDPStrategy`` with :func:`ddp_arguments` that wraps the model on the stream the training steps
+    run on (:func:`same_stream_ddp_class`; what ``trainer.strategy: ddp`` builds on lmtrain's command line; a
+    ``class_path`` strategy is taken as written)."""
+    return same_stream_ddp_class()(**ddp_arguments(accumulate_grad_batches, **overrides))
+
+
+@functools.cache
+def same_stream_ddp_class() -> type:
+    """``DDPStrategy`` whose ``DistributedDataParallel`` is built on the current CUDA stream.
+
+    Lightning 2.6 builds it inside ``torch.cuda.stream(torch.cuda.Stream())``, a side stream that only a whole step
+    captured as one CUDA graph needs (lmtrain refuses ``cuda_graphs`` under DDP). DDP keeps a reference to each
+    parameter's gradient accumulator, made on that side stream, while every backward pass runs on the default
+    stream; PyTorch then warns at the first backward pass ("The AccumulateGrad node's stream does not match ...")
+    that this may add synchronisation, and asks for DDP to be built on the stream of the forward passes, as
+    Lightning's own fix (Lightning-AI/pytorch-lightning#21746) does.
+    """
     from lightning.pytorch.strategies import DDPStrategy
 
-    return DDPStrategy(**ddp_arguments(accumulate_grad_batches, **overrides))
+    class SameStreamDDPStrategy(DDPStrategy):
+        def _setup_model(self, model: nn.Module) -> nn.Module:
+            return torch.nn.parallel.DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(),
+                                                             **self._ddp_kwargs)
+
+    SameStreamDDPStrategy.__qualname__ = SameStreamDDPStrategy.__name__
+    SameStreamDDPStrategy.__module__ = __name__
+    globals()["SameStreamDDPStrategy"] = SameStreamDDPStrategy  # found by name (pickling), once made
+    return SameStreamDDPStrategy
 
 
 def check_strategy_options(config: Any, strategy: str, world_size: int | None) -> None:

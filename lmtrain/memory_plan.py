@@ -769,14 +769,15 @@ def strategy_kind(strategy: Any) -> str:
         strategy: e.g. ``"ddp"``, ``"ddp_spawn"``, ``"auto"``, ``"lightning.pytorch.strategies.ModelParallelStrategy"``
             or a strategy object.
     """
-    name = strategy if isinstance(strategy, str) else type(strategy).__name__
-    name = name.rsplit(".", 1)[-1].lower()
-    if name.startswith("ddp"):
-        return "ddp"
-    if name in ("modelparallelstrategy", "model_parallel", "fsdp2"):
-        return "fsdp"
-    if name in ("auto", "single_device", "singledevicestrategy"):
-        return "single"
+    # An object is known by its class or the nearest base class that is (a subclass of DDPStrategy is DDP).
+    names = [strategy] if isinstance(strategy, str) else [c.__name__ for c in type(strategy).__mro__]
+    for name in (n.rsplit(".", 1)[-1].lower() for n in names):
+        if name.startswith("ddp"):
+            return "ddp"
+        if name in ("modelparallelstrategy", "model_parallel", "fsdp2"):
+            return "fsdp"
+        if name in ("auto", "single_device", "singledevicestrategy"):
+            return "single"
     raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
 
 

@@ -396,3 +396,24 @@ def test_prefetch_is_the_next_block_forward_and_the_previous_backward(backward: 
 
 if __name__ == "__main__":
     run_rank(sys.argv[1], sys.argv[2])
+
+
+def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning builds DistributedDataParallel under a fresh side stream; lmtrain's strategy builds it on the stream
+    the steps run on (PyTorch warns that the side stream's gradient accumulators may add synchronisation)."""
+    import pickle
+
+    import torch.nn.parallel
+
+    import lmtrain.distributed as distributed
+
+    built: list[dict] = []
+    monkeypatch.setattr(torch.cuda, "stream", lambda *a, **k: pytest.fail("DDP built under a side stream"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a side stream was made"))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda **kw: built.append(kw) or "ddp")
+    strategy = distributed.ddp_strategy(1)
+    monkeypatch.setattr(type(strategy), "determine_ddp_device_ids", lambda self: [3])  # as on GPU 3
+    model = torch.nn.Linear(2, 2)
+    assert strategy._setup_model(model) == "ddp"
+    assert built == [{"module": model, "device_ids": [3], **distributed.DDP_DEFAULTS}]
+    assert pickle.loads(pickle.dumps(type(strategy))) is distributed.SameStreamDDPStrategy
