@@ -242,3 +242,18 @@ def test_fast1_cell_is_the_fast_config_on_one_gpu_and_fsdp_cells_are_set_against
             for line in driver.table(results).splitlines()[2:]}
     assert rows["fsdp4"][8] == "0.500" and rows["fast1"][8] == "" and rows["ddp2"][8] == ""
     assert rows["fast1"][5] == ""  # no scaling of the one-GPU cell over itself
+
+
+def test_ddp_sidestream_cell_names_lightnings_strategy_with_lmtrains_arguments(driver, tmp_path: Path) -> None:  # noqa: ANN001, E501
+    plain, side = (driver.plan(c, _args(driver), tmp_path) for c in ("ddp2", "ddp_sidestream2"))
+    lightning = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy",
+                 "--trainer.strategy.gradient_as_bucket_view", "true", "--trainer.strategy.bucket_cap_mb", "100",
+                 "--trainer.strategy.static_graph", "true"]
+    at = side.cmd.index("--trainer.strategy")
+    assert side.cmd[at:at + len(lightning)] == lightning and "--trainer.strategy" not in plain.cmd
+    assert [a for a in side.cmd if not a.endswith(".json")] == [a for a in plain.cmd[:at] if not a.endswith(
+        ".json")] + lightning + [a for a in plain.cmd[at:] if not a.endswith(".json")]
+    results = {"ddp1": {"devices": 1, "step_ms": 100.0, "tokens_per_s_per_gpu": 1000.0},
+               "ddp_sidestream2": {"devices": 2, "step_ms": 110.0, "tokens_per_s_per_gpu": 900.0}}
+    row = [r for r in driver.table(results).splitlines() if r.startswith("| ddp_sidestream2 ")][0]
+    assert [c.strip() for c in row.split("|")][6] == "0.900"

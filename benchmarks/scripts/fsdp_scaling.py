@@ -17,6 +17,9 @@ Cells (compiled, bf16-mixed, synthetic tokens, batch 4 per GPU):
                 --model.compile_fullgraph true); not run by default (the budget fits five 2.7B/xl cells)
     baselineN   benchmarks/scripts/fsdp_baseline.py under torchrun on N GPUs (baseline1 is not run by default)
     ddpN        python -m lmtrain fit --config configs/xl_bf16_ddp.yaml on N GPUs (DDP)
+    ddp_sidestreamN
+                ddpN with Lightning's own DDPStrategy (lmtrain's DDP arguments), which wraps the model under a
+                side stream: what lmtrain's same-stream strategy changes, in the same run; scaling over ddp1
     fast1       python -m lmtrain fit --config configs/2.7B_bf16_fast.yaml on one GPU at the FSDP2 cells' context
                 and batch (the single-GPU fast recipe: one CUDA graph per step, master weights, compact state):
                 the table's "over fast1" column sets every FSDP2 cell's tokens/s per GPU against it
@@ -67,7 +70,7 @@ sys.path.insert(0, str(ROOT))  # the repository's lmtrain, installed or not (the
 from lmtrain.callbacks import CudaSyncTimer  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-KINDS = ("fsdp", "fsdp_same", "baseline", "ddp", "fsdp_lsync", "ddp_lsync", "fast")
+KINDS = ("fsdp", "fsdp_same", "baseline", "ddp", "fsdp_lsync", "ddp_lsync", "fast", "ddp_sidestream")
 DEFAULT_CELLS = ("fsdp1", "fsdp2", "baseline2", "ddp1", "ddp2")
 BATCH = 4
 #: The baseline's recipe (benchmarks/scripts/fsdp_baseline.py) in lmtrain's options, on top of the FSDP2 config.
@@ -77,7 +80,12 @@ BASELINE_RECIPE = ["--model.fsdp_reshard_after_forward", "blocks", "--model.fsdp
 #: Which recipe each kind of cell runs (the table's "recipe" column).
 RECIPES = {"fsdp": "lmtrain config", "fsdp_same": "baseline's", "baseline": "baseline", "ddp": "lmtrain config",
            "fsdp_lsync": "lmtrain config + Lightning's SIGTERM sync",
-           "ddp_lsync": "lmtrain config + Lightning's SIGTERM sync", "fast": "2.7B fast config (1 GPU)"}
+           "ddp_lsync": "lmtrain config + Lightning's SIGTERM sync", "fast": "2.7B fast config (1 GPU)",
+           "ddp_sidestream": "lmtrain config, Lightning's DDPStrategy"}
+#: Lightning's own DDPStrategy with lmtrain's DDP arguments (the ddp_sidestream cells).
+LIGHTNING_DDP = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy",
+                 "--trainer.strategy.gradient_as_bucket_view", "true", "--trainer.strategy.bucket_cap_mb", "100",
+                 "--trainer.strategy.static_graph", "true"]
 #: Lightning's per-step SIGTERM broadcast, which lmtrain skips, put back (the *_lsync cells).
 LIGHTNING_SYNC = ["--trainer.callbacks+=lightning_sigterm_check.LightningSigtermCheck"]
 #: Seconds a stopped cell's processes get between SIGTERM and SIGKILL (torchrun passes SIGTERM on to its workers).
@@ -117,7 +125,7 @@ def cell_name(text: str) -> str:
     """Check a ``--cells`` entry: one of :data:`KINDS` followed by a GPU count of at least 1."""
     if cell_kind(text) not in KINDS or cell_kind(text) == text or cell_devices(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a cell is fsdpN, fsdp_sameN, baselineN, ddpN, fsdp_lsyncN, "
-                                         "ddp_lsyncN (N GPUs, at least 1) or fast1")
+                                         "ddp_lsyncN, ddp_sidestreamN (N GPUs, at least 1) or fast1")
     if cell_kind(text) == "fast" and cell_devices(text) != 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the fast recipe is a one-GPU cell: fast1")
     return text
@@ -205,9 +213,10 @@ def plan(cell: str, args: argparse.Namespace, out_dir: Path) -> Cell:
         cmd = lmtrain_cell("configs/2.7B_bf16_fast.yaml", 1, args.context, args.warmup, args.steps, out, args.extra)
         return Cell(cell, cmd, 1, args.context, timer_step_ms(cell))
     sync = LIGHTNING_SYNC if kind.endswith("_lsync") else []
-    if kind in ("ddp", "ddp_lsync"):
+    if kind in ("ddp", "ddp_lsync", "ddp_sidestream"):
+        side = LIGHTNING_DDP if kind == "ddp_sidestream" else []
         cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.warmup, args.steps, out,
-                           sync + args.extra)
+                           side + sync + args.extra)
         return Cell(cell, cmd, devices, args.ddp_context, timer_step_ms(cell))
     recipe = BASELINE_RECIPE if kind == "fsdp_same" else []
     cmd = lmtrain_cell("configs/2.7B_bf16_fsdp.yaml", devices, args.context, args.warmup, args.steps, out,
@@ -319,7 +328,7 @@ def table(results: dict[str, dict]) -> str:
                          f"{cell}.stderr.log) | | | | | |")
             continue
         devices = r["devices"]
-        scaling = (_ratio(r, results.get(f"{kind.removesuffix('_lsync')}1", {}))
+        scaling = (_ratio(r, results.get(f"{kind.removesuffix('_lsync').removesuffix('_sidestream')}1", {}))
                    if devices > 1 and kind != "fast" else "")
         over = _ratio(r, results.get(f"baseline{devices}", {})) if kind in ("fsdp", "fsdp_same") else ""
         gain = _ratio(r, results.get(f"fsdp_same{devices}", {})) if kind == "fsdp" else ""
