@@ -82,9 +82,10 @@ class CheckpointOnSignal(pl.Callback):
     own SIGTERM handler just before, which would raise ``SystemExit`` after the step instead of letting the loop
     stop. The signal only sets a flag; the loop stops (and saves) at the end of the training step in progress.
     During ``validate``/``test``, which have nothing to save, a signal stops the run at once.
-    On several ranks they agree on the step to stop at with one boolean all-reduce, which makes the host wait
-    for the GPU; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
-    ``log_every_n_steps``, where Lightning reads the logged values anyway) and on the last step, not every step.
+    On several ranks they agree on the step to stop at by gathering each rank's flag over the host (a gloo group
+    beside NCCL, ``lmtrain.callbacks._common.host_group``), which does not wait for the GPU but does wait for the
+    slowest rank's host; so they agree only every ``agree_every_n_steps`` steps (default: the trainer's
+    ``log_every_n_steps``) and on the last step, not every step.
     While they own SIGTERM on several ranks, Lightning's own per-step check is skipped: Lightning (2.6) broadcasts
     rank 0's SIGTERM flag at the start of every training step and reads it on the host (``.item()``), which makes
     the host wait for the GPU once a step, so that each step's forward is launched onto an idle GPU (measured on
@@ -151,6 +152,10 @@ class CheckpointOnSignal(pl.Callback):
         self.received = None
         if self.watchdog is not None and not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
             self.watchdog.setup(trainer, pl_module, stage)
+        if getattr(trainer, "world_size", 1) > 1:
+            from lmtrain.callbacks._common import host_group
+
+            host_group(trainer)  # a collective the first time: made now, on every rank together
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -257,7 +262,7 @@ class CheckpointOnSignal(pl.Callback):
             every = self.agree_every_n_steps or max(1, int(trainer.log_every_n_steps))
             if trainer.global_step % every and not self._final_step(trainer):
                 return  # every rank skips the same steps: the collective below stays matched
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)  # any rank signalled
+            stop = self._any_rank(trainer, stop)
         if stop:
             trainer.should_stop = True
             if not self._saves:
@@ -275,6 +280,14 @@ class CheckpointOnSignal(pl.Callback):
         if isinstance(callback, ModelCheckpoint) and callback.save_last:
             self._paused_save_last = (callback, callback.save_last)
             callback.save_last = False
+
+    @staticmethod
+    def _any_rank(trainer: pl.Trainer, stop: bool) -> bool:
+        """Whether any rank was signalled: the flags gathered over the host (gloo), so that the check does not
+        make the host wait for the GPU as an all-reduce over NCCL would."""
+        from lmtrain.callbacks._common import gather_values
+
+        return any(row[0] > 0 for row in gather_values(trainer, [1.0 if stop else 0.0]))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_handlers()
