@@ -88,6 +88,9 @@ LIGHTNING_DDP = ["--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy
                  "--trainer.strategy.static_graph", "true"]
 #: Lightning's per-step SIGTERM broadcast, which lmtrain skips, put back (the *_lsync cells).
 LIGHTNING_SYNC = ["--trainer.callbacks+=lightning_sigterm_check.LightningSigtermCheck"]
+#: Variants of lmtrain's cells: kind -> (the kind whose config and 1-GPU cell they share, the arguments they add).
+VARIANTS = {"fsdp_lsync": ("fsdp", LIGHTNING_SYNC), "ddp_lsync": ("ddp", LIGHTNING_SYNC),
+            "ddp_sidestream": ("ddp", LIGHTNING_DDP)}
 #: Seconds a stopped cell's processes get between SIGTERM and SIGKILL (torchrun passes SIGTERM on to its workers).
 STOP_GRACE_S = 5.0
 
@@ -119,6 +122,12 @@ def cell_devices(cell: str) -> int:
 def cell_kind(cell: str) -> str:
     """The kind of a cell name (``fsdp_same2`` -> ``fsdp_same``)."""
     return cell.rstrip("0123456789")
+
+
+def base_kind(kind: str) -> str:
+    """The kind a variant (:data:`VARIANTS`) is measured against (``fsdp_lsync`` -> ``fsdp``); other kinds as they
+    are."""
+    return VARIANTS.get(kind, (kind, []))[0]
 
 
 def cell_name(text: str) -> str:
@@ -212,15 +221,14 @@ def plan(cell: str, args: argparse.Namespace, out_dir: Path) -> Cell:
     if kind == "fast":
         cmd = lmtrain_cell("configs/2.7B_bf16_fast.yaml", 1, args.context, args.warmup, args.steps, out, args.extra)
         return Cell(cell, cmd, 1, args.context, timer_step_ms(cell))
-    sync = LIGHTNING_SYNC if kind.endswith("_lsync") else []
-    if kind in ("ddp", "ddp_lsync", "ddp_sidestream"):
-        side = LIGHTNING_DDP if kind == "ddp_sidestream" else []
+    base, added = VARIANTS.get(kind, (kind, []))
+    if base == "ddp":
         cmd = lmtrain_cell("configs/xl_bf16_ddp.yaml", devices, args.ddp_context, args.warmup, args.steps, out,
-                           side + sync + args.extra)
+                           added + args.extra)
         return Cell(cell, cmd, devices, args.ddp_context, timer_step_ms(cell))
     recipe = BASELINE_RECIPE if kind == "fsdp_same" else []
     cmd = lmtrain_cell("configs/2.7B_bf16_fsdp.yaml", devices, args.context, args.warmup, args.steps, out,
-                       recipe + sync + args.extra)
+                       recipe + added + args.extra)
     return Cell(cell, cmd, devices, args.context, timer_step_ms(cell))
 
 
@@ -328,11 +336,10 @@ def table(results: dict[str, dict]) -> str:
                          f"{cell}.stderr.log) | | | | | |")
             continue
         devices = r["devices"]
-        scaling = (_ratio(r, results.get(f"{kind.removesuffix('_lsync').removesuffix('_sidestream')}1", {}))
-                   if devices > 1 and kind != "fast" else "")
+        scaling = _ratio(r, results.get(f"{base_kind(kind)}1", {})) if devices > 1 else ""
         over = _ratio(r, results.get(f"baseline{devices}", {})) if kind in ("fsdp", "fsdp_same") else ""
         gain = _ratio(r, results.get(f"fsdp_same{devices}", {})) if kind == "fsdp" else ""
-        fast = _ratio(r, results.get("fast1", {})) if kind in ("fsdp", "fsdp_same", "fsdp_lsync") else ""
+        fast = _ratio(r, results.get("fast1", {})) if base_kind(kind) in ("fsdp", "fsdp_same") else ""
         lines.append(f"| {cell} | {devices} | {RECIPES[kind]} | {r['step_ms']:.1f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {scaling} | {over} | {gain} | {fast} |")
     return "\n".join(lines)
