@@ -134,9 +134,15 @@ def same_stream_ddp_class() -> type:
                                                              **self._ddp_kwargs)
 
     SameStreamDDPStrategy.__qualname__ = SameStreamDDPStrategy.__name__
-    SameStreamDDPStrategy.__module__ = __name__
-    globals()["SameStreamDDPStrategy"] = SameStreamDDPStrategy  # found by name (pickling), once made
+    SameStreamDDPStrategy.__module__ = __name__  # found by name (pickling) through this module's __getattr__
     return SameStreamDDPStrategy
+
+
+def __getattr__(name: str) -> Any:
+    """``lmtrain.distributed.SameStreamDDPStrategy``, made on first use (this module does not import Lightning)."""
+    if name == "SameStreamDDPStrategy":
+        return same_stream_ddp_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_strategy_options(config: Any, strategy: str, world_size: int | None) -> None:

@@ -417,3 +417,9 @@ def test_ddp_is_built_on_the_current_stream_not_a_side_stream(monkeypatch: pytes
     assert strategy._setup_model(model) == "ddp"
     assert built == [{"module": model, "device_ids": [3], **distributed.DDP_DEFAULTS}]
     assert pickle.loads(pickle.dumps(type(strategy))) is distributed.SameStreamDDPStrategy
+    # a fresh process (a spawned rank) finds the class by name before anything has made it
+    import subprocess
+    import sys
+    found = subprocess.run([sys.executable, "-c", "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()))"],
+                           input=pickle.dumps(type(strategy)), capture_output=True, check=True).stdout
+    assert found.decode().strip() == "<class 'lmtrain.distributed.SameStreamDDPStrategy'>"
