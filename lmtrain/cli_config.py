@@ -149,7 +149,7 @@ def _lm_cli_class() -> type:
                 model_config = self.model_class.config_class.from_module_kwargs(section["model"].as_dict())
                 settings = parsed_trainer_settings(section["trainer"])
                 self.model_class.check_settings(model_config, settings, training=subcommand == "fit")
-                check_parsed_mesh(section["trainer"])
+                check_parsed_mesh(section["trainer"], settings)
                 # Before LightningCLI takes the model's options from a checkpoint: `last` found, the run folder
                 # of the checkpoint reused, and a checkpoint of another architecture refused in one line.
                 from lmtrain.checkpoints import resolve_ckpt_path
@@ -295,20 +295,21 @@ def with_strategy_class(parser: Any, args: Sequence[str], config: Any) -> Any:
     return parser.parse_args([*args, "--trainer.strategy", json.dumps({"class_path": class_path})])
 
 
-def check_parsed_mesh(trainer: Any) -> None:
+def check_parsed_mesh(trainer: Any, settings: TrainerSettings) -> None:
     """FSDP2 given as a ``ModelParallelStrategy`` entry: the device mesh its sizes will make (``auto``: Lightning's
-    default, resolved as Lightning does, ``lmtrain.distributed.mesh_sizes``) against the processes of the run,
-    checked before the trainer exists (``lmtrain.distributed.check_mesh_sizes``; the fit checks the mesh itself
-    again, once every process has started and the logger has written).
+    default, resolved as Lightning does, ``lmtrain.distributed.mesh_sizes``) against the processes of the run
+    (``settings``: :func:`parsed_trainer_settings` of the same section), checked before the trainer exists
+    (``lmtrain.distributed.check_mesh_sizes``; the fit checks the mesh itself again, once every process has started
+    and the logger has written).
 
     Raises:
         LmtrainError: the mesh is not as large as the run's processes, or has a tensor-parallel dimension.
     """
     from lmtrain.distributed import check_mesh_sizes
 
-    kind, processes = strategy_of(trainer, count_auto=True)
+    processes = settings.world_size
     strategy = trainer.get("strategy")
-    if kind != "fsdp" or processes is None or not hasattr(strategy, "get"):
+    if settings.strategy != "fsdp" or processes is None or not hasattr(strategy, "get"):
         return
     init_args = strategy.get("init_args") or {}
     nodes = int(trainer.get("num_nodes") or 1)

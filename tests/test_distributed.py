@@ -313,7 +313,7 @@ def test_mesh_of_every_process_with_tensor_parallelism_is_refused() -> None:
     ({"accelerator": "cpu", "devices": "auto"}, 1),  # one process on the CPU
 ], ids=["nodes", "device-list", "device-string", "auto-on-cpu"])
 def test_parsed_mesh_counts_the_processes_as_lightning_does(trainer: dict, processes: int) -> None:
-    from lmtrain.cli_config import check_parsed_mesh
+    from lmtrain.cli_config import check_parsed_mesh, parsed_trainer_settings
     from lmtrain.errors import LmtrainError
 
     def section(data_parallel_size: int) -> dict:
@@ -321,9 +321,12 @@ def test_parsed_mesh_counts_the_processes_as_lightning_does(trainer: dict, proce
                     "init_args": {"data_parallel_size": data_parallel_size, "tensor_parallel_size": 1}}
         return {"num_nodes": 1, **trainer, "strategy": strategy}
 
-    check_parsed_mesh(section(processes))
+    def check(parsed: dict) -> None:
+        check_parsed_mesh(parsed, parsed_trainer_settings(parsed))
+
+    check(section(processes))
     with pytest.raises(LmtrainError) as info:
-        check_parsed_mesh(section(processes + 1))
+        check(section(processes + 1))
     assert info.value.field == "trainer.strategy.init_args.data_parallel_size"
     assert f"the run's process count is {processes} (nodes x devices: " in info.value.problem
 
