@@ -152,10 +152,9 @@ class CheckpointOnSignal(pl.Callback):
         self.received = None
         if self.watchdog is not None and not any(isinstance(c, RankWatchdog) for c in trainer.callbacks):
             self.watchdog.setup(trainer, pl_module, stage)
-        if getattr(trainer, "world_size", 1) > 1:
-            from lmtrain.callbacks._common import host_group
+        from lmtrain.callbacks._common import host_group
 
-            host_group(trainer)  # a collective the first time: made now, on every rank together
+        host_group(trainer)  # several ranks: a collective the first time, made now on every rank together
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
