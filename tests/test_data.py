@@ -386,9 +386,10 @@ def test_prepared_folder_checks(tmp_path: Path) -> None:
         make(source="tokens", path=str(tmp_path / "plain"))
 
 
-@pytest.mark.parametrize(("counts", "split", "fix"), [((16, 100, 50), "train", "a smaller --val-fraction or --test-fraction"),
-                                                     ((400, 100, 16), "test", "--test-fraction"),
-                                                     ((400, 1, 50), "val", "--val-fraction")])
+@pytest.mark.parametrize(("counts", "split", "fix"), [
+    ((16, 100, 50), "train", "a smaller --val-fraction or --test-fraction"),
+    ((400, 100, 16), "test", "--test-fraction"),
+    ((400, 1, 50), "val", "--val-fraction")])
 def test_prepared_split_shorter_than_a_window_is_refused(counts: tuple[int, int, int], split: str, fix: str,
                                                          tmp_path: Path) -> None:
     """Any split one token short of a window stops setup (a pass could draw no window from it); exactly one window is

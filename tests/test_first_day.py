@@ -12,13 +12,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
+from subprocs import own_job_env
 
 from lmtrain.callbacks import KernelShare
 from lmtrain.callbacks._profiler import kineto_markers_dropped
 from lmtrain.cli_config import run_lightning
 from lmtrain.data import LMDataModule
 from lmtrain.module import LMModule
-from subprocs import own_job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
