@@ -299,11 +299,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return state["master"] if "master" in state else join_master(p.detach(), state["master_low"])
 
     def _share_state(self) -> None:
-        # AdamW fills its state dicts in place on its first step, so one dict object serves both optimizers.
-        if self._inner is not None:
-            for ps in self._fp32_groups:
-                for p in ps:
-                    self._inner.state[p] = self.state[p]
+        # One dict object per fp32 parameter serves both optimizers. It is filled here, as AdamW's first step
+        # would fill it (step 0, zero moments), and not left empty until then: a distributed checkpoint loads into
+        # the state this optimizer has (torch.distributed.checkpoint builds its template from it, and takes a
+        # non-empty state as initialized), so an empty entry would load nothing and the resumed AdamW would start
+        # from step 0.
+        if self._inner is None:
+            return
+        for group in self._inner.param_groups:
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                                     else torch.tensor(0.0, dtype=torch.float32))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._inner.state[p] = state
 
     # -- step ---------------------------------------------------------------------------------
 

@@ -152,6 +152,42 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
             assert s[key].dtype == t[key].dtype and torch.equal(s[key], t[key]), key
 
 
+def test_fp32_parameters_have_adamws_state_before_the_first_step() -> None:
+    """The fp32 parameters' AdamW state exists from construction (step 0, zero moments), as a distributed checkpoint
+    needs: ``torch.distributed.checkpoint`` loads into the state an optimizer has, and takes any state as
+    initialized. Loaded that way into a fresh optimizer, a state gives the same next steps as the uninterrupted run."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, optimizer = _master_model()
+    fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
+    assert fp32
+    for p in fp32:
+        state = optimizer.state[p]
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"] and float(state["step"]) == 0.0
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    sched = _schedule(optimizer)
+    _train(model, optimizer, sched, range(3))
+    saved = copy.deepcopy((model.state_dict(), get_optimizer_state_dict(model, optimizer), sched.state_dict()))
+
+    torch.manual_seed(1)
+    resumed = Tiny()
+    resumed_opt = MasterWeightAdamW(resumed.groups(), lr=3e-2, betas=(0.9, 0.95), bf16_params=resumed.matrices())
+    resumed_sched = _schedule(resumed_opt)
+    resumed.load_state_dict(saved[0])
+    # what torch.distributed.checkpoint does: fill the optimizer's own state dict (the template), then set it
+    template = get_optimizer_state_dict(resumed, resumed_opt)
+    assert template["state"].keys() == saved[1]["state"].keys()
+    for fqn, entry in template["state"].items():
+        assert entry.keys() == saved[1]["state"][fqn].keys(), fqn
+    set_optimizer_state_dict(resumed, resumed_opt, saved[1])
+    resumed_sched.load_state_dict(saved[2])
+    _train(resumed, resumed_opt, resumed_sched, range(3, 5))
+    _train(model, optimizer, sched, range(3, 5))
+    for p, q in zip(resumed.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert float(resumed_opt.state[p]["step"]) == float(optimizer.state[q]["step"]) == 5.0
+
+
 def test_missing_master_starts_from_the_bf16_value_with_a_warning() -> None:
     model, optimizer = _master_model()
     _train(model, optimizer, _schedule(optimizer), range(2))
