@@ -155,3 +155,19 @@ def parallel_branches() -> dict:
     b = TraceBuilder().step(1, 0.0, 40.0, (10.0, 30.0))
     b.graph(1.0, [(GEMM, 10.0, 10.0), (ADD, 15.0, 10.0), (GEMM, 27.0, 3.0)])
     return b.trace()
+
+
+def triton_launch_operators() -> dict:
+    """``eager`` plus the CPU operators that launch inductor's Triton kernels, as a compiled model's trace holds
+    them: ``cpu_op`` events named like the kernel, on the CPU thread, with a ``stream`` argument. Two of them,
+    40-50 and 141-146 (both while the GPU is idle).
+
+    They are CPU time, so lmtrain's figures are ``eager``'s. HTA takes every event with a stream for GPU work and
+    counts them as compute: 15 µs more compute and 15 less idle.
+    """
+    trace = eager()
+    for ts, dur in ((40.0, 10.0), (141.0, 5.0)):
+        trace["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": ADD, "pid": _CPU_PID, "tid": _CPU_TID,
+                                     "ts": ts, "dur": dur, "args": {"External id": 900 + int(ts), "stream": 7,
+                                                                    "kernel_backend": "triton"}})
+    return trace

@@ -42,6 +42,20 @@ def test_eager_steps_gaps_after_short_kernels_late_launches_memcpy_and_memset() 
     assert sorted(launch.delays_us) == [1, 5, 9.25, 10, 26.5, 28.25, 66]
 
 
+def test_cpu_launch_operators_with_a_stream_are_not_gpu_work() -> None:
+    """Inductor's launch operators carry a stream argument but run on the CPU: the figures are eager's, and the
+    comparison script's HTA copy drops exactly their stream arguments (what HTA would otherwise count as compute)."""
+    from conftest import load_script
+
+    t, acts = _window(traces.triton_launch_operators())
+    plain, plain_acts = _window(traces.eager())
+    assert t == plain and acts == plain_acts
+    copy, dropped = load_script("hta_compare").without_cpu_op_streams(traces.triton_launch_operators())
+    assert dropped == 2
+    assert not [e for e in copy["traceEvents"] if e.get("cat") == "cpu_op" and "stream" in e.get("args", {})]
+    assert sum("stream" in e.get("args", {}) for e in copy["traceEvents"]) == 11  # the 11 GPU activities keep theirs
+
+
 def test_a_cuda_graph_replay_has_one_launch_for_all_its_kernels() -> None:
     t, acts = _window(traces.graphed())
     assert t.span_us * 2 == 178.75

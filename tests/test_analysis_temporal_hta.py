@@ -89,3 +89,16 @@ def test_the_comparison_script_prints_both_htas(tmp_path: Path, hta_compare: Mod
     out = capsys.readouterr().out
     assert "| idle %" in out and "HTA, µs-rounded (default)" in out
     assert "HTA with its default rounding cannot read" in out and "non_compute_time >= 0" in out
+
+
+def test_htas_extra_compute_is_the_cpu_launch_operators(tmp_path: Path, hta_compare: ModuleType) -> None:
+    """HTA counts inductor's launch operators (CPU events with a stream argument) as compute; without their stream
+    arguments HTA agrees with lmtrain, whose figures are those of the same trace without the operators."""
+    path = _file(tmp_path, traces.triton_launch_operators())
+    mine = hta_compare.lmtrain_figures(path)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert mine == hta_compare.lmtrain_figures(_file(plain, traces.eager()))
+    raw, gpu_only = hta_compare.hta_figures(path, 0), hta_compare.hta_figures(path, 0, gpu_only=True)
+    assert raw["compute %"] > mine["compute %"] + 1.0 and raw["idle %"] < mine["idle %"] - 1.0
+    assert max(abs(d) for d in _differences(mine, gpu_only).values()) <= 0.01
