@@ -545,6 +545,49 @@ def test_kernel_share_under_the_in_backward_optimizer(tmp_path: Path, caplog: py
     assert set(cb.summary.phase_us) == {"forward", "backward", "outside"}
 
 
+class Perturbs(Callback):
+    """A callback that perturbs the timing of ``steps`` (the duck-typed ``perturbs_timing`` protocol)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def perturbs_timing(self, step: int) -> bool:
+        return step in self.steps
+
+
+def test_kernel_share_moves_its_window_past_steps_other_callbacks_perturb(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Window 1-3 (wait 1, warm-up 1, active 2) would report steps 2 and 3, which another callback perturbs; 2-4
+    would report 3. The first window whose active steps are clear is 3-5 (its warm-up, step 3, may be perturbed),
+    said in one line; its active steps 4 and 5 are the ones reported."""
+    cb = KernelShare(wait=1, warmup=1, active=2, chart=False)
+    with caplog.at_level("INFO"):
+        trainer = _fit(tmp_path, [Perturbs({2, 3}), cb], max_steps=8)
+    moved = [r.getMessage() for r in caplog.records if "instead of" in r.getMessage()]
+    assert moved == ["KernelShare: profiling steps 3-5 instead of steps 1-3 (wait=3, not 1): Perturbs perturb the "
+                     "timing of a step it would report. Set wait to place the window."]
+    assert cb._active_steps == range(4, 6) and cb.summary.steps == 2
+    assert [step for step, _ in scalars(trainer.log_dir)["kernels/gemm_share_step"]] == [5]
+
+
+def test_kernel_share_keeps_its_window_when_a_perturbed_step_is_only_a_warm_up(tmp_path: Path,
+                                                                               caplog: pytest.LogCaptureFixture
+                                                                               ) -> None:
+    cb = KernelShare(wait=1, warmup=1, active=2, chart=False)
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, [Perturbs({1}), cb], max_steps=5)
+    assert not [r for r in caplog.records if "instead of" in r.getMessage()]
+    assert cb._active_steps == range(2, 4)
+
+
+def test_kernel_share_keeps_its_window_when_no_clear_one_fits(tmp_path: Path) -> None:
+    cb = KernelShare(wait=1, warmup=1, active=2, chart=False)
+    with pytest.warns(UserWarning, match="no later window of the same length ends before max_steps") as caught:
+        _fit(tmp_path, [Perturbs({2, 3, 4, 5}), cb], max_steps=6)
+    assert sum("Perturbs perturb" in str(w.message) for w in caught) == 1
+    assert cb._active_steps == range(2, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("timer_first", [True, False])

@@ -232,6 +232,14 @@ class StepWindow:
         return f"step {last}" if last == self.start_step else f"steps {self.start_step}-{'' if last is None else last}"
 
 
+def waits_after(window: StepWindow, step: int, world_size: int) -> bool:
+    """On several processes, ``step`` is the one right after ``window``: a callback that writes files on some ranks
+    at the end of its window (after the step's last collective) holds the other ranks in the next step's first
+    collective until it is done. On one process, or for any other step, False."""
+    last = window.last_step
+    return world_size > 1 and last is not None and step == last + 1
+
+
 class StepPhases:
     """The one step axis and the phase boundaries of a training step, shared by every lmtrain callback.
 

@@ -37,6 +37,7 @@ from lmtrain.callbacks._common import (
     log_scalars,
     log_text,
     request_cupti_teardown,
+    timing_perturbed_by,
 )
 from lmtrain.callbacks._profiler import ProfilerSession
 from lmtrain.callbacks.timer import CudaSyncTimer
@@ -156,7 +157,8 @@ class KernelShare(Callback):
 
     Args:
         wait: first step of the window (``global_step``): the steps before it are skipped (compilation,
-            cuDNN/cuBLAS autotuning).
+            cuDNN/cuBLAS autotuning). Where another callback perturbs the timing of an active step, the window
+            starts later (:meth:`on_fit_start`, said in one line).
         warmup: steps profiled but discarded (the profiler's own start-up cost).
         active: steps whose kernels are reported (averaged per step).
         top_k: rows in the kernel tables logged as text.
@@ -267,6 +269,43 @@ class KernelShare(Callback):
                            "their own categories, but no forward/backward/optimizer split exists inside it.")
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Move the window later while another callback perturbs the timing of one of its active steps, so that
+        the reported steps hold the training step alone: that work would be in the trace (a memory snapshot's
+        stack captures, the precision inspector's hooks), or, on several ranks, the other ranks' wait for it (the
+        step after a window whose files some ranks write). The warm-up steps may overlap such work: nothing of
+        them is reported. Said in one line when the window moves; where no later window fits before
+        ``max_steps``, said too, and the window stays. Runs after every callback's ``setup`` (their windows are
+        known by then), on every rank alike."""
+        if self._beyond:
+            return
+        length = self.warmup + self.active
+        first = self._window.start_step
+        if first is None:
+            return
+
+        def others(start: int) -> list[str]:
+            return sorted({name for step in range(start + self.warmup, start + length)
+                           for name in timing_perturbed_by(trainer, step, exclude=self)})
+
+        busy = others(first)
+        if not busy:
+            return
+        max_steps = getattr(trainer, "max_steps", None)
+        limit = first + 64 if max_steps is None or max_steps < 0 else max_steps - length + 1
+        clear = next((start for start in range(first + 1, limit) if not others(start)), None)
+        old = self._window.describe()
+        if clear is None:
+            self._warn(f"KernelShare: the profiling window ({old}) reports steps that {', '.join(busy)} "
+                       "perturb, and no later window of the same length ends before max_steps; the profiled steps "
+                       "include their work. Set wait to place the window.")
+            return
+        self._window = StepWindow(clear, length)
+        rank_zero_info(f"KernelShare: profiling {self._window.describe()} instead of {old} (wait={clear}, not "
+                       f"{self.wait}): {', '.join(busy)} perturb the timing of a step it would report. Set wait "
+                       "to place the window.")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and not self._done and not self._beyond:  # cut short, or never reached
             self._warn(f"KernelShare: training stopped after {self._phases.batches_seen} batches, before the profiling "
@@ -327,7 +366,7 @@ class KernelShare(Callback):
         if self._done:
             return
         if not self._running and self._phases.enters(self._window):
-            if self._phases.step != self.wait:  # resumed inside the window: its warm-up would be cut short
+            if self._phases.step != self._window.start_step:  # resumed inside the window: warm-up cut short
                 return
             self._running = True
             if trainer.global_rank in self.ranks:
