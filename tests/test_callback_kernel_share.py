@@ -580,6 +580,30 @@ def test_kernel_share_keeps_its_window_when_a_perturbed_step_is_only_a_warm_up(t
     assert cb._active_steps == range(2, 4)
 
 
+def test_kernel_share_does_not_ask_the_module_whose_graph_window_is_not_known_yet() -> None:
+    """Before its graphs are captured, a CUDA-graph module's ``in_window`` answers yes for every step: the window is
+    placed by the callbacks' answers alone (``timing_perturbed_by(..., module=False)``): it neither moves nor
+    warns."""
+    from types import SimpleNamespace
+
+    from lmtrain.callbacks._common import StepWindow, timing_perturbed_by
+
+    class Uncaptured:
+        def in_window(self, step: int) -> bool:
+            return True
+
+    cb = KernelShare()
+    cb._window = StepWindow(cb.wait, cb.warmup + cb.active)
+    trainer = SimpleNamespace(callbacks=[cb, Perturbs({0})], lightning_module=Uncaptured(), max_steps=20)
+    assert timing_perturbed_by(trainer, 6, exclude=cb) == ["Uncaptured"]
+    assert timing_perturbed_by(trainer, 6, exclude=cb, module=False) == []
+    assert timing_perturbed_by(trainer, 0, exclude=cb, module=False) == ["Perturbs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb.on_fit_start(trainer, None)
+    assert (cb._window.start_step, cb._window.num_steps) == (5, 3)
+
+
 def test_kernel_share_keeps_its_window_when_no_clear_one_fits(tmp_path: Path) -> None:
     cb = KernelShare(wait=1, warmup=1, active=2, chart=False)
     with pytest.warns(UserWarning, match="no later window of the same length ends before max_steps") as caught:

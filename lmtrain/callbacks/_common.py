@@ -342,7 +342,7 @@ class StepPhases:
         return self.ended and window.contains(self.step) and not window.contains(self.step + 1)
 
 
-def timing_perturbed_by(trainer: pl.Trainer, step: int, exclude: object = None) -> list[str]:
+def timing_perturbed_by(trainer: pl.Trainer, step: int, exclude: object = None, module: bool = True) -> list[str]:
     """Class names of the trainer's callbacks (and module) whose measurement perturbs the timing of ``step``.
 
     The protocol is public and duck-typed. An object with a method ``perturbs_timing(step: int) -> bool`` says
@@ -357,9 +357,11 @@ def timing_perturbed_by(trainer: pl.Trainer, step: int, exclude: object = None) 
         trainer: the trainer (its public ``callbacks`` list is read).
         step: a step index on the :class:`StepPhases` axis.
         exclude: a callback to leave out (the one asking).
+        module: ask the LightningModule too. Its CUDA-graph window is known only once the graphs are captured
+            (before that it answers yes for every step), so a question asked before training leaves it out.
     """
     names = []
-    for cb in [*trainer.callbacks, getattr(trainer, "lightning_module", None)]:
+    for cb in [*trainer.callbacks, getattr(trainer, "lightning_module", None) if module else None]:
         if cb is None or cb is exclude:
             continue
         ask = getattr(cb, "perturbs_timing", None)

@@ -276,7 +276,8 @@ class KernelShare(Callback):
         step after a window whose files some ranks write). The warm-up steps may overlap such work: nothing of
         them is reported. Said in one line when the window moves; where no later window fits before
         ``max_steps``, said too, and the window stays. Runs after every callback's ``setup`` (their windows are
-        known by then), on every rank alike."""
+        known by then), on every rank alike. The module's CUDA-graph warm-up is not consulted: it is known only
+        once the graphs are captured, and the default window starts after it."""
         if self._beyond:
             return
         length = self.warmup + self.active
@@ -286,7 +287,7 @@ class KernelShare(Callback):
 
         def others(start: int) -> list[str]:
             return sorted({name for step in range(start + self.warmup, start + length)
-                           for name in timing_perturbed_by(trainer, step, exclude=self)})
+                           for name in timing_perturbed_by(trainer, step, exclude=self, module=False)})
 
         busy = others(first)
         if not busy:
