@@ -150,3 +150,27 @@ def test_ddp_fit_uses_the_ddp_config_without_a_mesh_size(
     assert calls == [("xl_ddp4", "xl_bf16_ddp.yaml", ["--trainer.devices", "4"]),
                      ("small_fsdp2", "2.7B_bf16_fsdp.yaml",
                       ["--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"])]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_hta_on_gpu_events_only_is_recorded_or_its_error(tmp_path: Path, scripts: tuple[ModuleType, ModuleType],
+                                                         monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """A trace with inductor's launch operators gets HTA a second time without their stream arguments: its largest
+    distance from lmtrain, or its error, next to the first comparison (which stands either way)."""
+    check, hta_compare = scripts
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps(traces.triton_launch_operators()))
+    mine = hta_compare.lmtrain_figures(path)
+
+    def fake_hta(trace: Path, rank: int, rounding: bool = False, gpu_only: bool = False) -> dict:
+        if gpu_only and fails:
+            raise AssertionError("non_compute_time >= 0")
+        return {k: v + (0.0 if gpu_only else 1.5) for k, v in mine.items() if "whole GPU" not in k}
+
+    monkeypatch.setattr(hta_compare, "hta_figures", fake_hta)
+    out = check.hta_differences(path)
+    assert out["hta_breakdown_points"] == pytest.approx(1.5)
+    if fails:
+        assert out["hta_gpu_only_error"] == "AssertionError: non_compute_time >= 0" and "hta_gpu_only" not in out
+    else:
+        assert out["hta_gpu_only_points"] == 0.0 and "hta_gpu_only_error" not in out

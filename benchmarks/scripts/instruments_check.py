@@ -150,7 +150,11 @@ def hta_differences(trace: Path, rank: int = 0) -> dict[str, Any]:
            "lmtrain": mine, "hta": theirs}
     if hta_compare.without_cpu_op_streams(load_trace(trace))[1]:
         # HTA again without counting inductor's CPU launch operators as GPU work (hta_compare's last column)
-        gpu_only = hta_compare.hta_figures(trace, rank, gpu_only=True)
+        try:
+            gpu_only = hta_compare.hta_figures(trace, rank, gpu_only=True)
+        except Exception as e:  # noqa: BLE001 (as above: report it and go on)
+            out["hta_gpu_only_error"] = f"{type(e).__name__}: {e}"[:300]
+            return out
         out["hta_gpu_only"] = gpu_only
         out["hta_gpu_only_points"] = max((abs(mine[k] - v) for k, v in gpu_only.items() if k in mine and v == v),
                                          default=None)
