@@ -84,7 +84,9 @@ def five(*kernel_share: str) -> list[str]:
 
 
 TIMER_ONLY = ["--trainer.callbacks+=lmtrain.callbacks.CudaSyncTimer"]
-#: Steps per fit: the timer's warm-up is steps 0..4, KernelShare's window 5..7; the medians are over steps 8..
+#: Steps per fit: the timer's warm-up is steps 0..4, KernelShare's window 5..7 (6..8 on several ranks, past the step
+#: that waits for MemorySnapshot's files); the medians of the timer's scalars are over steps 8.. (the timer's own
+#: summary, ``kernels/timer_step_ms``, leaves the perturbed steps out itself)
 STEPS = {"small": {"eager": 40, "fast": 100}, "2.7B": {"eager": 30, "fast": 40}}
 FIRST_COUNTED = 8
 #: Per model: name -> (config, overrides). 2.7B at 4096 runs at batch 1 (batch 4 does not fit in 80 GB).
