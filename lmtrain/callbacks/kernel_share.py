@@ -32,6 +32,7 @@ from lmtrain.callbacks._common import (
     check_int,
     check_ranks,
     gather_objects,
+    gather_values,
     log_dir,
     log_image,
     log_scalars,
@@ -290,21 +291,27 @@ class KernelShare(Callback):
                            for name in timing_perturbed_by(trainer, step, exclude=self, module=False)})
 
         busy = others(first)
-        if not busy:
-            return
-        max_steps = getattr(trainer, "max_steps", None)
-        limit = first + 64 if max_steps is None or max_steps < 0 else max_steps - length + 1
-        clear = next((start for start in range(first + 1, limit) if not others(start)), None)
+        start, clear = first, first
+        if busy:
+            max_steps = getattr(trainer, "max_steps", None)
+            limit = first + 64 if max_steps is None or max_steps < 0 else max_steps - length + 1
+            clear = next((step for step in range(first + 1, limit) if not others(step)), None)
+            start = first if clear is None else clear
+        # Every rank must profile the same steps (the window's end gathers the ranks' results), and a callback may
+        # perturb a step on some ranks only: the window starts where the latest rank's starts (a gather over gloo).
+        agreed = int(max(row[0] for row in gather_values(trainer, [start])))
         old = self._window.describe()
         if clear is None:
             self._warn(f"KernelShare: the profiling window ({old}) reports steps that {', '.join(busy)} "
                        "perturb, and no later window of the same length ends before max_steps; the profiled steps "
                        "include their work. Set wait to place the window.")
+        if agreed == first:
             return
-        self._window = StepWindow(clear, length)
-        rank_zero_info(f"KernelShare: profiling {self._window.describe()} instead of {old} (wait={clear}, not "
-                       f"{self.wait}): {', '.join(busy)} perturb the timing of a step it would report. Set wait "
-                       "to place the window.")
+        self._window = StepWindow(agreed, length)
+        why = ", ".join(busy) if busy else "another rank's callbacks"
+        rank_zero_info(f"KernelShare: profiling {self._window.describe()} instead of {old} (wait={agreed}, not "
+                       f"{self.wait}): {why} perturb the timing of a step it would report. Set wait to place the "
+                       "window.")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
