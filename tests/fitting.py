@@ -25,3 +25,30 @@ def cpu_fit(module: pl.LightningModule, steps: int, *, batch: int, context: int,
         })
         trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer
+
+
+def two_rank_cpu_fit(callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
+    """Fit a one-block tiny model for ``steps`` steps on 2 CPU processes over gloo (DDP), each rank on its own
+    fixed windows of random ids, with ``callbacks``; call it from the script of a test that starts the processes.
+    The collective timeout is 20 s: ranks left waiting at different collectives fail the run in seconds."""
+    from datetime import timedelta
+
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lmtrain.module import LMModule
+
+    data = torch.randint(0, 64, (steps * 2 * 2, 17), generator=torch.Generator().manual_seed(0))
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(data[self.trainer.global_rank::2], batch_size=2, shuffle=False)
+
+    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                      warmup_steps=0, fused_adamw=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=20)),
+                         precision="32-true", max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(module, datamodule=Data())
+    return trainer

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from subprocs import own_job_env
 
 STEPS = 4
@@ -21,13 +20,9 @@ STEPS = 4
 
 def run_fit(out: Path) -> None:
     """Fit the tiny model for STEPS steps on 2 CPU processes; KernelShare profiles rank 1, whose analysis raises."""
-    from datetime import timedelta
-
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
+    from fitting import two_rank_cpu_fit
 
     from lmtrain.callbacks import KernelShare
-    from lmtrain.module import LMModule
 
     class FailingOnRankOne(KernelShare):
         def __init__(self, **kwargs: object) -> None:
@@ -41,21 +36,8 @@ def run_fit(out: Path) -> None:
             self.reported.append(found)
             super()._report(trainer, found)
 
-    data = torch.randint(0, 64, (STEPS * 2 * 2, 17), generator=torch.Generator().manual_seed(0))
-
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            return torch.utils.data.DataLoader(data[self.trainer.global_rank::2], batch_size=2, shuffle=False)
-
-    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
-                      warmup_steps=0, fused_adamw=False)
     cb = FailingOnRankOne(wait=1, warmup=0, active=1, ranks=[1], chart=False)
-    # A short collective timeout: a rank left waiting in the gather fails the run in seconds, not half an hour.
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=20)),
-                         precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         use_distributed_sampler=False, callbacks=[cb])
-    trainer.fit(module, datamodule=Data())
+    trainer = two_rank_cpu_fit([cb], STEPS)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
         {"steps": trainer.global_step, "reported": cb.reported, "summary": cb.summary is not None}))
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from subprocs import own_job_env
 
 STEPS = 5
@@ -21,13 +20,10 @@ STEPS = 5
 
 def run_fit(out: Path) -> None:
     """Fit the tiny model for STEPS steps on 2 CPU processes; a callback perturbs step 2 on rank 1 only."""
-    from datetime import timedelta
-
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
+    from fitting import two_rank_cpu_fit
 
     from lmtrain.callbacks import KernelShare
-    from lmtrain.module import LMModule
 
     class PerturbsOnRankOne(pl.Callback):
         def __init__(self) -> None:
@@ -39,21 +35,8 @@ def run_fit(out: Path) -> None:
         def perturbs_timing(self, step: int) -> bool:
             return self.rank == 1 and step == 2
 
-    data = torch.randint(0, 64, (STEPS * 2 * 2, 17), generator=torch.Generator().manual_seed(0))
-
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            return torch.utils.data.DataLoader(data[self.trainer.global_rank::2], batch_size=2, shuffle=False)
-
-    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64,
-                      warmup_steps=0, fused_adamw=False)
     cb = KernelShare(wait=1, warmup=1, active=1, ranks=[0, 1], chart=False)
-    # A short collective timeout: ranks at different gathers fail the run in seconds, not half an hour.
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=20)),
-                         precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         use_distributed_sampler=False, callbacks=[PerturbsOnRankOne(), cb])
-    trainer.fit(module, datamodule=Data())
+    trainer = two_rank_cpu_fit([PerturbsOnRankOne(), cb], STEPS)
     active = cb._active_steps
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
         {"steps": trainer.global_step, "window": [cb._window.start_step, cb._window.num_steps],
