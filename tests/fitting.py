@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,3 +56,19 @@ def two_rank_cpu_fit(callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
                          use_distributed_sampler=False, callbacks=callbacks)
     trainer.fit(module, datamodule=Data())
     return trainer
+
+
+def write_rank_result(out: Path, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+    """Write one rank's ``result`` to ``out/rank<r>.json`` (read back by :func:`run_rank_script`)."""
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def run_rank_script(script: str, out: Path) -> tuple[subprocess.CompletedProcess, dict[int, dict[str, Any]]]:
+    """Run ``python script out`` (a test file that is also the script of a two-rank fit) in a job of its own; return
+    the process and each rank's ``rank<r>.json`` that exists."""
+    from subprocs import own_job_env
+
+    proc = subprocess.run([sys.executable, script, str(out)], cwd=out, env=own_job_env(), capture_output=True,
+                          text=True, timeout=300)
+    ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()}
+    return proc, ranks

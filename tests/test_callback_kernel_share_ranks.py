@@ -7,20 +7,18 @@ OUT_DIR``), as in ``tests/test_callbacks_ranks.py``.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from subprocs import own_job_env
+from fitting import run_rank_script
 
 STEPS = 4
 
 
 def run_fit(out: Path) -> None:
     """Fit the tiny model for STEPS steps on 2 CPU processes; KernelShare profiles rank 1, whose analysis raises."""
-    from fitting import two_rank_cpu_fit
+    from fitting import two_rank_cpu_fit, write_rank_result
 
     from lmtrain.callbacks import KernelShare
 
@@ -38,16 +36,14 @@ def run_fit(out: Path) -> None:
 
     cb = FailingOnRankOne(wait=1, warmup=0, active=1, ranks=[1], chart=False)
     trainer = two_rank_cpu_fit([cb], STEPS)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
-        {"steps": trainer.global_step, "reported": cb.reported, "summary": cb.summary is not None}))
+    write_rank_result(out, trainer, {"steps": trainer.global_step, "reported": cb.reported,
+                                     "summary": cb.summary is not None})
 
 
 @pytest.mark.slow  # two processes start and join: about 15 s on a 2-core machine
 def test_a_failed_analysis_on_the_profiling_rank_leaves_no_rank_waiting(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=tmp_path, env=own_job_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc, ranks = run_rank_script(__file__, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     # both ranks ran every step and reached _report once (rank 0, not profiling, with nothing of its own)
     assert ranks == {r: {"steps": STEPS, "reported": [None], "summary": False} for r in (0, 1)}
     assert proc.stderr.count("KernelShare: rank 1: the profiled window could not be analysed (RuntimeError: "

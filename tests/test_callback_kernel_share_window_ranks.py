@@ -7,13 +7,11 @@ tests/test_callback_kernel_share_window_ranks.py OUT_DIR``), as in ``tests/test_
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from subprocs import own_job_env
+from fitting import run_rank_script
 
 STEPS = 5
 
@@ -21,7 +19,7 @@ STEPS = 5
 def run_fit(out: Path) -> None:
     """Fit the tiny model for STEPS steps on 2 CPU processes; a callback perturbs step 2 on rank 1 only."""
     import lightning.pytorch as pl
-    from fitting import two_rank_cpu_fit
+    from fitting import two_rank_cpu_fit, write_rank_result
 
     from lmtrain.callbacks import KernelShare
 
@@ -38,17 +36,16 @@ def run_fit(out: Path) -> None:
     cb = KernelShare(wait=1, warmup=1, active=1, ranks=[0, 1], chart=False)
     trainer = two_rank_cpu_fit([PerturbsOnRankOne(), cb], STEPS)
     active = cb._active_steps
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
-        {"steps": trainer.global_step, "window": [cb._window.start_step, cb._window.num_steps],
-         "active": None if active is None else [active.start, active.stop], "summary": cb.summary is not None}))
+    write_rank_result(out, trainer, {"steps": trainer.global_step, "window": [cb._window.start_step,
+                                                                             cb._window.num_steps],
+                                     "active": None if active is None else [active.start, active.stop],
+                                     "summary": cb.summary is not None})
 
 
 @pytest.mark.slow  # two processes start and join: about 15 s on a 2-core machine
 def test_the_ranks_agree_on_a_window_moved_on_one_of_them(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=tmp_path, env=own_job_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc, ranks = run_rank_script(__file__, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     # window 1-2 would report step 2, which rank 1's callback perturbs: both ranks profile 2-3 and report step 3
     assert ranks == {r: {"steps": STEPS, "window": [2, 2], "active": [3, 4], "summary": True} for r in (0, 1)}
     assert "KernelShare: profiling steps 2-3 instead of steps 1-2 (wait=2, not 1): another rank's callbacks " \
