@@ -306,8 +306,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         # from step 0.
         if self._inner is None:
             return
+        on_device = self._capturable or self._inner_fused  # where AdamW keeps step counts (load_state_dict too)
         for group in self._inner.param_groups:
-            on_device = bool(group.get("capturable") or group.get("fused"))
             for p in group["params"]:
                 state = self.state[p]
                 if not state:

@@ -291,15 +291,14 @@ class KernelShare(Callback):
                            for name in timing_perturbed_by(trainer, step, exclude=self, module=False)})
 
         busy = others(first)
-        start, clear = first, first
+        clear: int | None = first  # the first window start whose active steps nothing perturbs
         if busy:
             max_steps = getattr(trainer, "max_steps", None)
             limit = first + 64 if max_steps is None or max_steps < 0 else max_steps - length + 1
             clear = next((step for step in range(first + 1, limit) if not others(step)), None)
-            start = first if clear is None else clear
         # Every rank must profile the same steps (the window's end gathers the ranks' results), and a callback may
         # perturb a step on some ranks only: the window starts where the latest rank's starts (a gather over gloo).
-        agreed = int(max(row[0] for row in gather_values(trainer, [start])))
+        agreed = int(max(row[0] for row in gather_values(trainer, [first if clear is None else clear])))
         old = self._window.describe()
         if clear is None:
             self._warn(f"KernelShare: the profiling window ({old}) reports steps that {', '.join(busy)} "

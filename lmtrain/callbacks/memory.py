@@ -211,8 +211,8 @@ class MemorySnapshot(pl.Callback):
         self.check_arguments(world_size(trainer))
         log_dir(trainer)  # on several ranks a collective: read it now, on every rank (see _common.log_dir)
         self._records = trainer.global_rank in self.ranks
-        self._rank = "" if world_size(trainer) == 1 else f"rank{trainer.global_rank}_"
         self._world = world_size(trainer)
+        self._rank = "" if self._world == 1 else f"rank{trainer.global_rank}_"
         self._device = trainer.strategy.root_device
         self._cuda = self._device.type == "cuda"
         self._window = StepWindow(self.start_step, self.num_steps)
