@@ -150,6 +150,21 @@ def test_ddp_fit_uses_the_ddp_config_without_a_mesh_size(
     assert calls == [("xl_ddp4", "xl_bf16_ddp.yaml", ["--trainer.devices", "4"]),
                      ("small_fsdp2", "2.7B_bf16_fsdp.yaml",
                       ["--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"])]
+    calls.clear()
+    assert check.main(["fsdp", str(tmp_path), "--size", "small", "--devices", "2", "--overhead"]) == 1
+    assert [name for name, _, _ in calls] == ["small_fsdp2", "small_fsdp2_timer"]
+
+
+def test_window_line_is_kernel_shares_setup_line_or_none(tmp_path: Path,
+                                                          scripts: tuple[ModuleType, ModuleType]) -> None:
+    check, _ = scripts
+    log = tmp_path / "fit.log"
+    assert check.window_line(log) is None
+    log.write_text("Seed set to 0\nKernelShare: profiling steps 6-8 instead of steps 5-7 (wait=6, not 5): another "
+                   "rank's callbacks perturb the timing of a step it would report.\nEpoch 0\n")
+    assert check.window_line(log).startswith("KernelShare: profiling steps 6-8 instead of steps 5-7")
+    log.write_text("Seed set to 0\nEpoch 0\n")
+    assert check.window_line(log) is None
 
 
 @pytest.mark.parametrize("fails", [False, True])

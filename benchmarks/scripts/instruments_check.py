@@ -301,10 +301,11 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
     return 0 if all_ok else 1
 
 
-def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, strategy: str = "fsdp") -> int:
+def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, strategy: str = "fsdp",
+         overhead: bool = False) -> int:
     """One fit on ``devices`` GPUs with all five callbacks, KernelShare on every rank: FSDP2
     (``configs/2.7B_bf16_fsdp.yaml``) or, with ``strategy="ddp"``, DDP (``configs/xl_bf16_ddp.yaml``), the model
-    set to ``size``."""
+    set to ``size``. With ``overhead``, the same fit again with CudaSyncTimer alone, and the overhead of the five."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     ranks = "[" + ",".join(str(r) for r in range(devices)) + "]"
     name = f"{size}_{strategy}{devices}"
@@ -312,21 +313,47 @@ def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, str
     extra = ["--trainer.devices", str(devices)]
     if strategy == "fsdp":
         extra += ["--trainer.strategy.init_args.data_parallel_size", str(devices)]
-    result = fit(out, name, config, ["--model.size", size, "--model.context_length", str(context)],
-                 five(f"--trainer.callbacks.ranks={ranks}"), steps, extra=extra, timeout=540)
+    model_args = ["--model.size", size, "--model.context_length", str(context)]
+    result = fit(out, name, config, model_args, five(f"--trainer.callbacks.ranks={ranks}"), steps, extra=extra,
+                 timeout=540)
     f = figures(result) if result["rc"] == 0 else {}
+    f["window"] = window_line(out / "runs" / f"{name}.log")
     append(out, {"fit": name, "five": result, **f})
-    rows = [[name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("comm_ms")),
+    base_ms = ratio = None
+    if overhead:
+        base = fit(out, name + "_timer", config, model_args, TIMER_ONLY, steps, extra=extra, timeout=540)
+        base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
+            if base["rc"] == 0 and base["log_dir"] else None
+        ratio = f["timer_step_ms"] / base_ms - 1 if base_ms and f.get("timer_step_ms") else None
+        append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms, "overhead": ratio})
+    rows = [[name, fmt(f.get("timer_step_ms")), fmt(base_ms), fmt(ratio, "+.2f", 100) + ("%" if ratio is not None
+                                                                                           else ""),
+             fmt(f.get("busy_to_step")), fmt(f.get("other_share"), ".2f", 100) + "%", fmt(f.get("comm_ms")),
              fmt(f.get("comm_exposed_ms")), fmt(f.get("comm_overlap_share"), ".1f", 100) + "%",
              fmt(f.get("straggler_ratio")),
              *[fmt(f.get(f"hta_rank{r}", {}).get("hta", {}).get("comm overlap %"), ".1f") for r in range(devices)],
+             *[fmt(f.get(f"hta_rank{r}", {}).get("hta_gpu_only_points"), ".2f") for r in range(devices)],
              str(result["rc"])]]
-    header = ["fit", "timer step ms", "busy / step", "comm ms/step", "exposed comm ms/step", "comm hidden",
-              "straggler ratio", *[f"HTA overlap % rank {r}" for r in range(devices)], "exit"]
+    header = ["fit", "timer step ms", "timer alone ms", "overhead", "busy / step", "other", "comm ms/step",
+              "exposed comm ms/step", "comm hidden", "straggler ratio",
+              *[f"HTA overlap % rank {r}" for r in range(devices)],
+              *[f"HTA (GPU events) pts rank {r}" for r in range(devices)], "exit"]
     table = markdown_table(header, rows)
-    (out / f"summary_{name}.md").write_text(table + "\n")
+    (out / f"summary_{name}.md").write_text(table + "\n" + (f["window"] or "") + "\n")
     print(table)
+    if f["window"]:
+        print(f["window"])
     return 0 if result["rc"] == 0 else 1
+
+
+def window_line(log: Path) -> str | None:
+    """KernelShare's setup line about its window (moved past another callback's perturbed steps, or not movable),
+    from a fit's log; None when the window stayed where ``wait`` put it."""
+    if not log.is_file():
+        return None
+    marks = ("KernelShare: profiling ", "KernelShare: the profiling window")
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if any(m in line for m in marks)]
+    return lines[0] if lines else None
 
 
 def check(log_dirs: list[Path]) -> int:
@@ -359,13 +386,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--context", type=int, default=512, help="tokens per sequence (the scaling runs use 1024)")
+    p.add_argument("--overhead", action="store_true",
+                   help="fit again with CudaSyncTimer alone and report the five's overhead on the timer's median")
     p = sub.add_parser("check", help="read fits made already")
     p.add_argument("log_dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout)
     if args.command == "fsdp":
-        return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy)
+        return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy, args.overhead)
     return check(args.log_dirs)
 
 
