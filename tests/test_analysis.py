@@ -192,6 +192,53 @@ def test_exposed_communication_interval_arithmetic() -> None:
     assert exposed_communication([(0, 10, GEMM_K, "forward")]) == {}
 
 
+def test_communication_interference_compares_kernels_beside_communication_with_their_twins_alone() -> None:
+    """Three GEMMs alone (10, 12, 14 us: median 12), two beside an all-reduce (18 and 24 us, 42 in all, against
+    2 x 12 = 24 alone): 1.75x, +18 us. One elementwise kernel beside it has two twins alone, too few to judge
+    (min_alone 3); one GEMM only a third covered counts in neither group; a copy is not compute."""
+    from lmtrain.analysis.kernels import communication_interference
+
+    intervals = [
+        (0, 10, GEMM_K, "backward"), (20, 12, GEMM_K, "backward"), (40, 14, GEMM_K, "backward"),
+        (100, 200, NCCL, "backward"),  # communication 100..300
+        (100, 18, GEMM_K, "backward"), (130, 24, GEMM_K, "backward"),  # fully beside it
+        (280, 60, GEMM_K, "backward"),  # 20 of 60 us beside it: neither alone nor beside
+        (0, 5, EW_K, "backward"), (60, 5, EW_K, "backward"), (200, 7, EW_K, "backward"),
+        (150, 50, "Memcpy DtoD (Device -> Device)", "backward"),
+    ]
+    inter = communication_interference(intervals)
+    assert (inter.beside_us, inter.alone_us, inter.kernels, inter.unmatched_us) == (42.0, 24.0, 2, 7.0)
+    assert inter.slowdown == pytest.approx(1.75) and inter.excess_us == pytest.approx(18.0)
+    per_step = communication_interference(intervals, steps=2)
+    assert (per_step.beside_us, per_step.alone_us, per_step.kernels, per_step.unmatched_us) == (21.0, 12.0, 1, 3.5)
+    # the same name in another phase, or with another grid, is not a twin
+    shapes = ["a", "a", "a", None, "b", "b", "a", None, None, None, None]
+    other_grid = communication_interference(intervals, shapes)
+    assert other_grid.slowdown is None and other_grid.unmatched_us == 49.0
+    assert communication_interference([(0, 10, GEMM_K, "forward")]) is None  # no communication at all
+
+
+def test_interference_reaches_metrics_and_breakdown_from_a_trace() -> None:
+    """From a trace: the profiler's grid and block sizes tell launches apart; the scalars and the breakdown text."""
+    x = {"ph": "X", "tid": 1}
+    events = [{**x, "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0.0, "dur": 400.0},
+              {**x, "cat": "user_annotation", "name": "backward", "ts": 0.0, "dur": 400.0}]
+    kernels = [(10.0, 10.0, GEMM_K), (30.0, 10.0, GEMM_K), (50.0, 10.0, GEMM_K), (100.0, 150.0, NCCL),
+               (110.0, 15.0, GEMM_K), (130.0, 15.0, GEMM_K)]
+    for i, (ts, dur, name) in enumerate(kernels):
+        events.append({**x, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.0 + i, "dur": 0.5,
+                       "args": {"correlation": i}})
+        events.append({**x, "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 7 if name == NCCL else 8,
+                       "args": {"correlation": i, "grid": [132, 1, 1], "block": [384, 1, 1]}})
+    found = analyze_trace({"traceEvents": events}, device="cuda")
+    m = found.metrics
+    assert m["kernels/compute_beside_comm_ms_step"] == pytest.approx(0.030)
+    assert m["kernels/compute_beside_comm_excess_ms_step"] == pytest.approx(0.010)
+    assert m["kernels/compute_beside_comm_slowdown"] == pytest.approx(1.5)
+    assert m["kernels/compute_beside_comm_unjudged_ms_step"] == 0.0
+    assert "ran 1.50x as long: +0.01 ms per step" in found.breakdown
+
+
 def test_kernels_of_a_cuda_graph_replay_belong_to_the_cuda_graph_phase() -> None:
     """A replayed step: one ``cuda graph`` range around the graph launch; its kernels share the launch's correlation."""
     from lmtrain.analysis.kernels import GRAPH_PHASE, summarize

@@ -113,8 +113,10 @@ def test_analyze_kernels_on_a_two_rank_folder(tmp_path: Path, capsys: pytest.Cap
     assert "## Rank 0: temporal breakdown (trace_rank0.json)" in out
     assert "## Rank 1: temporal breakdown (trace_rank1.json.gz)" in out
     assert out.count("**Idle split**") == 2 and out.count("**Launches:**") == 2
-    # the rank table: compute 38/90, communication 20/90, memory 4/90, idle 28/90, overlap 20%, host wait 22/28
-    row = "| 42.2%   | 22.2%         | 4.4%   | 31.1% | 20.0%       | 78.6%           | 6            | yes"
+    # the rank table: compute 38/90, communication 20/90, memory 4/90, idle 28/90, overlap 20%, no compute kernel
+    # beside communication with twins alone to compare (-), host wait 22/28
+    row = ("| 42.2%   | 22.2%         | 4.4%   | 31.1% | 20.0%       | -                   | 78.6%           "
+           "| 6            | yes")
     assert out.count(row) == 2, out[-800:]
     assert sorted(p.name for p in out_dir.iterdir()) == ["kernel_table_rank0.csv", "kernel_table_rank1.csv"]
     assert sorted(p.name for p in folder.iterdir()) == ["precision_step0.json", "trace_rank0.json",

@@ -7,7 +7,8 @@ Two sub-commands, for files taken by anyone (a script, another machine, an earli
     ``kernel_trace.json.gz``), or a folder holding one such trace per rank. Prints KernelShare's report (time per
     phase, top kernels, GEMM share, categories, softmax vs matmul), the per-phase kernel tables and the temporal
     breakdown (compute / communication / memory / idle per phase, the idle split, the communication overlap,
-    launch statistics: ``lmtrain.analysis.temporal``); for a folder, each rank's breakdown and a table comparing
+    launch statistics: ``lmtrain.analysis.temporal``; how much slower compute ran beside communication kernels:
+    ``lmtrain.analysis.kernels.communication_interference``); for a folder, each rank's breakdown and a table comparing
     the ranks. With ``--out`` it writes ``kernel_table.csv`` and ``kernel_categories.png`` (the
     ``kernels/categories`` chart) there (``_rank<r>`` in the names for a folder). Phases come from
     ``record_function`` ranges named ``forward``, ``backward`` and ``optimizer`` in the trace; kernels launched
@@ -134,19 +135,25 @@ def _kernels(args: argparse.Namespace) -> int:
 
 
 def rank_table(found: dict) -> str:
-    """Markdown: one row per rank with its breakdown shares, overlap, host wait and launch-bound verdict."""
+    """Markdown: one row per rank with its breakdown shares, overlap, how much slower compute ran beside
+    communication (and the ms per step that cost), host wait and launch-bound verdict."""
     from lmtrain.analysis.tables import markdown_table
 
     def pct(m: dict, key: str) -> str:
         return f"{100 * m[key]:.1f}%" if key in m else "-"
 
+    def beside(m: dict) -> str:
+        slowdown = m.get("kernels/compute_beside_comm_slowdown")
+        return "-" if slowdown is None else \
+            f"{slowdown:.2f}x ({m['kernels/compute_beside_comm_excess_ms_step']:+.2f} ms)"
+
     rows = [[r, f"{m.get('breakdown/span_ms_per_step', 0.0):.3f}", *[pct(m, f"breakdown/{k}_share") for k in
-            ("compute", "communication", "memory", "idle")], pct(m, "breakdown/comm_overlap_share"),
+            ("compute", "communication", "memory", "idle")], pct(m, "breakdown/comm_overlap_share"), beside(m),
              pct(m, "idle/host_wait_share"), f"{m.get('launch/kernels_per_step', 0):g}",
              "yes" if m.get("launch/bound") else "no"]
             for r, m in ((rank, one.metrics) for rank, one in sorted(found.items()))]
     return markdown_table(["rank", "span ms/step", "compute", "communication", "memory", "idle", "comm hidden",
-                           "idle: host wait", "kernels/step", "launch-bound"], rows)
+                           "compute beside comm", "idle: host wait", "kernels/step", "launch-bound"], rows)
 
 
 def _trace_files(path: Path) -> dict[int, Path]:

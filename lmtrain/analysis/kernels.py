@@ -45,8 +45,10 @@ fractions in [0, 1] everywhere (reports print them as percentages).
 
 from __future__ import annotations
 
+import bisect
 import csv
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +73,7 @@ __all__ = [
     "CATEGORY_RULES",
     "PHASES",
     "GpuTimeline",
+    "Interference",
     "KernelRow",
     "KernelSummary",
     "TraceAnalysis",
@@ -83,6 +86,7 @@ __all__ = [
     "load_trace",
     "write_csv",
     "categorize",
+    "communication_interference",
     "exposed_communication",
     "merge_rank_metrics",
     "records_from_trace",
@@ -318,6 +322,7 @@ class TraceRecords:
     unattributed_us: float = 0.0  # their total duration
     timeline: GpuTimeline | None = None  # busy and idle time of the GPU over the active steps (CUDA only)
     communication: dict[str, tuple[float, float]] | None = None  # exposed_communication() of the activities (CUDA)
+    interference: Interference | None = None  # communication_interference() of the activities (CUDA)
 
 
 @dataclass
@@ -441,6 +446,85 @@ def exposed_communication(intervals: Sequence[tuple[float, float, str, str]],
     return out
 
 
+@dataclass
+class Interference:
+    """What communication kernels cost the compute kernels that run beside them, per step.
+
+    A compute kernel runs *beside* communication when communication kernels cover at least half of its duration,
+    and *alone* when none covers any of it. Kernels are compared with their twins: the kernels of the same name,
+    phase, grid and block size that ran alone (at least ``min_alone`` of them), whose median duration is what the
+    kernel would have taken without communication beside it.
+    """
+
+    beside_us: float  # compute kernel time beside communication that has twins alone
+    alone_us: float  # what the same kernels take at their twins' median duration
+    kernels: int  # kernels beside communication with twins, per step
+    unmatched_us: float  # compute kernel time beside communication without enough twins (not judged)
+
+    @property
+    def excess_us(self) -> float:
+        """Compute time per step that communication beside it added (can be negative: noise, clocks)."""
+        return self.beside_us - self.alone_us
+
+    @property
+    def slowdown(self) -> float | None:
+        """How many times longer the kernels ran beside communication than alone (None: nothing to compare)."""
+        return self.beside_us / self.alone_us if self.alone_us > 0 else None
+
+
+def communication_interference(intervals: Sequence[tuple[float, float, str, str]],
+                               shapes: Sequence[Any] | None = None, steps: int = 1,
+                               min_alone: int = 3) -> Interference | None:
+    """How much slower compute kernels run beside communication kernels than alone (:class:`Interference`).
+
+    Overlap hides communication only if the compute beside it keeps its speed. NCCL's kernels occupy SMs and
+    memory bandwidth, so a matrix multiply beside an all-gather may take longer than alone: that time is in the
+    step although no communication is exposed.
+
+    Args:
+        intervals: GPU activities of one GPU as ``(start_us, duration_us, name, phase)``, as for
+            :func:`exposed_communication`.
+        shapes: per activity, anything that tells launches of one kernel apart beyond name and phase (the
+            profiler's grid and block sizes); None: name and phase alone.
+        steps: steps the intervals cover (results are per step).
+        min_alone: twins alone a kernel needs to be judged.
+
+    Returns:
+        None without communication kernels, else the :class:`Interference` per step.
+    """
+    steps = max(1, steps)
+    comm = _union((start, start + dur) for start, dur, name, _ in intervals if categorize(name) == "communication")
+    if not comm:
+        return None
+    starts = [s for s, _ in comm]
+    groups: dict[Any, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for i, (start, dur, name, phase) in enumerate(intervals):
+        if dur <= 0 or categorize(name) == "communication" or re.match(r"memcpy|memset", name, _I):
+            continue
+        end, covered = start + dur, 0.0
+        j = bisect.bisect_right(starts, end) - 1
+        while j >= 0 and comm[j][1] > start:  # disjoint, sorted: walk back while they reach into the kernel
+            covered += min(end, comm[j][1]) - max(start, comm[j][0])
+            j -= 1
+        alone, beside = groups[(name, phase, shapes[i] if shapes is not None else None)]
+        if covered <= 0:
+            alone.append(dur)
+        elif covered >= 0.5 * dur:
+            beside.append(dur)
+    beside_us = alone_us = unmatched_us = 0.0
+    kernels = 0
+    for alone, beside in groups.values():
+        if not beside:
+            continue
+        if len(alone) < min_alone:
+            unmatched_us += sum(beside)
+            continue
+        beside_us += sum(beside)
+        alone_us += statistics.median(alone) * len(beside)
+        kernels += len(beside)
+    return Interference(beside_us / steps, alone_us / steps, round(kernels / steps), unmatched_us / steps)
+
+
 def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
     """Kernel records ``(name, phase, duration_us, stage, category)`` from a Kineto Chrome trace (``json.load``-ed).
 
@@ -476,6 +560,7 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
     wall = sum(steps) / len(steps) if steps else 0.0
     records: list[tuple[str, str, float, str | None, str | None]] = []
     intervals: list[tuple[float, float, str, str]] = []
+    shapes: list[tuple[Any, Any]] = []  # each activity's grid and block sizes (communication_interference)
     missing, missing_us = 0, 0.0
     if device == "cpu":
         ops = [e for e in events if e.get("cat") == "cpu_op"]
@@ -510,8 +595,10 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
         records.append((e.get("name", "?"), phase, float(e.get("dur", 0)), stage,
                         None if graphed else _optimizer_category(optim_iv, phase, launch[0], launch[1])))
         intervals.append((float(e["ts"]), float(e.get("dur", 0)), e.get("name", "?"), phase))
+        shapes.append((str(args.get("grid")), str(args.get("block"))))
     return TraceRecords(records, n_steps, wall, "cuda", missing, missing_us, gpu_timeline(intervals, n_steps),
-                        exposed_communication(intervals, n_steps))
+                        exposed_communication(intervals, n_steps),
+                        communication_interference(intervals, shapes, n_steps))
 
 
 def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None = None) -> dict[str, float]:
@@ -525,6 +612,13 @@ def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None
             metrics[f"kernels/communication_ms_{scope}"] = comm_us / 1e3
         if tr.communication and scope in tr.communication:
             metrics[f"kernels/communication_exposed_ms_{scope}"] = tr.communication[scope][1] / 1e3
+    inter = tr.interference
+    if inter is not None:
+        metrics["kernels/compute_beside_comm_ms_step"] = inter.beside_us / 1e3
+        metrics["kernels/compute_beside_comm_excess_ms_step"] = inter.excess_us / 1e3
+        metrics["kernels/compute_beside_comm_unjudged_ms_step"] = inter.unmatched_us / 1e3
+        if inter.slowdown is not None:
+            metrics["kernels/compute_beside_comm_slowdown"] = inter.slowdown
     if tr.step_wall_us > 0:
         metrics["kernels/step_wall_ms"] = tr.step_wall_us / 1e3
         tl = tr.timeline
@@ -677,8 +771,10 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
     metrics = trace_metrics(summary, tr, head_dim) | temporal.temporal_metrics(window, launch)
     if tr.device == "cuda":
         metrics |= roofline.ceiling_metrics(roofline.achieved(trace, tr.steps, model_flops_per_step), ceilings or {})
-    return TraceAnalysis(tr, summary, metrics, report,
-                         temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU"))
+    breakdown = temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU")
+    if tr.interference is not None:
+        breakdown += "\n\n" + interference_text(tr.interference)
+    return TraceAnalysis(tr, summary, metrics, report, breakdown)
 
 
 # -- presentation -----------------------------------------------------------------------------------
@@ -768,6 +864,20 @@ def build_report(summary: KernelSummary, head_dim: int | None = None, cuda: bool
     lines += ["", "**Categories per phase** (share of each phase's time):", category_table_markdown(summary), ""]
     lines += [f"**Top {what}s, full step:**", kernel_table_markdown(summary, "step", top_k)]
     return "\n".join(lines)
+
+
+def interference_text(inter: Interference) -> str:
+    """One paragraph: how much slower the compute beside communication ran than the same kernels alone."""
+    if inter.slowdown is None:
+        return (f"**Compute beside communication:** {inter.unmatched_us / 1e3:.2f} ms per step of compute ran beside "
+                "communication kernels; none of those kernels also ran alone often enough to compare.")
+    text = (f"**Compute beside communication:** {inter.beside_us / 1e3:.2f} ms per step ({inter.kernels} kernels) "
+            f"ran beside communication kernels; the same kernels alone (same name, phase, grid and block) take "
+            f"{inter.alone_us / 1e3:.2f} ms, so beside communication they ran {inter.slowdown:.2f}x as long: "
+            f"{inter.excess_us / 1e3:+.2f} ms per step that overlap did not hide.")
+    if inter.unmatched_us > 0:
+        text += f" Not judged (too few twins alone): {inter.unmatched_us / 1e3:.2f} ms per step."
+    return text
 
 
 def timeline_text(tl: GpuTimeline) -> str:

@@ -111,7 +111,15 @@ class KernelShare(Callback):
         kernels/communication_ms_{scope}            ms per step: collective time (NCCL; on CPU gloo/c10d op self
                                                     time) in ``step`` or a phase, where there is some
         kernels/communication_exposed_ms_{scope}    ms per step: the part no compute kernel overlaps (CUDA only)
-        kernels/communication[_exposed]_ms_step_max ms: maximum of the two above over the profiling ranks
+        kernels/compute_beside_comm_ms_step         ms per step: compute kernels that ran beside communication
+                                                    kernels (at least half covered) and have twins that ran alone
+                                                    (same name, phase, grid and block; CUDA only)
+        kernels/compute_beside_comm_slowdown        ratio: their time over their twins' median time alone
+        kernels/compute_beside_comm_excess_ms_step  ms per step: the difference, step time that overlapping
+                                                    communication cost although none of it is exposed
+        kernels/compute_beside_comm_unjudged_ms_step  ms per step: compute beside communication without twins
+        kernels/communication[_exposed]_ms_step_max ms: maximum of communication_ms_step and
+                                                    communication_exposed_ms_step over the profiling ranks
         kernels/busiest_rank                        the profiling rank with the most kernel time (these two
                                                     with several profiling ranks only)
 
