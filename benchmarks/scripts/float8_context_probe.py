@@ -26,11 +26,20 @@ from lmtrain.model import TransformerLM
 
 DEFAULT_CASES = ["2048:4:none", "2048:4:tensorwise", "8192:1:none", "8192:1:tensorwise"]
 ATTENTION_WORDS = ("flash", "fmha", "attention", "sdpa", "cudnn")
+VARIANTS = ("nopersist", "nosplit", "cdt", "multi")
 
 
 def run_case(size: str, layers: int, context: int, batch: int, float8: str, variant: str) -> dict:
-    inductor_config.triton.persistent_reductions = variant != "nopersist"
-    inductor_config.split_reductions = variant != "nosplit"
+    options = set(variant.split("+")) - {""}
+    unknown = options - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}: use {', '.join(VARIANTS)} joined by +")
+    inductor_config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    inductor_config.triton.persistent_reductions = "nopersist" not in options
+    inductor_config.split_reductions = "nosplit" not in options
+    inductor_config.coordinate_descent_tuning = "cdt" in options
+    inductor_config.triton.multi_kernel = 1 if "multi" in options else 0
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = ModelConfig.from_size(size, num_layers=layers, context_length=context, attention="sdpa", float8=float8,
