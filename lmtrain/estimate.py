@@ -87,9 +87,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "copy reaches on an H100 SXM)")
     step.add_argument("--intra-node-gbps", type=float, default=350.0,
                       help="bus bandwidth inside a node assumed without --comm, GB/s (default 350: NVLink 4)")
+    step.add_argument("--overlap-slowdown", type=_slowdown, default=OVERLAP_SLOWDOWN,
+                      help="how many times as long compute takes beside the communication it hides (KernelShare's "
+                           "kernels/compute_beside_comm_slowdown of a run; 1: not slowed; default "
+                           f"{OVERLAP_SLOWDOWN:g}, compiled FSDP2 of 2.7B on 4 H200s)")
     step.add_argument("--inter-node-gbps", type=float, default=45.0,
                       help="bus bandwidth per GPU between nodes, GB/s, assumed (default 45: one 400 Gb/s network "
                            "interface per GPU at 90%%)")
+
+
+#: Compute beside hidden communication runs this many times as long as alone: KernelShare's
+#: ``kernels/compute_beside_comm_slowdown`` on the four ranks of compiled FSDP2, 2.7B on 4 H200s, was 1.37-1.44
+#: (benchmarks/2026-11-28-H200x2-comm-interference.md).
+OVERLAP_SLOWDOWN = 1.4
+
+
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:  # also NaN and what is no number
+        raise argparse.ArgumentTypeError(f"must be a number of at least 1 (1: compute not slowed), got {text}")
+    return value
 
 
 def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
@@ -249,12 +269,15 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
               "overlap: each block's all-gather hides behind the previous block's compute (the root's and the first "
               "block's are exposed); in backward the next all-gather and the previous reduce-scatter hide behind a "
               f"block's backward, the last two reduce-scatters are exposed; DDP: all but the last {bucket / 2**20:g} "
-              "MiB bucket of the all-reduce hides behind the backward"]
+              "MiB bucket of the all-reduce hides behind the backward",
+              f"compute beside hidden communication: {args.overlap_slowdown:g}x as long as alone (--overlap-slowdown)"]
     # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
     ranks = 1 if strategy == "single" else world
     chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
-    lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication",
+                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket,
+                      overlap_slowdown=args.overlap_slowdown)
+    lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication + compute "
+             "slowed beside the hidden communication",
              describe(chosen, inputs)]
     if world > 1:
         single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens,
@@ -262,14 +285,16 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
         body = []
         for kind in ("fsdp", "ddp"):
             p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
-            body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.tokens_per_s:,.0f}",
-                         f"{p.tokens_per_s / world:,.0f}", f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
+                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket,
+                      overlap_slowdown=args.overlap_slowdown)
+            body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.slowed_ms:.2f}",
+                         f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / world:,.0f}",
+                         f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
         from lmtrain.bench.tables import markdown_table
 
         lines += ["", f"on {world} GPUs (1 GPU: {single.step_ms:.2f} ms, {single.tokens_per_s:,.0f} tokens/s):",
-                  markdown_table(["strategy", "step ms", "exposed ms", "tokens/s", "tokens/s per GPU", "scaling"],
-                                 body)]
+                  markdown_table(["strategy", "step ms", "exposed ms", "slowed compute ms", "tokens/s",
+                                  "tokens/s per GPU", "scaling"], body)]
     return "\n".join(lines)
 
 

@@ -22,9 +22,13 @@ The model (also in ``docs/distributed.md``, "Predicting step time"); every rank 
   block k+1's reduce-scatter; the last two reduce-scatters (block 0, then the root) are exposed. DDP: the all-reduce
   hides behind the backward except its last bucket.
 
-Step = forward + backward + optimizer + exposed communication; tokens/s = N x batch x context / step. Not modelled:
-compute slowed by the collectives it overlaps, host launch overhead, stragglers: the prediction is what a
-well-overlapped run approaches.
+- **Slowed compute.** NCCL's kernels take SMs and memory bandwidth from the compute beside them: while hidden
+  communication runs, compute progresses ``overlap_slowdown`` times slower (KernelShare's
+  ``kernels/compute_beside_comm_slowdown``). Hidden communication of ``H`` ms then costs ``H * (1 - 1 / s)`` ms of
+  step time although none of it is exposed.
+
+Step = forward + backward + optimizer + exposed communication + slowed compute; tokens/s = N x batch x context /
+step. Not modelled: host launch overhead, stragglers.
 """
 
 from __future__ import annotations
@@ -160,10 +164,21 @@ class StepPrediction:
     exposed_ms: float  # the part not hidden behind compute
     tokens_per_step: int  # per GPU
     terms: dict[str, float] = field(default_factory=dict)  # collective times by name
+    overlap_slowdown: float = 1.0  # compute beside hidden communication runs this many times as long
+
+    @property
+    def hidden_ms(self) -> float:
+        """Communication hidden behind compute."""
+        return max(0.0, self.communication_ms - self.exposed_ms)
+
+    @property
+    def slowed_ms(self) -> float:
+        """Step time the hidden communication costs the compute beside it: ``hidden * (1 - 1 / slowdown)``."""
+        return self.hidden_ms * (1.0 - 1.0 / self.overlap_slowdown)
 
     @property
     def step_ms(self) -> float:
-        return self.forward_ms + self.backward_ms + self.optimizer_ms + self.exposed_ms
+        return self.forward_ms + self.backward_ms + self.optimizer_ms + self.exposed_ms + self.slowed_ms
 
     @property
     def tokens_per_s(self) -> float:
@@ -198,15 +213,19 @@ def units(cfg: object, batch_size: int, seq_len: int, precision: str) -> Units:
 
 def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float, strategy: str, world_size: int,
             nodes: int, network: Network, tokens_per_step: int, reshard: str = "blocks",
-            bucket_bytes: int | None = None) -> StepPrediction:
+            bucket_bytes: int | None = None, overlap_slowdown: float = 1.0) -> StepPrediction:
     """The step on ``world_size`` GPUs over ``nodes`` nodes under ``strategy`` (``fsdp``, ``ddp`` or ``single``),
     from one GPU's ``forward_ms``, ``backward_ms`` and ``optimizer_ms`` at the same per-GPU batch (see the module
     docstring for the model). ``reshard`` is ``model.fsdp_reshard_after_forward``: ``blocks`` (every block but the
     last is all-gathered again in the backward), ``all`` (the last too, exposed at the backward's start) or ``none``
     (no all-gather in the backward). ``bucket_bytes`` is DDP's bucket (:func:`ddp_bucket_bytes`; None: that of
-    lmtrain's ``strategy: ddp``)."""
+    lmtrain's ``strategy: ddp``). ``overlap_slowdown`` (at least 1) is how many times as long compute takes beside
+    hidden communication (:attr:`StepPrediction.slowed_ms`; 1: not slowed)."""
+    if not overlap_slowdown >= 1.0:
+        raise ValueError(f"overlap_slowdown must be at least 1, got {overlap_slowdown!r}")
     n = world_size
-    pred = StepPrediction(strategy, n, nodes, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0, tokens_per_step)
+    pred = StepPrediction(strategy, n, nodes, forward_ms, backward_ms, optimizer_ms, 0.0, 0.0, tokens_per_step,
+                          overlap_slowdown=overlap_slowdown)
     if strategy == "single" or n < 2:
         return pred
 
@@ -266,9 +285,11 @@ def describe(pred: StepPrediction, inputs: Sequence[str]) -> str:
     lines = ["inputs:"] + [f"  {line}" for line in inputs]
     lines.append(f"prediction: {pred.strategy} on {pred.world_size} GPU(s)"
                  + (f" over {pred.nodes} nodes" if pred.nodes > 1 else ""))
+    slowed = (f" + compute slowed beside communication {pred.slowed_ms:.2f} ms ({pred.hidden_ms:.2f} ms hidden at "
+              f"{pred.overlap_slowdown:g}x)" if pred.slowed_ms > 0 else "")
     lines.append(f"  forward {pred.forward_ms:.2f} ms + backward {pred.backward_ms:.2f} ms + optimizer "
                  f"{pred.optimizer_ms:.2f} ms + exposed communication {pred.exposed_ms:.2f} ms "
-                 f"(of {pred.communication_ms:.2f} ms in all) = step {pred.step_ms:.2f} ms")
+                 f"(of {pred.communication_ms:.2f} ms in all){slowed} = step {pred.step_ms:.2f} ms")
     if pred.terms:
         lines.append("  collectives: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pred.terms.items()))
     lines.append(f"  {pred.tokens_per_s:,.0f} tokens/s in all, {pred.tokens_per_s / pred.world_size:,.0f} per GPU")

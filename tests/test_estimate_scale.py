@@ -11,6 +11,7 @@ import torch
 from lmtrain.cli import main
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
+from lmtrain.estimate import OVERLAP_SLOWDOWN
 from lmtrain.flops import flops_per_step, parameter_count
 from lmtrain.model import TransformerLM
 from lmtrain.optim import bf16_with_masters, linear_weights
@@ -20,6 +21,7 @@ from lmtrain.step_time import (
     Units,
     collective_ms,
     ddp_bucket_bytes,
+    describe,
     network_from_record,
     one_gpu_from_flops,
     one_gpu_from_record,
@@ -71,6 +73,30 @@ def test_fsdp_step_when_compute_hides_the_collectives() -> None:
     assert p.optimizer_ms == 4.0  # the shard's half
     assert p.step_ms == pytest.approx(10 + 20 + 4 + 4.5)
     assert p.tokens_per_s == pytest.approx(2 * 1000 / 38.5e-3)
+
+
+def test_hidden_communication_slows_the_compute_beside_it() -> None:
+    """The case above with compute 1.5x as long beside hidden communication: of 12.5 ms of collectives 4.5 are
+    exposed and 8 hidden, which cost 8 * (1 - 1/1.5) = 8/3 ms more. Nothing hidden, nothing slowed."""
+    kwargs = dict(forward_ms=10.0, backward_ms=20.0, optimizer_ms=8.0, strategy="fsdp", world_size=2, nodes=1,
+                  network=_network(1e-3), tokens_per_step=1000)
+    plain, slowed = predict(SMALL, **kwargs), predict(SMALL, **kwargs, overlap_slowdown=1.5)
+    assert slowed.hidden_ms == pytest.approx(8.0) and slowed.slowed_ms == pytest.approx(8 / 3)
+    assert slowed.step_ms == pytest.approx(plain.step_ms + 8 / 3) and plain.slowed_ms == 0.0
+    assert "compute slowed beside communication 2.67 ms (8.00 ms hidden at 1.5x)" in describe(slowed, [])
+    exposed_only = predict(SMALL, **{**kwargs, "forward_ms": 1.0, "backward_ms": 2.0}, overlap_slowdown=1.5)
+    assert exposed_only.slowed_ms == pytest.approx(exposed_only.hidden_ms / 3)
+    one = predict(SMALL, **{**kwargs, "world_size": 1}, overlap_slowdown=2.0)
+    assert one.slowed_ms == 0.0 and one.step_ms == 38.0
+    with pytest.raises(ValueError, match="at least 1"):
+        predict(SMALL, **kwargs, overlap_slowdown=0.9)
+
+
+def test_estimate_refuses_a_slowdown_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    for text in ("0.8", "abc", "nan"):
+        assert main(["estimate", "--config", str(ROOT / "configs" / "tiny.yaml"), "--overlap-slowdown", text]) == 2
+        assert f"--overlap-slowdown: must be a number of at least 1 (1: compute not slowed), got {text}" in \
+            capsys.readouterr().err
 
 
 def test_fsdp_step_when_the_collectives_outlast_the_compute() -> None:
@@ -205,8 +231,10 @@ def test_estimate_prints_the_prediction_with_its_inputs(tmp_path: Path, capsys: 
     cfg = ModelConfig.from_size("tiny", vocab_size=256, context_length=128)
     u = units(cfg, 16, 128, "32-true")
     flat = BusBandwidth.constant(1.0)
-    expected = predict(u, 10.0, 20.0, 8.0, "ddp", 8, 2, Network(flat, flat, flat, 0.5), 16 * 128)
+    expected = predict(u, 10.0, 20.0, 8.0, "ddp", 8, 2, Network(flat, flat, flat, 0.5), 16 * 128,
+                       overlap_slowdown=OVERLAP_SLOWDOWN)
     assert f"= step {expected.step_ms:.2f} ms" in out
+    assert f"compute beside hidden communication: {OVERLAP_SLOWDOWN:g}x as long as alone" in out
     assert f"from {calibration}" in out and f"{comm} (X, 2 ranks)" in out
     assert "between nodes: 0.5 GB/s per GPU (assumed)" in out
     assert "| fsdp " in out and "| ddp " in out and "on 8 GPUs" in out
