@@ -239,7 +239,8 @@ def _strategy(args: argparse.Namespace, cuda: bool) -> Any:
 #: KernelShare metrics copied into a setting's row (several ranks: the maxima over the profiling ranks are logged
 #: too, as ``..._step_max``).
 KERNEL_METRICS = {"kernels/communication_ms_step": "communication_ms", "kernels/communication_share_step":
-                  "communication_share", "kernels/communication_exposed_ms_step": "communication_exposed_ms"}
+                  "communication_share", "kernels/communication_exposed_ms_step": "communication_exposed_ms",
+                  "kernels/compute_beside_comm_excess_ms_step": "compute_beside_comm_excess_ms"}
 
 
 def _hook_origin(hook: Any) -> str:
@@ -493,11 +494,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             medians = r.get("rank_median_step_ms")
             line += [" / ".join(format(m, ".2f") for m in medians) if medians else "-",
                      num(r.get("straggler_ratio_median"), ".3f"), num(r.get("communication_ms"), ".2f"),
-                     num(r.get("communication_exposed_ms"), ".2f")]
+                     num(r.get("communication_exposed_ms"), ".2f"), num(r.get("compute_beside_comm_excess_ms"), ".2f")]
         line += [num(r.get("first_step_ms"), ".0f"), r.get("hooks_left", "-"), r.get("note", "")]
         table.append(line)
     head = ["setting", "median step ms", "overhead %", "timer step ms", "timer vs probe %", "kernel ms/step",
             "kernel vs step %", "GPU idle ms/step (profiled)"]
     if ranked:
-        head += ["rank medians ms", "straggler ratio", "comm ms/step", "exposed comm ms/step"]
+        head += ["rank medians ms", "straggler ratio", "comm ms/step", "exposed comm ms/step",
+                 "compute slowed beside comm ms/step"]
     return markdown_table([*head, "first step ms", "hooks left", "note"], table)
