@@ -223,12 +223,16 @@ def test_merge_rank_metrics() -> None:
     from lmtrain.analysis.kernels import merge_rank_metrics
 
     assert merge_rank_metrics({}) == {}
-    one = {"kernels/total_ms_per_step": 2.0, "kernels/communication_ms_step": 1.0}
+    one = {"kernels/total_ms_per_step": 2.0, "kernels/communication_ms_step": 1.0,
+           "kernels/compute_beside_comm_excess_ms_step": 0.25}
     assert merge_rank_metrics({1: one}) == one
-    two = {"kernels/total_ms_per_step": 3.0, "kernels/communication_ms_step": 0.5}
+    two = {"kernels/total_ms_per_step": 3.0, "kernels/communication_ms_step": 0.5,
+           "kernels/compute_beside_comm_excess_ms_step": 0.75}
     merged = merge_rank_metrics({1: one, 0: two})
     assert merged["kernels/total_ms_per_step"] == 3.0  # rank 0's own
     assert merged["kernels/communication_ms_step_max"] == 1.0 and merged["kernels/busiest_rank"] == 0.0
+    assert merged["kernels/compute_beside_comm_excess_ms_step_max"] == 0.75
+    assert "kernels/communication_exposed_ms_step_max" not in merged  # no rank had it
 
 
 def test_exposed_communication_reaches_the_metrics() -> None:

@@ -724,15 +724,17 @@ def merge_rank_metrics(per_rank: dict[int, dict[str, float]]) -> dict[str, float
     """What rank 0 logs from the ``kernels/...`` scalars of every profiling rank (rank -> :func:`trace_metrics`).
 
     The lowest profiling rank's scalars as they are (rank 0's when it profiles), and with several profiling ranks
-    the maximum over them of the step's communication time and exposed communication time
-    (``kernels/communication_ms_step_max``, ``kernels/communication_exposed_ms_step_max``: the rank that waited
-    longest on collectives) and the profiling rank with the most kernel time (``kernels/busiest_rank``).
+    the maximum over them of the step's communication time, exposed communication time and compute time slowed
+    beside communication (``kernels/communication_ms_step_max``, ``kernels/communication_exposed_ms_step_max``: the
+    rank that waited longest on collectives; ``kernels/compute_beside_comm_excess_ms_step_max``) and the profiling
+    rank with the most kernel time (``kernels/busiest_rank``).
     """
     if not per_rank:
         return {}
     out = dict(per_rank[min(per_rank)])
     if len(per_rank) > 1:
-        for key in ("kernels/communication_ms_step", "kernels/communication_exposed_ms_step"):
+        for key in ("kernels/communication_ms_step", "kernels/communication_exposed_ms_step",
+                    "kernels/compute_beside_comm_excess_ms_step"):
             values = [m[key] for m in per_rank.values() if key in m]
             if values:
                 out[f"{key}_max"] = max(values)

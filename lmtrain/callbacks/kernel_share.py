@@ -120,6 +120,7 @@ class KernelShare(Callback):
         kernels/compute_beside_comm_unjudged_ms_step  ms per step: compute beside communication without twins
         kernels/communication[_exposed]_ms_step_max ms: maximum of communication_ms_step and
                                                     communication_exposed_ms_step over the profiling ranks
+        kernels/compute_beside_comm_excess_ms_step_max  ms: the same for compute_beside_comm_excess_ms_step
         kernels/busiest_rank                        the profiling rank with the most kernel time (these two
                                                     with several profiling ranks only)
 
