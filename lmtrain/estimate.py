@@ -26,6 +26,7 @@ sections, links, defaults and dotted overrides, so any option of ``fit`` is acce
 from __future__ import annotations
 
 import argparse
+import math
 
 from lmtrain.cli_config import ResolvedConfig, resolve_args, strategy_of
 from lmtrain.config import ModelConfig
@@ -107,8 +108,8 @@ def _slowdown(text: str) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value >= 1.0:  # also NaN and what is no number
-        raise argparse.ArgumentTypeError(f"must be a number of at least 1 (1: compute not slowed), got {text}")
+    if not (value >= 1.0 and math.isfinite(value)):  # also NaN, infinity and what is no number
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 1 (1: compute not slowed), got {text}")
     return value
 
 

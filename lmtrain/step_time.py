@@ -22,10 +22,11 @@ The model (also in ``docs/distributed.md``, "Predicting step time"); every rank 
   block k+1's reduce-scatter; the last two reduce-scatters (block 0, then the root) are exposed. DDP: the all-reduce
   hides behind the backward except its last bucket.
 
-- **Slowed compute.** NCCL's kernels take SMs and memory bandwidth from the compute beside them: while hidden
-  communication runs, compute progresses ``overlap_slowdown`` times slower (KernelShare's
-  ``kernels/compute_beside_comm_slowdown``). Hidden communication of ``H`` ms then costs ``H * (1 - 1 / s)`` ms of
-  step time although none of it is exposed.
+- **Slowed compute.** NCCL's kernels take SMs and memory bandwidth from the compute beside them: while
+  communication runs, compute progresses ``overlap_slowdown`` (s) times slower (KernelShare's
+  ``kernels/compute_beside_comm_slowdown``). Where compute of ``b`` ms overlaps communication of ``c`` ms, the
+  stretch takes ``c + max(0, b - c / s)`` instead of ``max(b, c)``: ``c * (1 - 1 / s)`` more when the compute is
+  the longer, less when the communication is, nothing once the slowed compute fits under it (:func:`slowed_ms`).
 
 Step = forward + backward + optimizer + exposed communication + slowed compute; tokens/s = N x batch x context /
 step. Not modelled: host launch overhead, stragglers.
@@ -164,17 +165,13 @@ class StepPrediction:
     exposed_ms: float  # the part not hidden behind compute
     tokens_per_step: int  # per GPU
     terms: dict[str, float] = field(default_factory=dict)  # collective times by name
-    overlap_slowdown: float = 1.0  # compute beside hidden communication runs this many times as long
+    overlap_slowdown: float = 1.0  # compute beside communication runs this many times as long
+    slowed_ms: float = 0.0  # step time the communication costs the compute beside it (:func:`slowed_ms`)
 
     @property
     def hidden_ms(self) -> float:
         """Communication hidden behind compute."""
         return max(0.0, self.communication_ms - self.exposed_ms)
-
-    @property
-    def slowed_ms(self) -> float:
-        """Step time the hidden communication costs the compute beside it: ``hidden * (1 - 1 / slowdown)``."""
-        return self.hidden_ms * (1.0 - 1.0 / self.overlap_slowdown)
 
     @property
     def step_ms(self) -> float:
@@ -211,6 +208,16 @@ def units(cfg: object, batch_size: int, seq_len: int, precision: str) -> Units:
     return Units(layers, block_params, root_params, (total - head) / layers / total, gather, grad, bf16_grads)
 
 
+def slowed_ms(compute_ms: float, comm_ms: float, slowdown: float) -> float:
+    """What a stretch of ``compute_ms`` of compute beside ``comm_ms`` of communication takes beyond
+    ``max(compute, comm)`` when the compute runs ``slowdown`` times slower while the communication runs.
+
+    During the communication the compute does ``comm / slowdown`` ms of its work, the rest after it at full speed:
+    the stretch takes ``comm + max(0, compute - comm / slowdown)``.
+    """
+    return max(0.0, compute_ms - comm_ms / slowdown) - max(0.0, compute_ms - comm_ms)
+
+
 def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float, strategy: str, world_size: int,
             nodes: int, network: Network, tokens_per_step: int, reshard: str = "blocks",
             bucket_bytes: int | None = None, overlap_slowdown: float = 1.0) -> StepPrediction:
@@ -220,7 +227,7 @@ def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float
     last is all-gathered again in the backward), ``all`` (the last too, exposed at the backward's start) or ``none``
     (no all-gather in the backward). ``bucket_bytes`` is DDP's bucket (:func:`ddp_bucket_bytes`; None: that of
     lmtrain's ``strategy: ddp``). ``overlap_slowdown`` (at least 1) is how many times as long compute takes beside
-    hidden communication (:attr:`StepPrediction.slowed_ms`; 1: not slowed)."""
+    communication (:func:`slowed_ms`, summed over the overlapped stretches; 1: not slowed)."""
     if not overlap_slowdown >= 1.0:
         raise ValueError(f"overlap_slowdown must be at least 1, got {overlap_slowdown!r}")
     n = world_size
@@ -238,6 +245,8 @@ def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float
         last = ms("all_reduce", min(grads, ddp_bucket_bytes() if bucket_bytes is None else bucket_bytes))
         pred.terms = {"all_reduce": total, "all_reduce_last_bucket": last}
         pred.communication_ms, pred.exposed_ms = total, max(last, total - backward_ms)
+        # all but the last bucket beside the backward pass
+        pred.slowed_ms = slowed_ms(backward_ms, max(0.0, total - last), overlap_slowdown)
         return pred
     if strategy != "fsdp":
         raise ValueError(f"strategy must be 'single', 'ddp' or 'fsdp', got {strategy!r}")
@@ -264,6 +273,8 @@ def predict(u: Units, forward_ms: float, backward_ms: float, optimizer_ms: float
     regathered = {"blocks": L - 1, "all": L, "none": 0}[reshard]
     pred.communication_ms = ag_root + L * ag_block + regathered * ag_block + L * rs_block + rs_root
     pred.exposed_ms = exposed_fwd + exposed_bwd
+    pred.slowed_ms = ((L - 1) * slowed_ms(fwd_block, ag_block, overlap_slowdown)
+                      + sum(slowed_ms(bwd_block, c, overlap_slowdown) for c in hidden))
     return pred
 
 

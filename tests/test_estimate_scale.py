@@ -26,6 +26,7 @@ from lmtrain.step_time import (
     one_gpu_from_flops,
     one_gpu_from_record,
     predict,
+    slowed_ms,
     units,
 )
 
@@ -84,18 +85,42 @@ def test_hidden_communication_slows_the_compute_beside_it() -> None:
     assert slowed.hidden_ms == pytest.approx(8.0) and slowed.slowed_ms == pytest.approx(8 / 3)
     assert slowed.step_ms == pytest.approx(plain.step_ms + 8 / 3) and plain.slowed_ms == 0.0
     assert "compute slowed beside communication 2.67 ms (8.00 ms hidden at 1.5x)" in describe(slowed, [])
-    exposed_only = predict(SMALL, **{**kwargs, "forward_ms": 1.0, "backward_ms": 2.0}, overlap_slowdown=1.5)
-    assert exposed_only.slowed_ms == pytest.approx(exposed_only.hidden_ms / 3)
+    # Communication outlasts the compute beside it (blocks of 0.3 / 0.6 ms against 1 / 3 ms): the slowed compute
+    # still fits under it, and the step does not grow.
+    outlasting = predict(SMALL, **{**kwargs, "forward_ms": 1.0, "backward_ms": 2.0}, overlap_slowdown=1.5)
+    assert outlasting.hidden_ms > 0 and outlasting.slowed_ms == 0.0
     one = predict(SMALL, **{**kwargs, "world_size": 1}, overlap_slowdown=2.0)
     assert one.slowed_ms == 0.0 and one.step_ms == 38.0
     with pytest.raises(ValueError, match="at least 1"):
         predict(SMALL, **kwargs, overlap_slowdown=0.9)
 
 
+@pytest.mark.parametrize("compute, comm, extra", [
+    (12.0, 6.0, 2.0),  # compute longer: comm * (1 - 1/s) = 6 / 3
+    (5.0, 6.0, 1.0),  # in between: during the 6 ms the compute does 4 ms of its 5, then 1 ms more; max was 6
+    (3.0, 6.0, 0.0),  # the slowed compute (4.5 ms) fits under the communication
+    (5.0, 0.0, 0.0),  # nothing beside it
+])
+def test_slowed_stretch(compute: float, comm: float, extra: float) -> None:
+    assert slowed_ms(compute, comm, 1.5) == pytest.approx(extra)
+    assert slowed_ms(compute, comm, 1.0) == 0.0
+
+
+def test_ddp_slowed_backward_is_the_stretch_beside_all_but_the_last_bucket() -> None:
+    """1 GB/s on 2 ranks: an all-reduce of S bytes takes S / 1e6 ms. 16 MiB of fp32 gradients in 4 MiB buckets:
+    16.8 ms in all, the last bucket 4.2 ms, so 12.6 ms beside a 10 ms backward at 1.5x: 10 - 12.6 / 1.5 = 1.6 ms."""
+    big = Units(layers=1, block_params=4 * 2**20 - 100, root_params=100, block_flops_share=0.9, gather_bytes=2,
+                grad_bytes=4)
+    p = predict(big, 1.0, 10.0, 0.0, "ddp", 2, 1, _network(1.0), 1000, bucket_bytes=4 * 2**20, overlap_slowdown=1.5)
+    total, last = 16 * 2**20 / 1e6, 4 * 2**20 / 1e6
+    assert p.communication_ms == pytest.approx(total) and p.exposed_ms == pytest.approx(total - 10.0)
+    assert p.slowed_ms == pytest.approx(10.0 - (total - last) / 1.5)
+
+
 def test_estimate_refuses_a_slowdown_below_one(capsys: pytest.CaptureFixture[str]) -> None:
-    for text in ("0.8", "abc", "nan"):
+    for text in ("0.8", "abc", "nan", "inf"):
         assert main(["estimate", "--config", str(ROOT / "configs" / "tiny.yaml"), "--overlap-slowdown", text]) == 2
-        assert f"--overlap-slowdown: must be a number of at least 1 (1: compute not slowed), got {text}" in \
+        assert f"--overlap-slowdown: must be a finite number of at least 1 (1: compute not slowed), got {text}" in \
             capsys.readouterr().err
 
 
