@@ -218,6 +218,37 @@ def test_communication_interference_compares_kernels_beside_communication_with_t
     assert communication_interference([(0, 10, GEMM_K, "forward")]) is None  # no communication at all
 
 
+def test_interference_counts_cover_from_several_communication_kernels_and_half_cover_as_beside() -> None:
+    """A kernel over two all-reduces (0..10 and 20..30, 20 of its 40 us covered: exactly half) is beside them; one
+    with 9 of 20 us covered (under half) is neither; three twins alone of 20 us each."""
+    from lmtrain.analysis.kernels import communication_interference
+
+    intervals = [(0, 10, NCCL, "backward"), (20, 10, NCCL, "backward"), (25, 3, NCCL, "backward"),
+                 (-5, 40, GEMM_K, "backward"),  # covered 0..10 and 20..30: 20 of 40
+                 (21, 20, EW_K, "backward"),  # covered 21..30: 9 of 20
+                 *[(100 + 30 * i, 20, GEMM_K, "backward") for i in range(3)],
+                 *[(100 + 30 * i, 20, EW_K, "backward") for i in range(3)]]
+    inter = communication_interference(intervals)
+    assert (inter.beside_us, inter.alone_us, inter.kernels, inter.unmatched_us) == (40.0, 20.0, 1, 0.0)
+    assert inter.slowdown == 2.0
+
+
+def test_no_slowdown_figure_when_nothing_beside_communication_can_be_compared() -> None:
+    """Compute beside an all-reduce with no twin alone: its time is reported as not judged, and neither a slowdown
+    nor an excess (a 0 would read as "not slowed")."""
+    x = {"ph": "X", "tid": 1}
+    events = [{**x, "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0.0, "dur": 100.0}]
+    for i, (ts, dur, name) in enumerate([(10.0, 50.0, NCCL), (20.0, 20.0, GEMM_K)]):
+        events.append({**x, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.0 + i, "dur": 0.5,
+                       "args": {"correlation": i}})
+        events.append({**x, "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": i}})
+    found = analyze_trace({"traceEvents": events}, device="cuda")
+    assert found.metrics["kernels/compute_beside_comm_unjudged_ms_step"] == pytest.approx(0.020)
+    assert "kernels/compute_beside_comm_slowdown" not in found.metrics
+    assert "kernels/compute_beside_comm_excess_ms_step" not in found.metrics
+    assert "none of those kernels also ran alone often enough to compare" in found.breakdown
+
+
 def test_interference_reaches_metrics_and_breakdown_from_a_trace() -> None:
     """From a trace: the profiler's grid and block sizes tell launches apart; the scalars and the breakdown text."""
     x = {"ph": "X", "tid": 1}

@@ -29,7 +29,7 @@ def test_two_gloo_ranks_print_one_consistent_row(op: str) -> None:
     assert row["comm_ms"] > 0 and row["gemms_alone_ms"] > 0 and row["gemms_beside_ms"] > 0
     assert row["slowdown"] == pytest.approx(row["gemms_beside_ms"] / row["gemms_alone_ms"])
     assert row["together_ms"] >= row["gemms_beside_ms"]
-    assert "| carveout | NCCL settings |" in done.stdout
+    assert row["blas"] == "-" and "| carveout | BLAS | NCCL settings |" in done.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -38,9 +38,18 @@ def test_two_gloo_ranks_print_one_consistent_row(op: str) -> None:
     (["--repeats", "0"], "--repeats: must be at least 1"),
     (["--mib", "0"], "--mib: must be above 0"),
     (["--device", "cpu", "--carveout", "8"], "--carveout: CUDA only"),
+    (["--carveout", "-1"], "--carveout: SMs left free cannot be negative"),
 ])
 def test_bad_options_stop_at_parsing(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     probe = load_script("comm_interference_probe")
     with pytest.raises(SystemExit) as stopped:
         probe.parse_args(argv)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_buffer_of_less_than_one_element_per_rank_stops_with_one_line() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPTS / "comm_interference_probe.py"), "--device", "cpu", "--mib", "0.000001", "--gemm", "8,8,8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.count("error: --mib: 1e-06 MiB is less than one element per rank") == 1

@@ -150,9 +150,28 @@ def test_ddp_fit_uses_the_ddp_config_without_a_mesh_size(
     assert calls == [("xl_ddp4", "xl_bf16_ddp.yaml", ["--trainer.devices", "4"]),
                      ("small_fsdp2", "2.7B_bf16_fsdp.yaml",
                       ["--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "2"])]
-    calls.clear()
+    calls.clear()  # --overhead: no timer-only reference for a fit that failed
     assert check.main(["fsdp", str(tmp_path), "--size", "small", "--devices", "2", "--overhead"]) == 1
-    assert [name for name, _, _ in calls] == ["small_fsdp2", "small_fsdp2_timer"]
+    assert [name for name, _, _ in calls] == ["small_fsdp2"]
+
+
+def test_fsdp_overhead_fits_the_timer_alone_after_a_fit_that_ran(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    calls: list[str] = []
+    codes = {"small_fsdp2": 0, "small_fsdp2_timer": 1}
+
+    def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
+            extra: list[str] | None = None, timeout: int = 0) -> dict:
+        calls.append(name)
+        return {"name": name, "rc": codes[name], "seconds": 1.0, "log_dir": None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    # the timer-only fit failed: exit 1
+    assert check.main(["fsdp", str(tmp_path), "--size", "small", "--devices", "2", "--overhead"]) == 1
+    assert calls == ["small_fsdp2", "small_fsdp2_timer"]
+    codes["small_fsdp2_timer"] = 0
+    assert check.main(["fsdp", str(tmp_path), "--size", "small", "--devices", "2", "--overhead"]) == 0
 
 
 def test_window_line_is_kernel_shares_setup_line_or_none(tmp_path: Path,

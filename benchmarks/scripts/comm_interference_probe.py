@@ -10,8 +10,10 @@ NCCL's own settings come from the environment, so each NCCL setting is its own r
 
 A smoke test on the CPU (gloo, fp32, the host clock): ``--device cpu --mib 1 --gemm 64,64,64 --gemms 2``.
 
-Per ``--carveout`` value (SMs that cuBLAS leaves free, ``torch._C._set_sm_carveout_experimental``; 0: none) it
-times, on random bf16 data (fp32 on the CPU), medians of ``--repeats`` after 3 warm-ups:
+Per ``--carveout`` value (SMs that the matrix products leave free, ``torch._C._set_sm_carveout_experimental``;
+0: none) it times, on random bf16 data (fp32 on the CPU), medians of ``--repeats`` after 3 warm-ups. PyTorch
+applies the carve-out on its cuBLASLt path only, so with any carve-out above 0 every setting of the run, 0 included,
+runs its products through cuBLASLt (``torch.backends.cuda.preferred_blas_library``; each row names the library):
 
 - ``comm_ms``: the collective alone;
 - ``gemms_alone_ms``: ``--gemms`` products of the ``--gemm`` M,N,K shape back to back, alone;
@@ -65,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mib: must be above 0")
     if args.device == "cpu" and any(args.carveout):
         p.error("--carveout: CUDA only (give 0 with --device cpu)")
+    if min(args.carveout) < 0:
+        p.error("--carveout: SMs left free cannot be negative")
     return args
 
 
@@ -124,8 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    blas = "-"
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if not all(0 <= c < sms for c in args.carveout):
+            if rank == 0:
+                print(f"error: --carveout: each value must be in [0, {sms}) on this GPU", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
+        if any(args.carveout):
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
     torch.manual_seed(rank)
     elements = int(args.mib * 2**20) // dtype.itemsize // world * world  # divisible by the ranks
+    if elements < world:
+        if rank == 0:
+            print(f"error: --mib: {args.mib} MiB is less than one element per rank", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     m, n, k = args.shape
     a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
     if args.op == "all_reduce":
@@ -191,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         nccl = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"}
         row = {"op": args.op, "mib": args.mib, "gemm": list(args.shape), "gemms": args.gemms, "world_size": world,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "carveout": carveout,
+               "blas": blas,
                "nccl_env": nccl, "comm_ms": comm_ms, "gemms_alone_ms": alone_ms, "gemms_beside_ms": beside_ms,
                "slowdown": beside_ms / alone_ms, "together_ms": together_ms,
                "comm_outlasts_gemms": comm_ms * args.comm_repeats >= beside_ms}
@@ -200,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch._C._set_sm_carveout_experimental(None)
     if rank == 0:
-        print("\n| carveout | NCCL settings | comm ms | GEMMs alone ms | GEMMs beside ms | slowdown | together ms |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        print("\n| carveout | BLAS | NCCL settings | comm ms | GEMMs alone ms | GEMMs beside ms | slowdown | "
+              "together ms |")
+        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
             env = " ".join(f"{k}={v}" for k, v in r["nccl_env"].items()) or "default"
             note = "" if r["comm_outlasts_gemms"] else " (the collectives ended first)"
-            print(f"| {r['carveout']} | {env} | {r['comm_ms']:.3f} | {r['gemms_alone_ms']:.3f} | "
+            print(f"| {r['carveout']} | {r['blas']} | {env} | {r['comm_ms']:.3f} | {r['gemms_alone_ms']:.3f} | "
                   f"{r['gemms_beside_ms']:.3f}{note} | {r['slowdown']:.3f} | {r['together_ms']:.3f} |")
     dist.barrier()
     dist.destroy_process_group()

@@ -31,9 +31,6 @@ VARIANTS = ("nopersist", "nosplit", "cdt", "multi")
 
 def run_case(size: str, layers: int, context: int, batch: int, float8: str, variant: str) -> dict:
     options = set(variant.split("+")) - {""}
-    unknown = options - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {sorted(unknown)}: use {', '.join(VARIANTS)} joined by +")
     inductor_config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     inductor_config.triton.persistent_reductions = "nopersist" not in options
@@ -90,13 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cases", nargs="*", default=DEFAULT_CASES, help="CONTEXT:BATCH:FLOAT8[:VARIANT]")
     parser.add_argument("--size", default="2.7B", help="the named size whose width the blocks take")
     args = parser.parse_args(argv)
-    rows = []
-    for case in args.cases:
+    cases = []
+    for case in args.cases:  # every case checked before the first one compiles
         parts = case.split(":")
-        if len(parts) not in (3, 4):
+        if len(parts) not in (3, 4) or not (parts[0].isdigit() and parts[1].isdigit()):
             parser.error(f"case {case!r}: use CONTEXT:BATCH:FLOAT8[:VARIANT], e.g. 8192:1:tensorwise")
-        rows.append(run_case(args.size, args.layers, int(parts[0]), int(parts[1]), parts[2],
-                             parts[3] if len(parts) == 4 else ""))
+        variant = parts[3] if len(parts) == 4 else ""
+        unknown = set(variant.split("+")) - {""} - set(VARIANTS)
+        if unknown:
+            parser.error(f"case {case!r}: unknown variant(s) {', '.join(sorted(unknown))}; use "
+                         f"{', '.join(VARIANTS)}, several joined by +")
+        cases.append((int(parts[0]), int(parts[1]), parts[2], variant))
+    rows = [run_case(args.size, args.layers, *case) for case in cases]
     print("\n| ctx x b | float8 | step ms | attention kernels ms |")
     for r in rows:
         print(f"| {r['context']} x {r['batch']} | {r['float8']} | {r['step_ms']:.2f} | {r['attention_ms']:.2f} |")

@@ -320,7 +320,8 @@ def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, str
     f["window"] = window_line(out / "runs" / f"{name}.log")
     append(out, {"fit": name, "five": result, **f})
     base_ms = ratio = None
-    if overhead:
+    base = None
+    if overhead and result["rc"] == 0:  # no reference for a fit that failed
         base = fit(out, name + "_timer", config, model_args, TIMER_ONLY, steps, extra=extra, timeout=540)
         base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
             if base["rc"] == 0 and base["log_dir"] else None
@@ -343,7 +344,7 @@ def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, str
     print(table)
     if f["window"]:
         print(f["window"])
-    return 0 if result["rc"] == 0 else 1
+    return 0 if result["rc"] == 0 and (base is None or base["rc"] == 0) else 1
 
 
 def window_line(log: Path) -> str | None:

@@ -458,7 +458,7 @@ class Interference:
 
     beside_us: float  # compute kernel time beside communication that has twins alone
     alone_us: float  # what the same kernels take at their twins' median duration
-    kernels: int  # kernels beside communication with twins, per step
+    kernels: float  # kernels beside communication with twins, per step
     unmatched_us: float  # compute kernel time beside communication without enough twins (not judged)
 
     @property
@@ -522,7 +522,7 @@ def communication_interference(intervals: Sequence[tuple[float, float, str, str]
         beside_us += sum(beside)
         alone_us += statistics.median(alone) * len(beside)
         kernels += len(beside)
-    return Interference(beside_us / steps, alone_us / steps, round(kernels / steps), unmatched_us / steps)
+    return Interference(beside_us / steps, alone_us / steps, kernels / steps, unmatched_us / steps)
 
 
 def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
@@ -615,10 +615,10 @@ def trace_metrics(summary: KernelSummary, tr: TraceRecords, head_dim: int | None
     inter = tr.interference
     if inter is not None:
         metrics["kernels/compute_beside_comm_ms_step"] = inter.beside_us / 1e3
-        metrics["kernels/compute_beside_comm_excess_ms_step"] = inter.excess_us / 1e3
         metrics["kernels/compute_beside_comm_unjudged_ms_step"] = inter.unmatched_us / 1e3
-        if inter.slowdown is not None:
+        if inter.slowdown is not None:  # else nothing could be compared: no figure, rather than a 0 that reads "fine"
             metrics["kernels/compute_beside_comm_slowdown"] = inter.slowdown
+            metrics["kernels/compute_beside_comm_excess_ms_step"] = inter.excess_us / 1e3
     if tr.step_wall_us > 0:
         metrics["kernels/step_wall_ms"] = tr.step_wall_us / 1e3
         tl = tr.timeline
@@ -774,7 +774,7 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
     if tr.device == "cuda":
         metrics |= roofline.ceiling_metrics(roofline.achieved(trace, tr.steps, model_flops_per_step), ceilings or {})
     breakdown = temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU")
-    if tr.interference is not None:
+    if tr.interference is not None and (tr.interference.beside_us or tr.interference.unmatched_us):
         breakdown += "\n\n" + interference_text(tr.interference)
     return TraceAnalysis(tr, summary, metrics, report, breakdown)
 
@@ -873,7 +873,7 @@ def interference_text(inter: Interference) -> str:
     if inter.slowdown is None:
         return (f"**Compute beside communication:** {inter.unmatched_us / 1e3:.2f} ms per step of compute ran beside "
                 "communication kernels; none of those kernels also ran alone often enough to compare.")
-    text = (f"**Compute beside communication:** {inter.beside_us / 1e3:.2f} ms per step ({inter.kernels} kernels) "
+    text = (f"**Compute beside communication:** {inter.beside_us / 1e3:.2f} ms per step ({inter.kernels:g} kernels) "
             f"ran beside communication kernels; the same kernels alone (same name, phase, grid and block) take "
             f"{inter.alone_us / 1e3:.2f} ms, so beside communication they ran {inter.slowdown:.2f}x as long: "
             f"{inter.excess_us / 1e3:+.2f} ms per step that overlap did not hide.")

@@ -116,7 +116,8 @@ class KernelShare(Callback):
                                                     (same name, phase, grid and block; CUDA only)
         kernels/compute_beside_comm_slowdown        ratio: their time over their twins' median time alone
         kernels/compute_beside_comm_excess_ms_step  ms per step: the difference, step time that overlapping
-                                                    communication cost although none of it is exposed
+                                                    communication cost although none of it is exposed (these two
+                                                    only where some kernel beside communication has twins)
         kernels/compute_beside_comm_unjudged_ms_step  ms per step: compute beside communication without twins
         kernels/communication[_exposed]_ms_step_max ms: maximum of communication_ms_step and
                                                     communication_exposed_ms_step over the profiling ranks
