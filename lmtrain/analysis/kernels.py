@@ -412,6 +412,14 @@ def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, fl
     return total
 
 
+def _role(name: str) -> str:
+    """What a GPU activity is to communication overlap: ``communication`` (:func:`categorize`), ``copy`` (a memcpy
+    or memset, which hides nothing) or ``compute`` (everything else)."""
+    if categorize(name) == "communication":
+        return "communication"
+    return "copy" if re.match(r"memcpy|memset", name, _I) else "compute"
+
+
 def exposed_communication(intervals: Sequence[tuple[float, float, str, str]],
                           steps: int = 1) -> dict[str, tuple[float, float]]:
     """Communication time per phase and the part of it no compute kernel overlaps (the GPU waited on it).
@@ -432,11 +440,11 @@ def exposed_communication(intervals: Sequence[tuple[float, float, str, str]],
     comm: dict[str, list[tuple[float, float]]] = defaultdict(list)
     compute: list[tuple[float, float]] = []
     for start, dur, name, phase in intervals:
-        category = categorize(name)
-        if category == "communication":
+        role = _role(name)
+        if role == "communication":
             comm[phase].append((start, start + dur))
             comm["step"].append((start, start + dur))
-        elif not re.match(r"memcpy|memset", name, _I):
+        elif role == "compute":
             compute.append((start, start + dur))
     cover = _union(compute)
     out = {}
@@ -493,13 +501,13 @@ def communication_interference(intervals: Sequence[tuple[float, float, str, str]
         None without communication kernels, else the :class:`Interference` per step.
     """
     steps = max(1, steps)
-    comm = _union((start, start + dur) for start, dur, name, _ in intervals if categorize(name) == "communication")
+    comm = _union((start, start + dur) for start, dur, name, _ in intervals if _role(name) == "communication")
     if not comm:
         return None
     starts = [s for s, _ in comm]
     groups: dict[Any, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for i, (start, dur, name, phase) in enumerate(intervals):
-        if dur <= 0 or categorize(name) == "communication" or re.match(r"memcpy|memset", name, _I):
+        if dur <= 0 or _role(name) != "compute":
             continue
         end, covered = start + dur, 0.0
         j = bisect.bisect_right(starts, end) - 1
