@@ -65,6 +65,22 @@ def help_epilog() -> str:
     return "\n".join(lines)
 
 
+#: Compute beside hidden communication runs this many times as long as alone: KernelShare's
+#: ``kernels/compute_beside_comm_slowdown`` on the four ranks of compiled FSDP2, 2.7B on 4 H200s, was 1.37-1.44
+#: (benchmarks/2026-11-28-H200x2-comm-interference.md).
+OVERLAP_SLOWDOWN = 1.4
+
+
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 1.0 and math.isfinite(value)):  # also NaN, infinity and what is no number
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 1 (1: compute not slowed), got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain estimate`` (the ``fit`` options are parsed by the ``fit`` parser)."""
     parser.add_argument("--mode", choices=STEP_MODES, default=None,
@@ -95,22 +111,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step.add_argument("--inter-node-gbps", type=float, default=45.0,
                       help="bus bandwidth per GPU between nodes, GB/s, assumed (default 45: one 400 Gb/s network "
                            "interface per GPU at 90%%)")
-
-
-#: Compute beside hidden communication runs this many times as long as alone: KernelShare's
-#: ``kernels/compute_beside_comm_slowdown`` on the four ranks of compiled FSDP2, 2.7B on 4 H200s, was 1.37-1.44
-#: (benchmarks/2026-11-28-H200x2-comm-interference.md).
-OVERLAP_SLOWDOWN = 1.4
-
-
-def _slowdown(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 1.0 and math.isfinite(value)):  # also NaN, infinity and what is no number
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 1 (1: compute not slowed), got {text}")
-    return value
 
 
 def resolve(args: argparse.Namespace) -> tuple[ResolvedConfig, str]:
@@ -230,6 +230,7 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
     from lmtrain.bench.comm import read_record
     from lmtrain.flops import peak_flops
     from lmtrain.step_time import (
+        StepPrediction,
         ddp_bucket_bytes,
         describe,
         network_from_record,
@@ -272,22 +273,22 @@ def step_time_text(args: argparse.Namespace, resolved: ResolvedConfig, cfg: Mode
               f"block's backward, the last two reduce-scatters are exposed; DDP: all but the last {bucket / 2**20:g} "
               "MiB bucket of the all-reduce hides behind the backward",
               f"compute beside hidden communication: {args.overlap_slowdown:g}x as long as alone (--overlap-slowdown)"]
+
+    def plan(kind: str, ranks: int, over_nodes: int) -> StepPrediction:
+        return predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, ranks, over_nodes, network,
+                       tokens, reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket,
+                       overlap_slowdown=args.overlap_slowdown)
+
     # Without ddp or FSDP2 the memory plan is one GPU's, and so is this prediction (the table below has N GPUs).
-    ranks = 1 if strategy == "single" else world
-    chosen = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, strategy, ranks, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket,
-                      overlap_slowdown=args.overlap_slowdown)
+    chosen = plan(strategy, 1 if strategy == "single" else world, nodes)
     lines = ["step time: step = forward + backward + optimizer (/ N under FSDP2) + exposed communication + compute "
              "slowed beside the hidden communication",
              describe(chosen, inputs)]
     if world > 1:
-        single = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, "single", 1, 1, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket)
+        single = plan("single", 1, 1)
         body = []
         for kind in ("fsdp", "ddp"):
-            p = predict(u, one.forward_ms, one.backward_ms, one.optimizer_ms, kind, world, nodes, network, tokens,
-                      reshard=cfg.fsdp_reshard_after_forward, bucket_bytes=bucket,
-                      overlap_slowdown=args.overlap_slowdown)
+            p = plan(kind, world, nodes)
             body.append([kind, f"{p.step_ms:.2f}", f"{p.exposed_ms:.2f}", f"{p.slowed_ms:.2f}",
                          f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / world:,.0f}",
                          f"{p.tokens_per_s / world / single.tokens_per_s:.3f}"])
