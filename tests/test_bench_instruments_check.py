@@ -27,7 +27,7 @@ def test_each_fit_is_recorded_when_it_ends_and_each_model_gets_its_table(
     check, _ = scripts
     seen: list[tuple[str, list[str], bool]] = []  # at each fit's start: the fits recorded so far, summary written
 
-    def fit(out: Path, name: str, *args: object, timeout: int) -> dict:
+    def fit(out: Path, name: str, *args: object, timeout: int, extra: list[str] | None = None) -> dict:
         recorded = [json.loads(line)["fit"] for line in (out / "results.jsonl").read_text().splitlines()] \
             if (out / "results.jsonl").exists() else []
         seen.append((name, recorded, (out / "summary.md").exists()))

@@ -261,6 +261,19 @@ def row(name: str, f: dict[str, Any], overhead: float | None, graphed: bool = Fa
     return cells, not failed
 
 
+def timer_only_reference(out: Path, name: str, config: str, args: list[str], steps: int, figures_: dict[str, Any],
+                         extra: list[str] | None = None,
+                         timeout: int = FIT_TIMEOUT_S) -> tuple[dict[str, Any], float | None, float | None]:
+    """The fit ``name`` again with CudaSyncTimer alone (``name_timer``), appended to the results: (its fit, its
+    median step over the counted steps, the overhead of the instrumented fit whose ``figures_`` are given)."""
+    base = fit(out, name + "_timer", config, args, TIMER_ONLY, steps, extra=extra, timeout=timeout)
+    base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") if base["rc"] == 0 and base["log_dir"] \
+        else None
+    overhead = figures_["timer_step_ms"] / base_ms - 1 if base_ms and figures_.get("timer_step_ms") else None
+    append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms, "overhead": overhead})
+    return base, base_ms, overhead
+
+
 HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "span / profiled", "other",
           "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
 
@@ -281,12 +294,8 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
             all5 = fit(out, name, config.format(m=model), args, five(), steps, timeout=timeout)
             f = figures(all5, hta) if all5["rc"] == 0 else {}
             append(out, {"fit": name, "five": all5, **f})  # kept even if the timer-only fit never ends
-            base = fit(out, name + "_timer", config.format(m=model), args, TIMER_ONLY, steps, timeout=timeout)
-            base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
-                if base["rc"] == 0 and base["log_dir"] else None
-            overhead = f["timer_step_ms"] / base_ms - 1 if base_ms and f.get("timer_step_ms") else None
-            append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms,
-                         "overhead": overhead})
+            base, base_ms, overhead = timer_only_reference(out, name, config.format(m=model), args, steps, f,
+                                                           timeout=timeout)
             failed = ([name, *["-"] * (len(HEADER) - 2), f"NO: fit exit {all5['rc']}"], False)
             cells, ok = row(name, f, overhead, graphed=key == "fast") if f else failed
             rows.append(cells)
@@ -322,11 +331,8 @@ def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, str
     base_ms = ratio = None
     base = None
     if overhead and result["rc"] == 0:  # no reference for a fit that failed
-        base = fit(out, name + "_timer", config, model_args, TIMER_ONLY, steps, extra=extra, timeout=540)
-        base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") \
-            if base["rc"] == 0 and base["log_dir"] else None
-        ratio = f["timer_step_ms"] / base_ms - 1 if base_ms and f.get("timer_step_ms") else None
-        append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms, "overhead": ratio})
+        base, base_ms, ratio = timer_only_reference(out, name, config, model_args, steps, f, extra=extra,
+                                                    timeout=540)
     rows = [[name, fmt(f.get("timer_step_ms")), fmt(base_ms), fmt(ratio, "+.2f", 100) + ("%" if ratio is not None
                                                                                            else ""),
              fmt(f.get("busy_to_step")), fmt(f.get("other_share"), ".2f", 100) + "%", fmt(f.get("comm_ms")),
