@@ -32,11 +32,14 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lmtrain.analysis.tables import markdown_table
+from lmtrain.bench.clock import Clock
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -72,40 +75,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Clock:
-    """Elapsed milliseconds of a callable: CUDA events on the current stream, or the host clock on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], None]) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-
-
-def median_ms(clock: Clock, fn: Callable[[], None], repeats: int) -> float:
+def repeated(fn: Callable[[], Any], repeats: int, clock: Clock) -> list[Any]:
+    """``fn``'s results over ``repeats`` runs after 3 warm-ups, the ranks starting each run together."""
     for _ in range(3):
         fn()
-    sync()
-    dist.barrier()
-    times = []
+    clock.sync()
+    out = []
     for _ in range(repeats):
         dist.barrier()
-        times.append(clock(fn))
-    return statistics.median(times)
+        out.append(fn())
+    return out
 
 
-def sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def refuse(rank: int, message: str) -> int:
+    """One line on rank 0, the process group ended, exit status 2."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr)
+    dist.destroy_process_group()
+    return 2
 
 
 def collective(op: str, buf: torch.Tensor, out: torch.Tensor | None) -> Callable[[bool], object]:
@@ -132,20 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if not all(0 <= c < sms for c in args.carveout):
-            if rank == 0:
-                print(f"error: --carveout: each value must be in [0, {sms}) on this GPU", file=sys.stderr)
-            dist.destroy_process_group()
-            return 2
+            return refuse(rank, f"--carveout: each value must be in [0, {sms}) on this GPU")
         if any(args.carveout):
             torch.backends.cuda.preferred_blas_library("cublaslt")
         blas = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1]
     torch.manual_seed(rank)
     elements = int(args.mib * 2**20) // dtype.itemsize // world * world  # divisible by the ranks
     if elements < world:
-        if rank == 0:
-            print(f"error: --mib: {args.mib} MiB is less than one element per rank", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
+        return refuse(rank, f"--mib: {args.mib} MiB is less than one element per rank")
     m, n, k = args.shape
     a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
     if args.op == "all_reduce":
@@ -157,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         buf = torch.randn(elements, device=device, dtype=dtype)
         out = torch.full((elements // world,), float("nan"), device=device, dtype=dtype)
     comm = collective(args.op, buf, out)
-    clock = Clock(device)
+    clock = Clock(device.type == "cuda")
     side = torch.cuda.Stream() if device.type == "cuda" else None
 
     def gemms() -> None:
@@ -168,44 +149,45 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.comm_repeats):
             comm()
 
+    def timed(fn: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
+            start = clock.mark()
+            fn()
+            end = clock.mark()
+            clock.sync()
+            return clock.ms(start, end)
+
+        return run
+
     def beside() -> tuple[float, float]:
-        """(products' ms, whole burst's ms): the collectives on the side stream, the products on this one."""
-        if side is None:  # gloo runs its collectives on its own threads: start them asynchronously
-            start = time.perf_counter()
+        """(products' ms, whole burst's ms): the collectives started first (on the side stream; on the CPU gloo
+        runs them on its own threads), then the products on this stream."""
+        first = clock.mark()
+        if side is None:
             handles = [comm(True) for _ in range(args.comm_repeats)]
-            t = time.perf_counter()
-            gemms()
-            products = (time.perf_counter() - t) * 1e3
+        else:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                comms()
+        mid = clock.mark()
+        gemms()
+        done = clock.mark()
+        if side is None:
             for handle in handles:
                 handle.wait()
-            return products, (time.perf_counter() - start) * 1e3
-        first, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        side.wait_stream(torch.cuda.current_stream())
-        first.record()
-        with torch.cuda.stream(side):
-            comms()
-        mid.record()
-        gemms()
-        done = torch.cuda.Event(enable_timing=True)
-        done.record()
-        torch.cuda.current_stream().wait_stream(side)
-        end.record()
-        end.synchronize()
-        return mid.elapsed_time(done), first.elapsed_time(end)
+        else:
+            torch.cuda.current_stream().wait_stream(side)
+        end = clock.mark()
+        clock.sync()
+        return clock.ms(mid, done), clock.ms(first, end)
 
     rows = []
     for carveout in args.carveout:
         if device.type == "cuda":
             torch._C._set_sm_carveout_experimental(carveout or None)
-        comm_ms = median_ms(clock, comms, args.repeats) / args.comm_repeats
-        alone_ms = median_ms(clock, gemms, args.repeats)
-        for _ in range(3):
-            beside()
-        sync()
-        pairs = []
-        for _ in range(args.repeats):
-            dist.barrier()
-            pairs.append(beside())
+        comm_ms = statistics.median(repeated(timed(comms), args.repeats, clock)) / args.comm_repeats
+        alone_ms = statistics.median(repeated(timed(gemms), args.repeats, clock))
+        pairs = repeated(beside, args.repeats, clock)
         beside_ms = statistics.median(p for p, _ in pairs)
         together_ms = statistics.median(t for _, t in pairs)
         nccl = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"}
@@ -221,14 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch._C._set_sm_carveout_experimental(None)
     if rank == 0:
-        print("\n| carveout | BLAS | NCCL settings | comm ms | GEMMs alone ms | GEMMs beside ms | slowdown | "
-              "together ms |")
-        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            env = " ".join(f"{k}={v}" for k, v in r["nccl_env"].items()) or "default"
-            note = "" if r["comm_outlasts_gemms"] else " (the collectives ended first)"
-            print(f"| {r['carveout']} | {r['blas']} | {env} | {r['comm_ms']:.3f} | {r['gemms_alone_ms']:.3f} | "
-                  f"{r['gemms_beside_ms']:.3f}{note} | {r['slowdown']:.3f} | {r['together_ms']:.3f} |")
+        first = " (the collectives ended first)"
+        table = [[r["carveout"], r["blas"], " ".join(f"{k}={v}" for k, v in r["nccl_env"].items()) or "default",
+                  f"{r['comm_ms']:.3f}", f"{r['gemms_alone_ms']:.3f}",
+                  f"{r['gemms_beside_ms']:.3f}" + ("" if r["comm_outlasts_gemms"] else first),
+                  f"{r['slowdown']:.3f}", f"{r['together_ms']:.3f}"] for r in rows]
+        print("\n" + markdown_table(["carveout", "BLAS", "NCCL settings", "comm ms", "GEMMs alone ms",
+                                     "GEMMs beside ms", "slowdown", "together ms"], table))
     dist.barrier()
     dist.destroy_process_group()
     return 0
