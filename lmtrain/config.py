@@ -65,6 +65,8 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 OPTIMIZER_STATES = ("float32", "bfloat16")
 #: ``fsdp_reshard_after_forward`` values: which FSDP2 units free their all-gathered parameters after the forward pass.
 RESHARD_POLICIES = ("blocks", "all", "none")
+#: ``model.blas_workspace``: lmtrain.blas.
+BLAS_WORKSPACES = ("auto", "none", "default")
 #: Step modes: what one step does (``step_mode``).
 STEP_MODES = ("train", "forward", "forward_backward")
 StepMode = Literal["train", "forward", "forward_backward"]
@@ -366,6 +368,15 @@ class SpeedOptions(OptionGroup):
         "set_modules_to_backward_prefetch, as torchtitan does), so that the all-gathers run one block ahead of "
         "the compute even where the compiled blocks leave FSDP2's own ordering nothing to go by. false: FSDP2's "
         "implicit prefetching only. Without FSDP2 it changes nothing.", short="pf")
+    blas_workspace: str = option(
+        "auto", "the workspace cuBLAS gets for matrix products on a CUDA device (lmtrain.blas, docs/speed.md): none "
+        "(no workspace: cuBLAS runs the same Hopper GEMM kernels without the 4-byte memset it puts before each, "
+        "one GPU operation fewer per product; a CUDA-graph step of 2.7B 2% faster, but an eager step that the "
+        "host bounds slower, each product costing the host more), default (PyTorch's workspace) or auto: none "
+        "under cuda_graphs without float8, default otherwise. Read when the process makes its first cuBLAS "
+        "handle: the module sets it when it is built, before any product runs; CUBLASLT_WORKSPACE_SIZE / "
+        "CUBLAS_WORKSPACE_CONFIG set in the environment win over it.",
+        short="blasws", choices=BLAS_WORKSPACES, kind="setting")
     cuda_graph_warmup: int = option(3, "eager steps of each fit before the capture (compilation, autotuning, "
                                     "optimizer state).", minimum=1, short="gw",
                                     fix="use 3 (compilation, autotuning and the optimizer state need eager steps "

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lmtrain.attention import needs_gpu
+from lmtrain.attention import backend_info, needs_gpu
+from lmtrain.blas import apply_blas_workspace, deterministic_workspace, resolve_blas_workspace
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, TrainerSettings, cli_parameters, compile_kwargs
 from lmtrain.distributed import check_fsdp_precision, check_strategy_options
 from lmtrain.errors import LmtrainError
 from lmtrain.float8 import check_float8_run, convert_model
-from lmtrain.flops import compute_dtype, float8_flops_per_step, flops_per_step
+from lmtrain.flops import compute_dtype, float8_flops_per_step, flops_by_category, flops_per_step
 from lmtrain.graphs import GraphedOptimizer, GraphedStep, WholeStepGraph, check_graph_run, lr_as_tensors
 from lmtrain.kernels import triton_interpreted
 from lmtrain.model import TransformerLM
@@ -113,6 +114,10 @@ class LMModule(pl.LightningModule):
             raise LmtrainError("model.attention", f"backend {config.attention!r} runs Triton kernels and "
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
+        # Before any matrix product runs on a GPU: cuBLAS reads its workspace size when its first handle is made.
+        note = apply_blas_workspace(resolve_blas_workspace(config.blas_workspace, config.cuda_graphs, config.float8))
+        if note:
+            rank_zero_warn(note)
         self.step_mode = config.step_mode
         self.cuda_graphs = config.cuda_graphs
         # Forward-only and forward+backward steps must not step the optimizer, and a graphed step runs the whole
@@ -305,6 +310,9 @@ class LMModule(pl.LightningModule):
         # optimises by hand, and Lightning's own refusal would not name the option): check the trainer here.
         if self._trainer is not None and self.trainer.state.fn == "fit":
             self.check_trainer(self.trainer)
+        note = deterministic_workspace()  # the trainer has set deterministic mode by now, no product has run yet
+        if note:
+            rank_zero_warn(note)
         return []
 
     def check_trainer(self, trainer: pl.Trainer) -> None:

@@ -1,0 +1,73 @@
+"""model.blas_workspace (lmtrain.blas): the environment it sets, what it leaves alone, and deterministic mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lmtrain import blas
+from lmtrain.module import LMModule
+
+VARS = tuple(blas.NO_WORKSPACE)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in VARS:
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever apply_blas_workspace sets
+    return monkeypatch
+
+
+def test_none_gives_cublas_no_workspace(clean_env: pytest.MonkeyPatch) -> None:
+    assert blas.apply_blas_workspace("none") is None
+    assert {name: os.environ[name] for name in VARS} == {"CUBLASLT_WORKSPACE_SIZE": "0",
+                                                          "CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+
+
+def test_default_changes_nothing(clean_env: pytest.MonkeyPatch) -> None:
+    assert blas.apply_blas_workspace("default") is None
+    assert not any(name in os.environ for name in VARS)
+
+
+def test_a_variable_the_environment_sets_wins_and_is_named(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    note = blas.apply_blas_workspace("none")
+    assert note is not None and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in note and "CUBLASLT" not in note
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+
+
+def test_an_unknown_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown blas_workspace 'small'"):
+        blas.apply_blas_workspace("small")
+
+
+def test_deterministic_mode_gets_the_workspace_it_requires(clean_env: pytest.MonkeyPatch) -> None:
+    blas.apply_blas_workspace("none")
+    assert blas.deterministic_workspace() is None  # deterministic algorithms off: nothing to do
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        note = blas.deterministic_workspace()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert note is not None and "deterministic" in note and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_auto_gives_no_workspace_under_cuda_graphs_without_float8() -> None:
+    """Measured: a graphed step gains (no host launches its products), an eager host-bound one loses, float8 is not
+    measured without a workspace."""
+    assert blas.resolve_blas_workspace("auto", cuda_graphs=True) == "none"
+    assert blas.resolve_blas_workspace("auto", cuda_graphs=False) == "default"
+    assert blas.resolve_blas_workspace("auto", cuda_graphs=True, float8="tensorwise") == "default"
+    for forced in ("none", "default"):
+        for graphs in (True, False):
+            assert blas.resolve_blas_workspace(forced, cuda_graphs=graphs, float8="rowwise") == forced
+
+
+def test_building_the_module_applies_the_option(clean_env: pytest.MonkeyPatch) -> None:
+    module = LMModule("tiny")  # the default, auto: eager here, so PyTorch's workspace
+    assert module.config.blas_workspace == "auto" and not any(name in os.environ for name in VARS)
+    LMModule("tiny", cuda_graphs=True)  # auto under CUDA graphs: no workspace
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
