@@ -46,12 +46,16 @@ class AttentionBackend:
         kernel_names: returns the names of the GPU kernels this backend launches itself, as a profiler trace
             shows them (imported on first use: they may need Triton); None when it launches only library kernels.
         description: one line for help texts and tables.
+        fused: its QK^T and PV run inside attention kernels (which kernel-time breakdowns count as attention), not
+            as plain matrix products (which they count as gemm): where a step's model FLOPs are charged
+            (``lmtrain.flops.flops_by_category``).
     """
 
     name: str
     fn: AttentionFn
     needs_gpu: bool = False
     materializes_scores: bool = False
+    fused: bool = False
     kernel_pattern: str | None = None
     kernel_names: Callable[[], tuple[str, ...]] | None = None
     description: str = ""
@@ -68,6 +72,7 @@ def register_attention(
     kernel_pattern: str | None = None,
     kernel_names: Callable[[], tuple[str, ...]] | None = None,
     description: str | None = None,
+    fused: bool = False,
 ) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator adding ``fn`` to the registry under ``name``, with the facts of :class:`AttentionBackend`.
 
@@ -81,7 +86,7 @@ def register_attention(
         doc = description if description is not None else (fn.__doc__ or "").strip().splitlines()[0:1]
         _REGISTRY[name] = AttentionBackend(
             name=name, fn=fn, needs_gpu=needs_gpu, materializes_scores=materializes_scores,
-            kernel_pattern=kernel_pattern, kernel_names=kernel_names,
+            kernel_pattern=kernel_pattern, kernel_names=kernel_names, fused=fused,
             description=doc if isinstance(doc, str) else "".join(doc),
         )
         return fn
@@ -153,7 +158,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out.to(q.dtype)
 
 
-@register_attention("sdpa")
+@register_attention("sdpa", fused=True)
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """PyTorch's fused ``scaled_dot_product_attention`` (flash, cuDNN, efficient or math kernel)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal).to(q.dtype)
@@ -174,7 +179,7 @@ def _flash_kernel_names() -> tuple[str, ...]:
 
 
 @register_attention(
-    "flash_triton", needs_gpu=True,
+    "flash_triton", needs_gpu=True, fused=True,
     # Every kernel of lmtrain.kernels.flash is named _flash_<implementation>_<job> (its KERNEL_NAMES); the second
     # alternative matches the pointer kernels' names in traces written before they were renamed.
     kernel_pattern=r"^_flash_[a-z0-9_]+$|^_(fwd|bwd_dq|bwd_dkdv|bwd_preprocess)_kernel$",

@@ -84,6 +84,20 @@ def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = 
     return forward if mode == "forward" else 3.0 * forward
 
 
+def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train",
+                      fused_attention: bool = True) -> dict[str, float]:
+    """:func:`flops_per_step` split by the kernel category that runs it (``lmtrain.analysis.categories``): ``gemm``,
+    the linear layers' products (``2 * N_matmul * B * T`` forward); ``attention``, QK^T and PV. With
+    ``fused_attention`` False (an attention backend that runs its products as plain matrix products: naive,
+    flash_pytorch) both are ``gemm``. The values add up to :func:`flops_per_step`."""
+    if mode not in STEP_MODES:
+        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    times = 1.0 if mode == "forward" else 3.0
+    linear = times * 2.0 * matmul_parameter_count(cfg) * batch_size * seq_len
+    attention = times * attention_flops_forward(cfg, batch_size, seq_len)
+    return {"gemm": linear, "attention": attention} if fused_attention else {"gemm": linear + attention}
+
+
 def float8_parameter_count(cfg: ModelConfig) -> int:
     """Weights of the linear layers that ``model.float8`` converts (``lmtrain.float8.converts_shape``): 0 with
     ``float8: none``."""

@@ -173,6 +173,15 @@ class LMModule(pl.LightningModule):
         return flops_per_step(self.config, *self._tokens_per_batch, mode=self.step_mode)
 
     @property
+    def flops_by_category_per_batch(self) -> dict[str, float] | None:
+        """``flops_per_batch`` split by the kernel category that runs it (``lmtrain.flops.flops_by_category``:
+        ``gemm`` and, with an attention backend of fused kernels, ``attention``); None before the first batch."""
+        if self._tokens_per_batch is None:
+            return None
+        return flops_by_category(self.config, *self._tokens_per_batch, mode=self.step_mode,
+                                 fused_attention=backend_info(self.config.attention).fused)
+
+    @property
     def float8_flops_per_batch(self) -> float | None:
         """The part of ``flops_per_batch`` that runs as float8 GEMMs (``model.float8``'s converted layers); 0 without
         float8, None before the first batch."""

@@ -143,3 +143,22 @@ def test_ceilings_measured_on_the_gpu(tmp_path: Path) -> None:
     found = device_ceilings(device, cache)
     assert found["bf16_matmul_tflops"] > 20 and found["copy_gbps"] > 200, found
     assert json.loads(cache.read_text()) == {cache_key(torch.cuda.get_device_name(device)): found}
+
+
+def test_model_flops_per_category_stand_in_only_where_the_trace_has_no_operator_flops() -> None:
+    """A trace without operators (KernelShare's default): the model's FLOPs per category go to the categories that
+    have kernel time; a trace with operators' FLOPs keeps those, whatever is given."""
+    from lmtrain.analysis.ceilings import achieved
+
+    kernels = [{"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NTT", "ts": 0,
+                "dur": 100, "args": {"correlation": 1, "External id": 7}},
+               {"ph": "X", "cat": "kernel", "name": "_flash_tma_fwd", "ts": 100, "dur": 50,
+                "args": {"correlation": 2}}]
+    given = {"gemm": 8e9, "attention": 1e9, "copy": 5e9}
+    found = achieved({"traceEvents": kernels}, steps=2, category_flops_per_step=given)
+    assert found["gemm"] == {"us": 50.0, "flops": 8e9} and found["attention"] == {"us": 25.0, "flops": 1e9}
+    assert "copy" not in found  # no kernel time there: nothing to charge
+    with_ops = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1,
+                 "args": {"External id": 7, "flops": 4e9}}, *kernels]
+    found = achieved({"traceEvents": with_ops}, steps=2, category_flops_per_step=given)
+    assert found["gemm"]["flops"] == pytest.approx(2e9) and "flops" not in found["attention"]

@@ -641,3 +641,49 @@ def test_the_step_comparison_on_a_gpu_in_either_order(tmp_path: Path, timer_firs
     span = cb.metrics["kernels/gpu_busy_ms_per_step"] + cb.metrics["kernels/gpu_idle_ms_per_step"]
     assert cb.comparison["kernels/span_to_timer_profiled"] == pytest.approx(span / profiled)
     assert scalars(trainer.log_dir)["kernels/span_to_timer_profiled"][0][1] == pytest.approx(span / profiled)
+
+
+def test_without_operators_the_trace_holds_ranges_and_no_operators() -> None:
+    """``operators=False`` (KernelShare's default on a GPU): the profiler records the ranges (steps, phases) and no
+    operator; with operators, both. Checked with a real CPU profile (the scopes are the host side's, alike on
+    both devices)."""
+    import json
+
+    from lmtrain.callbacks._profiler import ProfilerSession
+
+    found = {}
+    for operators in (True, False):
+        session = ProfilerSession(cuda=False, warmup=1, active=1, record_shapes=False, release_cupti=False,
+                                  operators=operators)
+        try:
+            a = torch.randn(16, 16)
+            for _ in range(2):
+                session.open_range("forward")
+                torch.mm(a, a).relu()
+                session.close_ranges()
+                session.prof.step()
+            trace = json.loads(Path(session.finish()).read_text())
+            restricted = session.ranges_only
+        finally:
+            session.close()
+        names = {(e.get("cat"), e.get("name")) for e in trace["traceEvents"] if e.get("ph") == "X"}
+        found[operators] = (restricted, names)
+    restricted, names = found[False]
+    assert restricted and ("user_annotation", "forward") in names and ("user_annotation", "ProfilerStep#1") in names
+    assert not any(cat == "cpu_op" for cat, _ in names)
+    restricted, names = found[True]
+    assert not restricted and ("cpu_op", "aten::mm") in names and ("user_annotation", "forward") in names
+
+
+def test_operator_facts_need_operators() -> None:
+    from lmtrain.callbacks._profiler import ProfilerSession
+    from lmtrain.errors import LmtrainError
+
+    assert KernelShare().with_flops is False and KernelShare(operators=True).with_flops is True
+    for name in ("with_flops", "record_shapes"):
+        with pytest.raises(LmtrainError, match=rf"KernelShare.{name}: .* Fix: set operators: true"):
+            KernelShare(**{name: True}).check_arguments()
+        KernelShare(operators=True, **{name: True}).check_arguments()
+    with pytest.raises(ValueError, match="need operators=True"):
+        ProfilerSession(cuda=False, warmup=0, active=1, record_shapes=False, release_cupti=False, with_flops=True,
+                        operators=False)

@@ -106,3 +106,16 @@ def test_float8_step_peak_of_the_2_7b_step_on_an_h100() -> None:
     # An 80 ms step: 0.5474 of the bf16 peak (the headline), 0.2869 of the float8 step's own peak.
     assert mfu(flops, 0.08, peak_flops(device, "bf16-mixed")) == pytest.approx(0.547403, rel=1e-5)
     assert mfu(flops, 0.08, blended) == pytest.approx(0.286931, rel=1e-5)
+
+
+def test_flops_by_category_add_up_to_the_step_and_follow_the_attention_backend() -> None:
+    from lmtrain.flops import attention_flops_forward, flops_by_category, flops_per_step, matmul_parameter_count
+
+    cfg = ModelConfig.from_size("tiny")
+    for mode in ("train", "forward_backward", "forward"):
+        split = flops_by_category(cfg, 3, 40, mode)
+        assert sum(split.values()) == pytest.approx(flops_per_step(cfg, 3, 40, mode))
+    split = flops_by_category(cfg, 3, 40)
+    assert split == {"gemm": 3 * 2.0 * matmul_parameter_count(cfg) * 3 * 40,
+                     "attention": 3 * attention_flops_forward(cfg, 3, 40)}
+    assert flops_by_category(cfg, 3, 40, fused_attention=False) == {"gemm": flops_per_step(cfg, 3, 40)}

@@ -10,9 +10,11 @@ What the trace gives (:func:`achieved`):
 
 - FLOPs: the ``flops`` argument torch.profiler records on operators with ``with_flops=True`` (matrix products and
   convolutions), spread over the kernels that operator launched in proportion to their time, then summed per
-  kernel category. Without it, the caller may give the model's FLOPs per step (``lmtrain.flops``): they are all
-  charged to the ``gemm`` and ``attention`` kernels together (``model``), which approximates: the model FLOPs count
-  the matmuls and attention only, and recomputation or fused elementwise work is not in them.
+  kernel category. Without it (a trace without operators, KernelShare's default), the caller may give the model's
+  FLOPs per category (``lmtrain.flops.flops_by_category``: the linear layers' products for ``gemm``, QK^T and PV for
+  ``attention``). The caller may also give the model's FLOPs per step (``lmtrain.flops``): they are all charged to
+  the ``gemm`` and ``attention`` kernels together (``model``). Both approximate: the model FLOPs count the matmuls
+  and attention only, and recomputation or fused elementwise work is not in them.
 - Bytes: the ``bytes`` argument of memcpy activities, over the time of those memcpy activities alone (a category's
   other kernels, such as memsets or copy kernels, move bytes the trace does not give). A device-to-device copy reads
   and writes its bytes, so it counts them twice, as the ``copy_gbps`` ceiling does; host<->device and peer copies
@@ -117,12 +119,16 @@ def device_ceilings(device: Any, cache: Path | None = None, measure: Any = None,
     return found
 
 
-def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = None) -> dict[str, dict[str, float]]:
+def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = None,
+             category_flops_per_step: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Per category, per step: ``us`` (kernel time), and where the trace has them ``flops``; ``bytes`` and
     ``memcpy_us`` (device-to-device memcpy activities: bytes read plus written, and their own time);
     ``transfer_bytes`` and ``transfer_us`` (host<->device and peer memcpy activities: one-way bytes, their time).
 
     ``model`` holds the gemm + attention time and ``model_flops_per_step`` when it is given (module docstring).
+    ``category_flops_per_step`` (category -> the model's FLOPs per step that its kernels run, e.g. ``gemm`` and
+    ``attention``) stands in for the operators' FLOPs where the trace has none (a trace without operators), for the
+    categories that have kernel time.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     op_flops = {int(e["args"]["External id"]): float(e["args"]["flops"]) for e in events
@@ -148,6 +154,10 @@ def achieved(trace: dict, steps: int = 1, model_flops_per_step: float | None = N
             else:  # HtoD, DtoH, PtoP: across PCIe or NVLink
                 out[category]["transfer_bytes"] += float(args["bytes"]) / steps
                 out[category]["transfer_us"] += dur / steps
+    if not op_flops:
+        for category, flops in (category_flops_per_step or {}).items():
+            if flops and out.get(category, {}).get("us"):
+                out[category]["flops"] = flops
     if model_flops_per_step:
         out["model"]["us"] = out.get("gemm", {}).get("us", 0.0) + out.get("attention", {}).get("us", 0.0)
         out["model"]["flops"] = model_flops_per_step

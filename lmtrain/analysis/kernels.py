@@ -753,7 +753,8 @@ def merge_rank_metrics(per_rank: dict[int, dict[str, float]]) -> dict[str, float
 
 def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None, top_k: int = 15,
                   device_name: str = "", precision: str = "", batches: str = "",
-                  ceilings: dict[str, float] | None = None, model_flops_per_step: float | None = None) -> TraceAnalysis:
+                  ceilings: dict[str, float] | None = None, model_flops_per_step: float | None = None,
+                  category_flops_per_step: dict[str, float] | None = None) -> TraceAnalysis:
     """Records, summary, scalars and report of a Chrome trace: what ``KernelShare`` logs, for any trace.
 
     Args:
@@ -767,6 +768,8 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
         ceilings: this GPU's ``bf16_matmul_tflops`` and ``copy_gbps`` (``lmtrain.analysis.ceilings``), for the
             ``roofline/*_of_peak`` scalars; the achieved TFLOP/s and GB/s are computed without them.
         model_flops_per_step: the model's FLOPs per step, charged to the gemm and attention kernels (``model``).
+        category_flops_per_step: the model's FLOPs per step per kernel category, for a trace without operators'
+            FLOPs (``lmtrain.analysis.ceilings.achieved``).
     """
     tr = records_from_trace(trace, device)
 
@@ -780,7 +783,8 @@ def analyze_trace(trace: dict, device: str = "auto", head_dim: int | None = None
     launch = temporal.launch_stats(acts, window)
     metrics = trace_metrics(summary, tr, head_dim) | temporal.temporal_metrics(window, launch)
     if tr.device == "cuda":
-        metrics |= roofline.ceiling_metrics(roofline.achieved(trace, tr.steps, model_flops_per_step), ceilings or {})
+        found = roofline.achieved(trace, tr.steps, model_flops_per_step, category_flops_per_step)
+        metrics |= roofline.ceiling_metrics(found, ceilings or {})
     breakdown = temporal.temporal_text(window, launch, "GPU" if tr.device == "cuda" else "CPU")
     if tr.interference is not None and (tr.interference.beside_us or tr.interference.unmatched_us):
         breakdown += "\n\n" + interference_text(tr.interference)

@@ -42,6 +42,7 @@ from lmtrain.callbacks._common import (
 )
 from lmtrain.callbacks._profiler import ProfilerSession
 from lmtrain.callbacks.timer import CudaSyncTimer
+from lmtrain.errors import LmtrainError
 
 __all__ = ["KernelShare", "request_cupti_teardown"]
 
@@ -177,11 +178,20 @@ class KernelShare(Callback):
         chart: log the category bar chart (matplotlib).
         head_dim: attention head dimension for the softmax/matmul FLOP ratio (default: the module's
             ``config.head_dim`` when it has one).
-        record_shapes: ask the profiler to record input shapes (bigger trace, slower).
+        operators: on a CUDA device, record every operator (``aten::mm``, ...) in the trace too, as
+            ``torch.profiler`` does by default. Off (the default), the host side of the trace holds only the
+            ranges (phases, steps, the optimizer's step) and the CUDA runtime's launch calls, which is all the
+            analysis reads: recording thousands of operators per step costs the host enough to change the step
+            it measures (an eager 2.7B step at context 512 ran 1.75x as long profiled with them, its GPU waiting
+            for the host, on an H200). On a CPU the operators are always recorded: they are what is measured there.
+        record_shapes: ask the profiler to record input shapes (bigger trace, slower; needs ``operators``).
         with_flops: ask the profiler for the FLOPs of each matrix product and convolution (written into the trace
-            as the operators' ``flops`` argument) for ``roofline/{category}_tflops``; off, only ``roofline/model_*``
-            has TFLOP/s. Its cost falls on the profiled steps, which no timer counts, and on the window's end
-            (reading the profiler's events and rewriting the trace once).
+            as the operators' ``flops`` argument) for ``roofline/{category}_tflops``; needs ``operators``.
+            None (the default): as ``operators``. Without it, ``roofline/gemm_tflops`` and
+            ``roofline/attention_tflops`` come from the module's model FLOPs per category
+            (``flops_by_category_per_batch``: the linear layers' products and attention's QK^T and PV, no
+            recomputation counted), and ``roofline/model_*`` from its model FLOPs. Its cost falls on the profiled
+            steps and on the window's end (reading the profiler's events and rewriting the trace once).
         release_cupti: tear CUPTI down when the window closes, by setting the environment variable
             ``TEARDOWN_CUPTI=1`` that PyTorch's profiler (Kineto) reads when it stops. Left alone when the
             variable is already set (``torch.compile`` with CUDA graphs sets it to ``0``: tearing down and
@@ -197,7 +207,8 @@ class KernelShare(Callback):
     def __init__(self, wait: int = 5, warmup: int = 1, active: int = 2, top_k: int = 15, export_trace: bool = False,
                  chart: bool = True, head_dim: int | None = None, record_shapes: bool = False,
                  release_cupti: bool = True, ranks: list[int] | None = None,
-                 ceilings: dict[str, float] | str | None = None, with_flops: bool = True) -> None:
+                 ceilings: dict[str, float] | str | None = None, with_flops: bool | None = None,
+                 operators: bool = False) -> None:
         super().__init__()
         self.ranks = [0] if ranks is None else ranks
         self.wait, self.warmup, self.active, self.top_k = wait, warmup, active, top_k
@@ -205,7 +216,8 @@ class KernelShare(Callback):
         self.chart = chart
         self.head_dim = head_dim
         self.record_shapes = record_shapes
-        self.with_flops = with_flops
+        self.operators = operators
+        self.with_flops = operators if with_flops is None else with_flops
         self.release_cupti = release_cupti
         self.ceilings = ceilings
         self._reset()
@@ -256,6 +268,11 @@ class KernelShare(Callback):
         check_int("KernelShare", "head_dim", self.head_dim, 1, allow_none=True,
                   fix="leave it unset to take the model's config.head_dim.")
         check_ranks("KernelShare", self.ranks, world_size)
+        for name in ("with_flops", "record_shapes"):
+            if getattr(self, name) and not self.operators:
+                raise LmtrainError(f"KernelShare.{name}", "is a fact of each operator, and operators=false leaves "
+                                   "the operators out of the trace.", f"set operators: true with {name}: true, or "
+                                   f"leave {name} unset.")
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -444,8 +461,10 @@ class KernelShare(Callback):
             self._warn("KernelShare: no CUDA device in use; reporting CPU operator self time instead of GPU "
                        "kernel time (categories apply to aten:: operator names), the CPU operators' timeline, and no "
                        "roofline/* (no GPU ceilings to measure).")
+        # On a CPU the operators are the measurement: always recorded there
         self._prof = ProfilerSession(self._cuda, self.warmup, self.active, self.record_shapes, self.release_cupti,
-                                     pl_module.device if self._cuda else None, with_flops=self.with_flops)
+                                     pl_module.device if self._cuda else None, with_flops=self.with_flops,
+                                     operators=self.operators or not self._cuda)
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
@@ -470,7 +489,9 @@ class KernelShare(Callback):
             device_name=torch.cuda.get_device_name(pl_module.device) if self._cuda else "CPU",
             precision=str(trainer.precision), batches=f"{self._first_active}..{self._phases.step}",
             ceilings=self._ceilings(pl_module) if self._cuda else None,
-            model_flops_per_step=(getattr(pl_module, "flops_per_batch", None) or 0) * trainer.accumulate_grad_batches)
+            model_flops_per_step=(getattr(pl_module, "flops_per_batch", None) or 0) * trainer.accumulate_grad_batches,
+            category_flops_per_step={c: f * trainer.accumulate_grad_batches for c, f in
+                                     (getattr(pl_module, "flops_by_category_per_batch", None) or {}).items()})
         if self._cuda and not found.records.records:
             self._warn("KernelShare: the profiler recorded no CUDA kernels (CUPTI unavailable?); nothing reported.")
             return None
