@@ -208,3 +208,24 @@ def test_hta_on_gpu_events_only_is_recorded_or_its_error(tmp_path: Path, scripts
         assert out["hta_gpu_only_error"] == "AssertionError: non_compute_time >= 0" and "hta_gpu_only" not in out
     else:
         assert out["hta_gpu_only_points"] == 0.0 and "hta_gpu_only_error" not in out
+
+
+def test_compare_fits_the_timer_alone_once_more_with_the_given_arguments(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    check, _ = scripts
+    made: list[tuple[str, list[str], list[str]]] = []
+    medians = {"small_fast_timer": 10.0, "small_fast_compare": 10.5}
+
+    def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], *rest: object, timeout: int,
+            **kw: object) -> dict:
+        made.append((name, args, callbacks))
+        return {"name": name, "rc": 0 if name in medians else 1, "seconds": 1.0,
+                "log_dir": name if name in medians else None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    monkeypatch.setattr(check, "read", lambda log_dir: ({"time/step_ms": [(9, medians[log_dir])]}, {}))
+    check.main(["run", str(tmp_path), "--models", "small", "--only", "fast", "--compare",
+                "--model.blas_workspace default"])
+    assert made[-1] == ("small_fast_compare", ["--model.blas_workspace", "default"], check.TIMER_ONLY)
+    last = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert last["fit"] == "small_fast_compare" and last["compare_to_timer_only"] == pytest.approx(1.05)

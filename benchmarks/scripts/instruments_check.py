@@ -42,6 +42,9 @@ HTA out (its columns show ``-``); ``check`` on the fits' log folders compares wi
   callbacks can add to a step outside their windows, whatever the host's speed in the other process. On a
   host-bound step two processes differ by more than 1%; this figure does not depend on a second process.
 
+``run --compare 'ARGS'`` fits each path once more with CudaSyncTimer alone and those fit arguments added (for
+example ``--model.blas_workspace default``), in the same run, and prints its median step over the timer-only one's.
+
 ``run --only compiled compact inbackward checkpointing`` adds the other shipped paths (compiled without CUDA graphs,
 master weights with the compact state, the optimizer in the backward pass, full activation checkpointing), each
 fitted as the four are.
@@ -57,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -278,8 +282,21 @@ HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "
           "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
 
 
+def compare_reference(out: Path, name: str, config: str, args: list[str], steps: int, compare: list[str],
+                      base_ms: float | None, timeout: int = FIT_TIMEOUT_S) -> float | None:
+    """The timer-only fit once more with the options ``compare`` added (``name_compare``), in the same run, appended
+    to the results; returns its median step over the timer-only reference's (None where either is missing)."""
+    other = fit(out, name + "_compare", config, args + compare, TIMER_ONLY, steps, timeout=timeout)
+    other_ms = counted_median(read(other["log_dir"])[0], "time/step_ms") if other["rc"] == 0 and other["log_dir"] \
+        else None
+    ratio = other_ms / base_ms if other_ms and base_ms else None
+    append(out, {"fit": name + "_compare", "compare": other, "options": compare, "compare_step_ms": other_ms,
+                 "compare_to_timer_only": ratio})
+    return ratio
+
+
 def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
-        timeout: int = FIT_TIMEOUT_S) -> int:
+        timeout: int = FIT_TIMEOUT_S, compare: list[str] | None = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     all_ok = True
     for model in models:
@@ -302,6 +319,11 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
             all_ok &= ok
             print(f"{name}: {all5['seconds']} s + {base['seconds']} s (timer only); " + " | ".join(cells[1:]),
                   flush=True)
+            if compare:
+                ratio = compare_reference(out, name, config.format(m=model), args, steps, compare, base_ms,
+                                          timeout=timeout)
+                print(f"{name}: timer-only step with {' '.join(compare)} / without: "
+                      f"{'-' if ratio is None else f'{ratio:.4f}'}", flush=True)
         if rows:
             table = markdown_table(HEADER, rows)
             with open(out / "summary.md", "a") as summary:  # after each model; several commands may share one OUT
@@ -385,6 +407,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-hta", action="store_true",
                    help="no HTA comparison (HTA not installed here): run check on the log folders later")
     p.add_argument("--fit-timeout", type=int, default=FIT_TIMEOUT_S, help="seconds one fit may run")
+    p.add_argument("--compare", type=shlex.split, metavar="'ARGS'",
+                   help="per fit, one more timer-only fit with these fit arguments added, one quoted string (e.g. "
+                        "'--model.blas_workspace default'), and its median step over the timer-only one's")
     p = sub.add_parser("fsdp", help="one FSDP2 (or DDP) fit on several GPUs")
     p.add_argument("out", type=Path)
     p.add_argument("--size", default="small", choices=["small", "xl", "2.7B"])
@@ -399,7 +424,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("log_dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout)
+        return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout,
+                   compare=args.compare)
     if args.command == "fsdp":
         return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy, args.overhead)
     return check(args.log_dirs)
