@@ -171,8 +171,9 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _logged(proc: subprocess.CompletedProcess, name: str) -> float:
-    """A metric of the table that validate/test print."""
-    match = re.search(rf"^\s*{re.escape(name)}\s+(\S+)\s*$", proc.stdout, re.MULTILINE)
+    """A metric of the table that validate/test print (plain, or drawn with box characters where ``rich`` is
+    installed: ``│ val/loss │ 2.33 │``)."""
+    match = re.search(rf"^[\s│┃]*{re.escape(name)}[\s│┃]+([^\s│┃]+)[\s│┃]*$", proc.stdout, re.MULTILINE)
     assert match is not None, proc.stdout[-3000:]
     return float(match.group(1))
 
