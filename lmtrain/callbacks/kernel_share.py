@@ -146,10 +146,11 @@ class KernelShare(Callback):
         launch/delay_median_us, launch/delay_p90_us µs: kernel start minus its launch call's start (eager launches)
         launch/host_wait_share                      fraction of the span the GPU waited for the host
         launch/bound                                1 when launch/host_wait_share > 0.10, else 0
-        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (trace FLOPs, ``with_flops``:
-                                                    the profiler's FLOPs of matrix products and convolutions, each
-                                                    spread over the kernels its operator launched; ``model``: model
-                                                    FLOPs over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
+        roofline/{category}_tflops[_of_peak]        TFLOP/s of the category's kernels (the model's FLOPs of that
+                                                    category, gemm and attention; with ``with_flops`` the profiler's
+                                                    FLOPs of matrix products and convolutions instead, each spread
+                                                    over the kernels its operator launched; ``model``: model FLOPs
+                                                    over gemm + attention time) [/ bf16 matmul ceiling]; CUDA
         roofline/{category}_gbps[_of_peak]          GB/s of its device-to-device memcpy activities (bytes read
                                                     plus written, over their own time) [/ copy ceiling]; CUDA only
         roofline/{category}_transfer_gbps           GB/s of its host<->device and peer memcpy activities (one-way
