@@ -22,7 +22,7 @@ from types import TracebackType
 
 import torch
 
-__all__ = ["annotate", "enable_ranges", "ranges_enabled", "nvtx_push", "nvtx_pop"]
+__all__ = ["annotate", "enable_ranges", "ranges_enabled", "nvtx_push", "nvtx_pop", "profiler_recording"]
 
 _NULL = contextlib.nullcontext()
 
@@ -47,6 +47,14 @@ def nvtx_pop() -> None:
         torch.cuda.nvtx.range_pop()
 
 
+def profiler_recording() -> bool:
+    """A torch profiler is recording now (a ``record_function`` entered now would reach a trace).
+
+    A ``record_function`` entered while no profiler records is recorded nowhere, even if a profiler starts before
+    it closes, yet it still costs an operator dispatch on entry and exit: the ranges skip it then."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
 class _Range:
     __slots__ = ("name", "nvtx", "record")
 
@@ -58,7 +66,7 @@ class _Range:
     def __enter__(self) -> _Range:
         if self.nvtx:
             nvtx_push(self.name)
-        if _state.profiler > 0:
+        if _state.profiler > 0 and profiler_recording():
             self.record = torch.profiler.record_function(self.name)
             self.record.__enter__()
         return self

@@ -154,3 +154,35 @@ def test_bad_depth(tmp_path):
     module, data = make()
     with pytest.raises(LmtrainError, match="NVTXRanges.depth"):
         fit(tmp_path, [NVTXRanges(depth="kernel")], module, data, steps=1)  # type: ignore[arg-type]
+
+
+def test_record_function_ranges_only_while_a_profiler_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``record_function`` entered with no profiler recording reaches no trace but costs a dispatch: NVTXRanges
+    and ``annotate`` skip it then, and make it while one records."""
+    import lmtrain.annotate as annotate_module
+    from lmtrain.annotate import annotate, profiler_recording, ranges_enabled
+
+    made: list[str] = []
+    real = torch.profiler.record_function
+
+    def counting(name: str) -> torch.profiler.record_function:
+        made.append(name)
+        return real(name)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    ranges = NVTXRanges(nvtx=False)
+    assert not profiler_recording()
+    ranges._open("step")
+    ranges._close("step")
+    with ranges_enabled(nvtx=False, profiler=True), annotate("attention/softmax"):
+        pass
+    assert made == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert profiler_recording()
+        ranges._open("step")
+        ranges._close("step")
+        with ranges_enabled(nvtx=False, profiler=True), annotate("attention/softmax"):
+            pass
+    assert made == ["step", "attention/softmax"]
+    assert {"step", "attention/softmax"} <= {e.key for e in prof.key_averages()}
+    assert annotate_module.active_requests() == (0, 0)

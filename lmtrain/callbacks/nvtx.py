@@ -14,7 +14,7 @@ from torch import nn
 from torch.cuda import nvtx
 from typing_extensions import override
 
-from lmtrain.annotate import disable_ranges, enable_ranges
+from lmtrain.annotate import disable_ranges, enable_ranges, profiler_recording
 from lmtrain.callbacks._common import StepPhases, StepWindow, WarnOnce, check_int
 from lmtrain.errors import LmtrainError
 
@@ -82,7 +82,9 @@ class NVTXRanges(pl.Callback):
         start_step: first step with ranges, on Lightning's ``global_step`` axis.
         num_steps: steps (optimizer steps) in the window; None: every step from ``start_step`` on.
         nvtx: emit NVTX ranges (for ``nsys`` / ``ncu``).
-        record_function: emit ``torch.profiler.record_function`` ranges (for ``torch.profiler``).
+        record_function: emit ``torch.profiler.record_function`` ranges (for ``torch.profiler``), while a profiler
+            records (``lmtrain.annotate.profiler_recording``: outside one such a range reaches no trace and costs
+            an operator dispatch; on a CPU this made the callback's hooks 6x cheaper, 429 -> 73 µs per step).
         module_types: class names (e.g. ``["SwiGLU"]``) of further modules, anywhere in the model, that
             get a range named by their path (at depth ``module`` and deeper).
         module_names: ``fnmatch`` patterns over block and module range names (``blocks.3``,
@@ -184,7 +186,7 @@ class NVTXRanges(pl.Callback):
             else:
                 nvtx_id = nvtx.range_start(name)
         record = None
-        if self.record_function:
+        if self.record_function and profiler_recording():  # recorded nowhere otherwise (profiler_recording)
             record = torch.profiler.record_function(name)
             record.__enter__()
         self._stack.append(_Open(name, nvtx_kind if self._use_nvtx else None, nvtx_id, record))
