@@ -371,7 +371,7 @@ class SpeedOptions(OptionGroup):
     blas_workspace: str = option(
         "auto", "the workspace cuBLAS gets for matrix products on a CUDA device (lmtrain.blas, docs/speed.md): none "
         "(no workspace: cuBLAS runs the same Hopper GEMM kernels without the 4-byte memset it puts before each, "
-        "one GPU operation fewer per product; a CUDA-graph step of 2.7B 2% faster, but an eager step that the "
+        "one GPU operation fewer per product; a CUDA-graph step of 2.7B 1.02x as fast, but an eager step that the "
         "host bounds slower, each product costing the host more), default (PyTorch's workspace) or auto: none "
         "under cuda_graphs without float8, default otherwise. Read when the process makes its first cuBLAS "
         "handle: the module sets it when it is built, before any product runs; CUBLASLT_WORKSPACE_SIZE / "

@@ -624,8 +624,9 @@ def add_option_arguments(parser: argparse.ArgumentParser, config_class: type[Mod
         default = ("on" if f.default else "off") if annotation is bool else f.default
         values = "off, on or off,on" if annotation is bool else "comma-separated values"
         rule = f"; {SWEEP_RULES[f.name]}" if f.name in SWEEP_RULES else ""
+        text = f"{doc_of(f)} (model.{f.name}) In a sweep: {values}{rule} (default {default})"
         parser.add_argument(_flag(f.name), type=_value_parser(f, annotation), dest=f.name,
-                            help=f"{doc_of(f)} (model.{f.name}) In a sweep: {values}{rule} (default {default})")
+                            help=text.replace("%", "%%"))  # argparse formats help with %: a "2%" in a doc is text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
