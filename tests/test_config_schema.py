@@ -118,3 +118,17 @@ def test_the_command_line_refuses_a_combination_before_writing_anything(tmp_path
                    "model.cuda_graphs", capsys, tmp_path)
     assert "step_mode" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_percent_sign_in_an_options_help_reaches_the_bench_flags_as_text() -> None:
+    """argparse formats help texts with %: the bench flags escape them, so a doc may say "2% faster"."""
+    import argparse
+
+    from lmtrain.bench.model import add_option_arguments
+
+    fancy = make_dataclass("PercentSpeed", [("fast_path", bool, option(False, "2% faster on graphed steps."))],
+                           bases=(SpeedOptions,), frozen=True)
+    config_class = make_dataclass("PercentConfig", [], bases=(ModelConfig, fancy), frozen=True)
+    parser = argparse.ArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100_000))
+    add_option_arguments(parser, config_class)
+    assert "2% faster on graphed steps. (model.fast_path)" in parser.format_help()
