@@ -79,7 +79,8 @@ def test_the_span_over_the_timer_on_the_profiled_steps_has_its_column(
     check, _ = scripts
     logged = {"kernels/timer_step_ms": 61.5, "kernels/busy_to_timer_step": 0.195, "kernels/span_to_timer_step": 1.928,
               "kernels/wall_to_timer_step": 1.951, "kernels/timer_profiled_step_ms": 119.8,
-              "kernels/span_to_timer_profiled": 0.99, "kernels/other_share_step": 0.0}
+              "kernels/span_to_timer_profiled": 0.99, "kernels/busy_to_timer_profiled": 0.1,
+              "kernels/other_share_step": 0.0}
     writer = SummaryWriter(str(tmp_path))
     for tag, value in logged.items():
         writer.add_scalar(tag, value, 39)
@@ -89,7 +90,8 @@ def test_the_span_over_the_timer_on_the_profiled_steps_has_its_column(
     cells, ok = check.row("small_sdpa512", f, None)
     assert dict(zip(check.HEADER, cells, strict=True)) == {
         "fit": "small_sdpa512", "timer step ms": "61.500", "busy / step": "0.195", "span / step": "1.928",
-        "wall / step": "1.951", "span / profiled": "0.990", "other": "0.00%", "HTA breakdown (pts)": "-",
+        "wall / step": "1.951", "span / profiled": "0.990", "busy / profiled": "0.100", "other": "0.00%",
+        "HTA breakdown (pts)": "-",
         "HTA idle split (pts)": "-", "phases / step": "-", "overhead": "-", "hooks / step": "-", "pass": "NO: busy"}
     assert not ok
 

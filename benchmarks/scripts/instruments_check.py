@@ -30,7 +30,8 @@ HTA out (its columns show ``-``); ``check`` on the fits' log folders compares wi
   by physics (the GPU waits for the host), with wall / step showing the profiler's own slowdown;
 - ``span / profiled``: the GPU span (busy + idle) over CudaSyncTimer's mean on the very steps KernelShare
   profiled (``kernels/span_to_timer_profiled``): near 1 when KernelShare's accounting covers the whole of the
-  steps it profiled, whatever the profiler did to their length;
+  steps it profiled, whatever the profiler did to their length; ``busy / profiled``: the busy time over the same
+  (``kernels/busy_to_timer_profiled``), busy against the steps it was measured in;
 - ``HTA``: the largest difference, in percentage points, between lmtrain's temporal breakdown (idle, compute,
   non-compute, communication overlap) and HTA's on the same trace file (acceptance: 2 points), and the same for the
   idle split per stream (host wait, kernel wait, other); ``hta_compare.py`` prints the full tables;
@@ -204,6 +205,7 @@ def figures(result: dict[str, Any], hta: bool = True) -> dict[str, Any]:
         ("timer_step_ms", "kernels/timer_step_ms"), ("busy_to_step", "kernels/busy_to_timer_step"),
         ("span_to_step", "kernels/span_to_timer_step"), ("wall_to_step", "kernels/wall_to_timer_step"),
         ("timer_profiled_ms", "kernels/timer_profiled_step_ms"), ("span_to_profiled", "kernels/span_to_timer_profiled"),
+        ("busy_to_profiled", "kernels/busy_to_timer_profiled"),
         ("other_share", "kernels/other_share_step"), ("gpu_busy_ms", "kernels/gpu_busy_ms_per_step"),
         ("gpu_span_ms", "kernels/gpu_span_ms_per_step"), ("step_wall_ms", "kernels/step_wall_ms"),
         ("comm_ms", "kernels/communication_ms_step"), ("comm_exposed_ms", "kernels/communication_exposed_ms_step"),
@@ -256,7 +258,8 @@ def row(name: str, f: dict[str, Any], overhead: float | None, graphed: bool = Fa
         checks["overhead"] = abs(overhead) <= LIMITS["overhead"]
     failed = [k for k, ok in checks.items() if not ok]
     cells = [name, fmt(f.get("timer_step_ms")), fmt(f.get("busy_to_step")), fmt(f.get("span_to_step")),
-             fmt(f.get("wall_to_step")), fmt(f.get("span_to_profiled")), fmt(f.get("other_share"), ".2f", 100) + "%",
+             fmt(f.get("wall_to_step")), fmt(f.get("span_to_profiled")), fmt(f.get("busy_to_profiled")),
+             fmt(f.get("other_share"), ".2f", 100) + "%",
              "HTA failed" if "hta_error" in hta else fmt(hta.get("hta_breakdown_points"), ".2f"),
              fmt(hta.get("hta_idle_split_points"), ".2f"), fmt(f.get("phases_to_step")),
              fmt(overhead, "+.2f", 100) + ("%" if overhead is not None else ""),
@@ -278,7 +281,8 @@ def timer_only_reference(out: Path, name: str, config: str, args: list[str], ste
     return base, base_ms, overhead
 
 
-HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "span / profiled", "other",
+HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "span / profiled", "busy / profiled",
+          "other",
           "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
 
 
