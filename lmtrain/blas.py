@@ -33,6 +33,10 @@ __all__ = ["NO_WORKSPACE", "apply_blas_workspace", "deterministic_workspace", "r
 
 #: The environment that gives cuBLAS no workspace.
 NO_WORKSPACE = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+#: The ``CUBLAS_WORKSPACE_CONFIG`` values PyTorch's deterministic mode accepts.
+DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
+#: Non-empty once :func:`apply_blas_workspace` has set :data:`NO_WORKSPACE` in this process.
+_set_here: set[bool] = set()
 
 
 def resolve_blas_workspace(setting: str, cuda_graphs: bool, float8: str = "none") -> str:
@@ -44,40 +48,57 @@ def resolve_blas_workspace(setting: str, cuda_graphs: bool, float8: str = "none"
 
 
 def apply_blas_workspace(setting: str) -> str | None:
-    """Apply ``model.blas_workspace``; returns a one-line note when the setting cannot take effect as asked.
+    """Apply ``model.blas_workspace`` (``none`` or ``default``); returns a one-line note when the setting cannot take
+    effect as asked.
 
-    ``none`` sets :data:`NO_WORKSPACE` in ``os.environ``. A variable already set in the environment to another value
-    is left as it is (the user's choice wins) and named in the note. Where CUDA is initialised already, the note
-    says the setting applies only if no matrix product has run on the GPU yet (cuBLAS has read its size then).
-    ``default`` changes nothing.
+    ``none`` sets :data:`NO_WORKSPACE` in ``os.environ``. Where the environment sets either variable to another value,
+    neither is set (the user's choice wins) and the note names it; silently so for the values PyTorch's
+    deterministic mode requires while it is on (``trainer.deterministic`` has Lightning set
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). ``default`` removes the variables where this module set them earlier in
+    the process. Either way, where CUDA is initialised already the note says the setting applies only if no matrix
+    product has run on the GPU yet (cuBLAS reads its workspace size once, when its first handle is made).
     """
-    if setting == "default":
-        return None
-    if setting != "none":
+    if setting not in ("none", "default"):
         raise ValueError(f"unknown blas_workspace {setting!r}: use none or default")
-    kept = {name: os.environ[name] for name, value in NO_WORKSPACE.items()
-            if name in os.environ and os.environ[name] != value}
-    for name, value in NO_WORKSPACE.items():
-        if name not in kept:
-            os.environ[name] = value
+    ours = all(os.environ.get(name) == value for name, value in NO_WORKSPACE.items())
+    if setting == "default":
+        if not (ours and _set_here):
+            return None
+        for name in NO_WORKSPACE:
+            os.environ.pop(name, None)
+        _set_here.clear()
+        return _too_late()
+    if ours:
+        return None
+    kept = {name: os.environ[name] for name, value in NO_WORKSPACE.items() if name in os.environ
+            and os.environ[name] != value}
     if kept:
+        if torch.are_deterministic_algorithms_enabled() and set(kept) == {"CUBLAS_WORKSPACE_CONFIG"} and \
+                kept["CUBLAS_WORKSPACE_CONFIG"] in DETERMINISTIC_CONFIGS:
+            return None
         given = ", ".join(f"{name}={value}" for name, value in kept.items())
-        return (f"model.blas_workspace: none leaves {given} as the environment sets it; unset it to give cuBLAS no "
-                "workspace there.")
+        return (f"model.blas_workspace: none leaves cuBLAS its workspace: the environment sets {given}; unset it to "
+                "give cuBLAS none.")
+    os.environ.update(NO_WORKSPACE)
+    _set_here.add(True)
+    return _too_late()
+
+
+def _too_late() -> str | None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return ("model.blas_workspace: none applies only if no matrix product has run on a GPU in this process yet "
-                "(cuBLAS reads its workspace size once, when its first handle is made); CUDA is initialised "
-                "already.")
+        return ("model.blas_workspace applies only if no matrix product has run on a GPU in this process yet (cuBLAS "
+                "reads its workspace size once, when its first handle is made); CUDA is initialised already.")
     return None
 
 
 def deterministic_workspace() -> str | None:
-    """Give cuBLAS back a workspace PyTorch's deterministic mode accepts, where deterministic algorithms are on (the
-    trainer's ``deterministic``) and :func:`apply_blas_workspace` left ``CUBLAS_WORKSPACE_CONFIG`` at ``:0:0``: PyTorch
-    then refuses every cuBLAS product unless it is ``:4096:8`` or ``:16:8``. Returns a one-line note when it did."""
+    """Give cuBLAS back a workspace PyTorch's deterministic mode accepts, where deterministic algorithms are on and
+    ``CUBLAS_WORKSPACE_CONFIG`` is still ``:0:0`` (PyTorch then refuses every cuBLAS product unless it is ``:4096:8``
+    or ``:16:8``). Lightning's ``Trainer(deterministic=True)`` sets ``:4096:8`` itself; this covers deterministic mode
+    switched on otherwise (``torch.use_deterministic_algorithms``). Returns a one-line note when it did."""
     if torch.are_deterministic_algorithms_enabled() and \
             os.environ.get("CUBLAS_WORKSPACE_CONFIG") == NO_WORKSPACE["CUBLAS_WORKSPACE_CONFIG"]:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        return ("model.blas_workspace: none gives way to deterministic algorithms (trainer.deterministic): "
-                "CUBLAS_WORKSPACE_CONFIG=:4096:8, the setting PyTorch's deterministic mode requires.")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CONFIGS[0]
+        return ("model.blas_workspace: none gives way to deterministic algorithms: "
+                f"CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CONFIGS[0]}, a setting PyTorch's deterministic mode requires.")
     return None

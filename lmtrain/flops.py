@@ -89,7 +89,9 @@ def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str
     """:func:`flops_per_step` split by the kernel category that runs it (``lmtrain.analysis.categories``): ``gemm``,
     the linear layers' products (``2 * N_matmul * B * T`` forward); ``attention``, QK^T and PV. With
     ``fused_attention`` False (an attention backend that runs its products as plain matrix products: naive,
-    flash_pytorch) both are ``gemm``. The values add up to :func:`flops_per_step`."""
+    flash_pytorch) both are ``gemm``. The values add up to :func:`flops_per_step`. (``sdpa`` counts as fused: where
+    PyTorch falls back to its math kernel, plain matrix products, the trace has no attention kernels and
+    ``lmtrain.analysis.ceilings.achieved`` charges the attention FLOPs nowhere.)"""
     if mode not in STEP_MODES:
         raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
     times = 1.0 if mode == "forward" else 3.0

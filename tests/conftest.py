@@ -56,6 +56,24 @@ def gpu_share(request: pytest.FixtureRequest) -> Any:
         yield
 
 
+@pytest.fixture(autouse=True)
+def blas_workspace_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Each test leaves cuBLAS's workspace variables as it found them: building an ``LMModule`` with
+    ``cuda_graphs`` sets them for the rest of the process (``lmtrain.blas``), which would make the next tests' cuBLAS
+    setting depend on their order."""
+    import os
+
+    from lmtrain import blas
+
+    for name in blas.NO_WORKSPACE:
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])  # registers the value to restore
+        else:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(blas, "_set_here", set(blas._set_here))
+    yield
+
+
 @pytest.fixture
 def one_thread() -> Any:
     """One OpenMP thread for the test (bench cells inherit it): two on a busy 2-core machine make tiny steps up to

@@ -17,6 +17,7 @@ VARS = tuple(blas.NO_WORKSPACE)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in VARS:
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever apply_blas_workspace sets
+    monkeypatch.setattr(blas, "_set_here", set())
     return monkeypatch
 
 
@@ -35,7 +36,31 @@ def test_a_variable_the_environment_sets_wins_and_is_named(clean_env: pytest.Mon
     clean_env.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     note = blas.apply_blas_workspace("none")
     assert note is not None and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in note and "CUBLASLT" not in note
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    # neither is set: half a setting is not the user's, nor lmtrain's
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+
+
+def test_deterministic_modes_own_setting_is_kept_without_a_word(clean_env: pytest.MonkeyPatch) -> None:
+    """Trainer(deterministic=True) has Lightning set :4096:8 before the module is built: kept, and no advice to
+    unset what deterministic mode requires."""
+    clean_env.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert blas.apply_blas_workspace("none") is None
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+
+
+def test_default_takes_back_only_what_lmtrain_set(clean_env: pytest.MonkeyPatch) -> None:
+    blas.apply_blas_workspace("none")
+    assert blas.apply_blas_workspace("default") is None
+    assert not any(name in os.environ for name in VARS)
+    for name, value in blas.NO_WORKSPACE.items():  # the same values, set by the user
+        clean_env.setenv(name, value)
+    assert blas.apply_blas_workspace("default") is None
+    assert all(os.environ[name] == value for name, value in blas.NO_WORKSPACE.items())
 
 
 def test_an_unknown_setting_is_refused() -> None:

@@ -22,11 +22,13 @@ until the end. Needs a CUDA GPU (importable without one).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from lmtrain.blas import apply_blas_workspace, resolve_blas_workspace
 from lmtrain.config import ModelConfig
 from lmtrain.errors import LmtrainError
 from lmtrain.model import TransformerLM
@@ -66,6 +68,11 @@ def train_plain(config: ModelConfig, batch_size: int, precision: str, *, compile
     if cuda_graphs and not compile:
         raise LmtrainError("--cuda-graphs", "the plain reference loop gets its CUDA graphs from torch.compile's "
                            "reduce-overhead mode, and compile is off.", "use --compile on with plain graph cells.")
+    # The cell's cuBLAS workspace, as LMModule applies it (each cell runs in a process of its own): a plain cell and
+    # a Lightning cell of the same options then run with the same workspace
+    note = apply_blas_workspace(resolve_blas_workspace(config.blas_workspace, cuda_graphs, config.float8))
+    if note:
+        warnings.warn(note, stacklevel=2)
     device = torch.device("cuda")
     torch.manual_seed(0)
     with device:

@@ -185,7 +185,8 @@ class KernelShare(Callback):
             analysis reads: recording thousands of operators per step costs the host enough to change the step
             it measures (an eager 2.7B step at context 512 ran 1.75x as long profiled with them, its GPU waiting
             for the host, on an H200). On a CPU the operators are always recorded: they are what is measured there.
-        record_shapes: ask the profiler to record input shapes (bigger trace, slower; needs ``operators``).
+        record_shapes: ask the profiler to record input shapes (bigger trace, slower; needs ``operators``, also
+            on a CPU, where the operators are recorded anyway: set ``operators: true`` with it).
         with_flops: ask the profiler for the FLOPs of each matrix product and convolution (written into the trace
             as the operators' ``flops`` argument) for ``roofline/{category}_tflops``; needs ``operators``.
             None (the default): as ``operators``. Without it, ``roofline/gemm_tflops`` and
@@ -473,6 +474,10 @@ class KernelShare(Callback):
             found = None
             try:
                 path = self._prof.finish() if self._prof is not None else None
+                if self._cuda and not self.operators and self._prof is not None and not self._prof.ranges_only:
+                    self._warn(f"KernelShare: torch {torch.__version__} cannot leave the operators out of the trace "
+                               "(no scoped _enable_profiler): the profiled steps carry the cost of recording each "
+                               "one, and their idle time overstates an ordinary step's.")
                 found = self._analyze(trainer, pl_module, path) if path is not None else None
             except Exception as error:  # noqa: BLE001 (any failure: the other ranks wait in _report's gather)
                 warnings.warn(f"KernelShare: rank {trainer.global_rank}: the profiled window could not be analysed "
