@@ -74,14 +74,20 @@ def attention_flops_forward(cfg: ModelConfig, batch_size: int, seq_len: int, cau
     return flops / 2 if causal else flops
 
 
-def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train") -> float:
-    """Model FLOPs of one step (see the module docstring). ``mode``: train, forward_backward or forward."""
+def _passes(mode: str) -> float:
+    """A step's FLOPs in forward passes' worth: 1 in mode ``forward``, else 3 (the backward pass is two)."""
     if mode not in STEP_MODES:
         raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    return 1.0 if mode == "forward" else 3.0
+
+
+def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train") -> float:
+    """Model FLOPs of one step (see the module docstring). ``mode``: train, forward_backward or forward."""
+    passes = _passes(mode)
     forward = 2.0 * matmul_parameter_count(cfg) * batch_size * seq_len + attention_flops_forward(
         cfg, batch_size, seq_len
     )
-    return forward if mode == "forward" else 3.0 * forward
+    return passes * forward
 
 
 def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train",
@@ -92,9 +98,7 @@ def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str
     flash_pytorch) both are ``gemm``. The values add up to :func:`flops_per_step`. (``sdpa`` counts as fused: where
     PyTorch falls back to its math kernel, plain matrix products, the trace has no attention kernels and
     ``lmtrain.analysis.ceilings.achieved`` charges the attention FLOPs nowhere.)"""
-    if mode not in STEP_MODES:
-        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
-    times = 1.0 if mode == "forward" else 3.0
+    times = _passes(mode)
     linear = times * 2.0 * matmul_parameter_count(cfg) * batch_size * seq_len
     attention = times * attention_flops_forward(cfg, batch_size, seq_len)
     return {"gemm": linear, "attention": attention} if fused_attention else {"gemm": linear + attention}
@@ -111,10 +115,9 @@ def float8_parameter_count(cfg: ModelConfig) -> int:
 def float8_flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train") -> float:
     """The part of :func:`flops_per_step` that runs as float8 GEMMs: the converted linears' products (forward
     ``2 * N_float8 * B * T``, a training step three times that); 0 with ``float8: none``."""
-    if mode not in STEP_MODES:
-        raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
+    passes = _passes(mode)
     forward = 2.0 * float8_parameter_count(cfg) * batch_size * seq_len
-    return forward if mode == "forward" else 3.0 * forward
+    return passes * forward
 
 
 def float8_step_peak_flops(flops: float, float8_flops: float, peak: float | None, float8_peak: float | None
