@@ -35,8 +35,8 @@ __all__ = ["NO_WORKSPACE", "apply_blas_workspace", "deterministic_workspace", "r
 NO_WORKSPACE = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 #: The ``CUBLAS_WORKSPACE_CONFIG`` values PyTorch's deterministic mode accepts.
 DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
-#: Non-empty once :func:`apply_blas_workspace` has set :data:`NO_WORKSPACE` in this process.
-_set_here: set[bool] = set()
+#: True once :func:`apply_blas_workspace` has set :data:`NO_WORKSPACE` in this process (until ``default`` undoes it).
+_set_here = False
 
 
 def resolve_blas_workspace(setting: str, cuda_graphs: bool, float8: str = "none") -> str:
@@ -47,9 +47,9 @@ def resolve_blas_workspace(setting: str, cuda_graphs: bool, float8: str = "none"
     return "none" if cuda_graphs and float8 == "none" else "default"
 
 
-def apply_blas_workspace(setting: str) -> str | None:
-    """Apply ``model.blas_workspace`` (``none`` or ``default``); returns a one-line note when the setting cannot take
-    effect as asked.
+def apply_blas_workspace(setting: str, cuda_graphs: bool = False, float8: str = "none") -> str | None:
+    """Apply ``model.blas_workspace`` (``auto`` resolved for ``cuda_graphs`` and ``float8`` by
+    :func:`resolve_blas_workspace`); returns a one-line note when the setting cannot take effect as asked.
 
     ``none`` sets :data:`NO_WORKSPACE` in ``os.environ``. Where the environment sets either variable to another value,
     neither is set (the user's choice wins) and the note names it; silently so for the values PyTorch's
@@ -58,15 +58,17 @@ def apply_blas_workspace(setting: str) -> str | None:
     the process. Either way, where CUDA is initialised already the note says the setting applies only if no matrix
     product has run on the GPU yet (cuBLAS reads its workspace size once, when its first handle is made).
     """
+    global _set_here
+    setting = resolve_blas_workspace(setting, cuda_graphs, float8)
     if setting not in ("none", "default"):
-        raise ValueError(f"unknown blas_workspace {setting!r}: use none or default")
+        raise ValueError(f"unknown blas_workspace {setting!r}: use auto, none or default")
     ours = all(os.environ.get(name) == value for name, value in NO_WORKSPACE.items())
     if setting == "default":
         if not (ours and _set_here):
             return None
         for name in NO_WORKSPACE:
             os.environ.pop(name, None)
-        _set_here.clear()
+        _set_here = False
         return _too_late()
     if ours:
         return None
@@ -80,7 +82,7 @@ def apply_blas_workspace(setting: str) -> str | None:
         return (f"model.blas_workspace: none leaves cuBLAS its workspace: the environment sets {given}; unset it to "
                 "give cuBLAS none.")
     os.environ.update(NO_WORKSPACE)
-    _set_here.add(True)
+    _set_here = True
     return _too_late()
 
 

@@ -21,7 +21,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import backend_info, needs_gpu
-from lmtrain.blas import apply_blas_workspace, deterministic_workspace, resolve_blas_workspace
+from lmtrain.blas import apply_blas_workspace, deterministic_workspace
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, TrainerSettings, cli_parameters, compile_kwargs
 from lmtrain.distributed import check_fsdp_precision, check_strategy_options
@@ -115,7 +115,7 @@ class LMModule(pl.LightningModule):
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
         # Before any matrix product runs on a GPU: cuBLAS reads its workspace size when its first handle is made.
-        note = apply_blas_workspace(resolve_blas_workspace(config.blas_workspace, config.cuda_graphs, config.float8))
+        note = apply_blas_workspace(config.blas_workspace, config.cuda_graphs, config.float8)
         if note:
             rank_zero_warn(note)
         self.step_mode = config.step_mode

@@ -70,7 +70,7 @@ def blas_workspace_env(monkeypatch: pytest.MonkeyPatch) -> Any:
             monkeypatch.setenv(name, os.environ[name])  # registers the value to restore
         else:
             monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(blas, "_set_here", set(blas._set_here))
+    monkeypatch.setattr(blas, "_set_here", blas._set_here)  # restored after the test
     yield
 
 

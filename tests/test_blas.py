@@ -17,7 +17,7 @@ VARS = tuple(blas.NO_WORKSPACE)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in VARS:
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever apply_blas_workspace sets
-    monkeypatch.setattr(blas, "_set_here", set())
+    monkeypatch.setattr(blas, "_set_here", False)
     return monkeypatch
 
 
@@ -89,6 +89,14 @@ def test_auto_gives_no_workspace_under_cuda_graphs_without_float8() -> None:
     for forced in ("none", "default"):
         for graphs in (True, False):
             assert blas.resolve_blas_workspace(forced, cuda_graphs=graphs, float8="rowwise") == forced
+
+
+def test_apply_resolves_auto_itself(clean_env: pytest.MonkeyPatch) -> None:
+    assert blas.apply_blas_workspace("auto", cuda_graphs=False) is None and not any(n in os.environ for n in VARS)
+    assert blas.apply_blas_workspace("auto", cuda_graphs=True, float8="rowwise") is None
+    assert not any(name in os.environ for name in VARS)
+    blas.apply_blas_workspace("auto", cuda_graphs=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
 
 
 def test_building_the_module_applies_the_option(clean_env: pytest.MonkeyPatch) -> None:
