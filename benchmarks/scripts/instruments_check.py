@@ -268,31 +268,34 @@ def row(name: str, f: dict[str, Any], overhead: float | None, graphed: bool = Fa
     return cells, not failed
 
 
+def timer_fit(out: Path, name: str, config: str, args: list[str], steps: int, extra: list[str] | None = None,
+              timeout: int = FIT_TIMEOUT_S) -> tuple[dict[str, Any], float | None]:
+    """One fit with CudaSyncTimer alone: (the fit, its median step over the counted steps, None if it failed)."""
+    result = fit(out, name, config, args, TIMER_ONLY, steps, extra=extra, timeout=timeout)
+    ok = result["rc"] == 0 and result["log_dir"]
+    return result, counted_median(read(result["log_dir"])[0], "time/step_ms") if ok else None
+
+
 def timer_only_reference(out: Path, name: str, config: str, args: list[str], steps: int, figures_: dict[str, Any],
                          extra: list[str] | None = None,
                          timeout: int = FIT_TIMEOUT_S) -> tuple[dict[str, Any], float | None, float | None]:
     """The fit ``name`` again with CudaSyncTimer alone (``name_timer``), appended to the results: (its fit, its
     median step over the counted steps, the overhead of the instrumented fit whose ``figures_`` are given)."""
-    base = fit(out, name + "_timer", config, args, TIMER_ONLY, steps, extra=extra, timeout=timeout)
-    base_ms = counted_median(read(base["log_dir"])[0], "time/step_ms") if base["rc"] == 0 and base["log_dir"] \
-        else None
+    base, base_ms = timer_fit(out, name + "_timer", config, args, steps, extra=extra, timeout=timeout)
     overhead = figures_["timer_step_ms"] / base_ms - 1 if base_ms and figures_.get("timer_step_ms") else None
     append(out, {"fit": name + "_timer", "timer_only": base, "baseline_step_ms": base_ms, "overhead": overhead})
     return base, base_ms, overhead
 
 
 HEADER = ["fit", "timer step ms", "busy / step", "span / step", "wall / step", "span / profiled", "busy / profiled",
-          "other",
-          "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
+          "other", "HTA breakdown (pts)", "HTA idle split (pts)", "phases / step", "overhead", "hooks / step", "pass"]
 
 
 def compare_reference(out: Path, name: str, config: str, args: list[str], steps: int, compare: list[str],
                       base_ms: float | None, timeout: int = FIT_TIMEOUT_S) -> float | None:
     """The timer-only fit once more with the options ``compare`` added (``name_compare``), in the same run, appended
     to the results; returns its median step over the timer-only reference's (None where either is missing)."""
-    other = fit(out, name + "_compare", config, args + compare, TIMER_ONLY, steps, timeout=timeout)
-    other_ms = counted_median(read(other["log_dir"])[0], "time/step_ms") if other["rc"] == 0 and other["log_dir"] \
-        else None
+    other, other_ms = timer_fit(out, name + "_compare", config, args + compare, steps, timeout=timeout)
     ratio = other_ms / base_ms if other_ms and base_ms else None
     append(out, {"fit": name + "_compare", "compare": other, "options": compare, "compare_step_ms": other_ms,
                  "compare_to_timer_only": ratio})
