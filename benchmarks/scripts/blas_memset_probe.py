@@ -25,6 +25,8 @@ import sys
 import tempfile
 from typing import Any
 
+from lmtrain.analysis.kernels import gpu_timeline
+
 #: The 2.7B model's block shapes (lmtrain.config) at batch 4, context 512.
 TOKENS, D_MODEL, D_FF, HEADS, BATCH, SEQ, HEAD_DIM = 2048, 2560, 10240, 32, 4, 512, 80
 BLOCKS = 8
@@ -37,18 +39,10 @@ def replay_stats(events: list[dict[str, Any]], replays: int) -> dict[str, Any]:
     kernels), and for each kernel that follows a memset how many times it does (over all replays)."""
     ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                  key=lambda e: float(e["ts"]))
-    busy = gaps = 0.0
-    end: float | None = None
-    for e in ops:
-        start, stop = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        if end is None or start >= end:
-            if end is not None and start - end < GAP_LIMIT_US:
-                gaps += start - end
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    timeline = gpu_timeline([(float(e["ts"]), float(e.get("dur", 0)), e["name"], "") for e in ops],
+                            keep_gaps=len(ops))
+    busy = timeline.busy_us if timeline else 0.0
+    gaps = sum(gap for gap, *_ in timeline.largest_gaps if gap < GAP_LIMIT_US) if timeline else 0.0
     after: dict[str, int] = {}
     for e, nxt in zip(ops, ops[1:], strict=False):
         if e["cat"] == "gpu_memset":
