@@ -21,7 +21,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import backend_info, needs_gpu
-from lmtrain.blas import apply_blas_workspace, deterministic_workspace
+from lmtrain.blas import apply_blas_workspace, deterministic_workspace, resolve_blas_workspace
 from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, TrainerSettings, cli_parameters, compile_kwargs
 from lmtrain.distributed import check_fsdp_precision, check_strategy_options
@@ -379,6 +379,10 @@ class LMModule(pl.LightningModule):
         # under torch.inference_mode); fit validates under no_grad, where updating them in place fails.
         # reset() outside inference mode replaces them with normal tensors.
         self.val_loss.reset()
+        # What blas_workspace resolved to (auto: by cuda_graphs and float8), beside the options as given
+        chosen = resolve_blas_workspace(self.config.blas_workspace, self.config.cuda_graphs, self.config.float8)
+        for logger in self.loggers:
+            logger.log_hyperparams({"blas_workspace_applied": chosen})
         if self.config.attention == "flash_triton":
             served = flash_kernels_record(self.config, self.device, str(self.trainer.precision))
             for logger in self.loggers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,20 @@ def test_building_the_module_applies_the_option(clean_env: pytest.MonkeyPatch) -
     assert module.config.blas_workspace == "auto" and not any(name in os.environ for name in VARS)
     LMModule("tiny", cuda_graphs=True)  # auto under CUDA graphs: no workspace
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+
+
+def test_a_fit_records_what_the_option_resolved_to(tmp_path, clean_env: pytest.MonkeyPatch) -> None:
+    """auto on an eager CPU fit resolves to PyTorch's workspace, and the run's hyperparameters say so."""
+    import lightning.pytorch as pl
+    import yaml
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lmtrain.data import LMDataModule
+
+    module = LMModule("tiny", vocab_size=256, context_length=16, num_layers=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=256, train_batches=4)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    pl.Trainer(max_steps=1, accelerator="cpu", logger=logger, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, limit_val_batches=0).fit(module, data)
+    hparams = yaml.unsafe_load((Path(logger.log_dir) / "hparams.yaml").read_text())  # tuples of the options
+    assert hparams["blas_workspace"] == "auto" and hparams["blas_workspace_applied"] == "default"
