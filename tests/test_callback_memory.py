@@ -251,6 +251,32 @@ def test_exact_peaks_and_nothing_read_on_steps_not_logged(fake_cuda):
     assert cb.files == [] and not alloc.recording
 
 
+def test_default_cadence_is_the_trainers(fake_cuda):
+    """log_every_n_steps=None (the default) logs, and reads the counters, on the trainer's logged steps only."""
+    alloc, trainer = fake_cuda
+    trainer.log_every_n_steps = 3
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=None)
+    assert cb.log_every_n_steps is None
+    cb.setup(trainer, module, "fit")
+    reads = [run_step(cb, trainer, module, alloc) for _ in range(7)]
+    cb.teardown(trainer, module, "fit")
+    assert [step for step, _ in trainer.loggers[0].logged] == [0, 3, 6]
+    assert reads == [3, 0, 0, 3, 0, 0, 3] and alloc.resets == 3
+
+
+def test_explicit_cadence_overrides_the_trainers(fake_cuda):
+    alloc, trainer = fake_cuda
+    trainer.log_every_n_steps = 3
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=None, log_every_n_steps=1)
+    cb.setup(trainer, module, "fit")
+    for _ in range(3):
+        run_step(cb, trainer, module, alloc)
+    cb.teardown(trainer, module, "fit")
+    assert [step for step, _ in trainer.loggers[0].logged] == [0, 1, 2]
+
+
 def test_window_records_only_its_steps_and_writes_files(fake_cuda):
     alloc, trainer = fake_cuda
     module = torch.nn.Linear(2, 2)
@@ -302,7 +328,7 @@ def test_bad_option_names_the_argument(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_window_writes_pickle_png_and_tables(tmp_path):
-    cb = MemorySnapshot(start_step=2, num_steps=1, top_n=5)
+    cb = MemorySnapshot(start_step=2, num_steps=1, top_n=5, log_every_n_steps=1)
     fit(tmp_path, [cb], steps=4, accelerator="cuda")
     names = sorted(p.name for p in cb.files)
     assert names == ["memory_snapshot_steps_2-2.pickle", "memory_timeline_steps_2-2.png"]

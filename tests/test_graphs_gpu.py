@@ -76,7 +76,7 @@ def test_all_five_callbacks_under_cuda_graphs(tmp_path: Path) -> None:
     callbacks = [
         CudaSyncTimer(warmup_steps=2, print_summary=False),
         KernelShare(wait=5, warmup=1, active=2),           # steps 6..7 (graphed) profiled, 5 warm-up
-        MemorySnapshot(start_step=9, num_steps=1),         # runs eagerly (needs_eager_step)
+        MemorySnapshot(start_step=9, num_steps=1, log_every_n_steps=1),  # runs eagerly (needs_eager_step)
         PrecisionInspector(step=10),                       # runs eagerly
         NVTXRanges(depth="phase", start_step=11, num_steps=1),
     ]

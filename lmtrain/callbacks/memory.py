@@ -71,10 +71,13 @@ class AllocatorHistory:
 class MemorySnapshot(pl.Callback):
     """Where GPU memory goes: peaks per phase every step, and a full allocation history in a window.
 
-    Every logged step (``global_step`` a multiple of ``log_every_n_steps``; host-side allocator counters, no device
-    synchronisation): the peak is reset at the step's start (``torch.cuda.reset_peak_memory_stats``) and
-    read at the end of each phase (``torch.cuda.max_memory_allocated``), so ``peak_after_backward`` is the
-    highest point from the step's start to the end of backward. Steps that are not logged read nothing.
+    Every logged step (``global_step`` a multiple of ``log_every_n_steps``, by default the trainer's; host-side
+    allocator counters, no device synchronisation): the peak is reset at the step's start
+    (``torch.cuda.reset_peak_memory_stats``) and read at the end of each phase (``torch.cuda.max_memory_allocated``),
+    so ``peak_after_backward`` is the highest point from the step's start to the end of backward. Steps that are not
+    logged read nothing. A logged step's reads and scalars cost the host about 2.5 ms on an H200 (measured with
+    ``benchmarks/scripts/hook_cost.py``): a host-bound step, such as the small model's eager one, is longer by that
+    much, which is why the default follows the trainer's cadence rather than logging every step.
 
     Under CUDA graphs (``LMModule(cuda_graphs=True)``) a replayed step makes no allocator calls: the counters see
     neither its intermediates nor its gradients, so its peaks would be the static memory alone. Replayed steps
@@ -132,12 +135,13 @@ class MemorySnapshot(pl.Callback):
             its stack.
         top_n: rows of the top-allocation table.
         on_oom: record from the start and dump the snapshot and a summary on CUDA out-of-memory.
-        log_every_n_steps: log the per-step scalars of every n-th step.
+        log_every_n_steps: log the per-step scalars of every n-th step; None (default): the trainer's
+            ``log_every_n_steps`` (Lightning's default 50; 10 in lmtrain's configs).
         ranks: the ranks that record allocation history (default ``[0]``).
     """
 
     def __init__(self, start_step: int | None = 5, num_steps: int = 1, max_entries: int = 1_000_000, top_n: int = 10,
-                 on_oom: bool = False, log_every_n_steps: int = 1, ranks: list[int] | None = None) -> None:
+                 on_oom: bool = False, log_every_n_steps: int | None = None, ranks: list[int] | None = None) -> None:
         super().__init__()
         self.ranks = [0] if ranks is None else ranks
         self.start_step = start_step
@@ -165,6 +169,7 @@ class MemorySnapshot(pl.Callback):
         self._rank = ""  # file-name part: "" on one process, "rank<r>_" on several
         self._world = 1  # processes of the fit (set in setup)
         self._log_now = False  # this step's values are logged (a logged step)
+        self._log_every = 1  # steps between logged steps (log_every_n_steps, or the trainer's; set in setup)
         self._graphed_steps = 0  # steps replayed as a CUDA graph in this fit (the first one captures the graph)
         self._capture_peak: float | None = None  # GiB, the peak of the step that captured the CUDA graph
 
@@ -200,8 +205,10 @@ class MemorySnapshot(pl.Callback):
         """
         check_int("MemorySnapshot", "start_step", self.start_step, 0, allow_none=True,
                   fix="use start_step >= 0, or None for the per-step peaks alone.")
-        for name in ("num_steps", "max_entries", "top_n", "log_every_n_steps"):
+        for name in ("num_steps", "max_entries", "top_n"):
             check_int("MemorySnapshot", name, getattr(self, name), 1)
+        check_int("MemorySnapshot", "log_every_n_steps", self.log_every_n_steps, 1, allow_none=True,
+                  fix="use log_every_n_steps >= 1, or None for the trainer's.")
         check_ranks("MemorySnapshot", self.ranks, world_size)
 
     @override
@@ -219,6 +226,7 @@ class MemorySnapshot(pl.Callback):
         self._phases.reset()
         self._marks, self.files, self._window_done, self._window_first = [], [], False, None
         self._graphed_steps, self._capture_peak = 0, None
+        self._log_every = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
         host_group(trainer)  # a collective the first time: made now, on every rank together
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
@@ -281,7 +289,7 @@ class MemorySnapshot(pl.Callback):
         if self._phases.first_batch:
             # Each read of the counters builds torch.cuda.memory_stats' whole dict: read only what is logged, and
             # the step that captures a CUDA graph (the first replayed step: its peak is what every replay reuses).
-            self._log_now = step % self.log_every_n_steps == 0
+            self._log_now = step % self._log_every == 0
             capture = self._phases.graphed and self._graphed_steps == 0
             self._graphed_steps += self._phases.graphed
             self._measure = self._log_now or capture
