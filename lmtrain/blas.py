@@ -8,13 +8,14 @@ no workspace cuBLAS runs the same kernels (same names, same times) without the m
 
 - a CUDA graph of eight 2.7B blocks at 2,048 tokens: 64 fewer operations, 1.7% less time per replay;
 - ``configs/2.7B_bf16_fast.yaml`` (one CUDA graph per step): 2.0% faster; ``small_bf16_fast.yaml``: the same;
+- ``configs/2.7B_bf16_fp8.yaml`` (float8 GEMMs, which are cuBLASLt products, in one CUDA graph): 1.7% faster
+  (``benchmarks/2026-11-28-H200-float8-blas-workspace.md``);
 - eager steps, where the host launches every product: 2.7B 0.2-0.5% faster, but the small model at context 512,
-  whose step the host bounds, 36% slower (45.3 against 33.4 ms, one measurement): a cost on the host's side of
-  each product, which a GPU-bound or graphed step hides.
+  whose step the host bounds, 3% slower when alone on its machine (36% in a run that shared the host with another
+  fit): a cost on the host's side of each product, which a GPU-bound or graphed step hides.
 
 So ``auto`` (the default) gives cuBLAS no workspace only where the host does not launch the products one by one,
-under ``cuda_graphs``, and not with ``float8`` (its GEMMs are cuBLASLt products, whose workspace this PyTorch takes
-from the same pool: not measured without one). ``none`` and ``default`` force either.
+under ``cuda_graphs``. ``none`` and ``default`` force either.
 
 cuBLAS reads the workspace size when PyTorch makes its first handle in the process, from two environment variables:
 ``CUBLAS_WORKSPACE_CONFIG`` (``:size_KiB:count``; ``:0:0`` removes the memsets) and ``CUBLASLT_WORKSPACE_SIZE`` (KiB;
@@ -39,16 +40,16 @@ DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
 _set_here = False
 
 
-def resolve_blas_workspace(setting: str, cuda_graphs: bool, float8: str = "none") -> str:
-    """``none`` or ``default``: ``setting`` itself, or for ``auto`` ``none`` under ``cuda_graphs`` without float8 and
-    ``default`` otherwise (module docstring)."""
+def resolve_blas_workspace(setting: str, cuda_graphs: bool) -> str:
+    """``none`` or ``default``: ``setting`` itself, or for ``auto`` ``none`` under ``cuda_graphs`` and ``default``
+    otherwise (module docstring)."""
     if setting != "auto":
         return setting
-    return "none" if cuda_graphs and float8 == "none" else "default"
+    return "none" if cuda_graphs else "default"
 
 
-def apply_blas_workspace(setting: str, cuda_graphs: bool = False, float8: str = "none") -> str | None:
-    """Apply ``model.blas_workspace`` (``auto`` resolved for ``cuda_graphs`` and ``float8`` by
+def apply_blas_workspace(setting: str, cuda_graphs: bool = False) -> str | None:
+    """Apply ``model.blas_workspace`` (``auto`` resolved for ``cuda_graphs`` by
     :func:`resolve_blas_workspace`); returns a one-line note when the setting cannot take effect as asked.
 
     ``none`` sets :data:`NO_WORKSPACE` in ``os.environ``. Where the environment sets either variable to another value,
@@ -59,7 +60,7 @@ def apply_blas_workspace(setting: str, cuda_graphs: bool = False, float8: str = 
     product has run on the GPU yet (cuBLAS reads its workspace size once, when its first handle is made).
     """
     global _set_here
-    setting = resolve_blas_workspace(setting, cuda_graphs, float8)
+    setting = resolve_blas_workspace(setting, cuda_graphs)
     if setting not in ("none", "default"):
         raise ValueError(f"unknown blas_workspace {setting!r}: use auto, none or default")
     ours = all(os.environ.get(name) == value for name, value in NO_WORKSPACE.items())

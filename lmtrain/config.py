@@ -373,7 +373,7 @@ class SpeedOptions(OptionGroup):
         "(no workspace: cuBLAS runs the same Hopper GEMM kernels without the 4-byte memset it puts before each, "
         "one GPU operation fewer per product; a CUDA-graph step of 2.7B 1.02x as fast, but an eager step that the "
         "host bounds slower, each product costing the host more), default (PyTorch's workspace) or auto: none "
-        "under cuda_graphs without float8, default otherwise. Read when the process makes its first cuBLAS "
+        "under cuda_graphs, default otherwise. Read when the process makes its first cuBLAS "
         "handle: the module sets it when it is built, before any product runs; CUBLASLT_WORKSPACE_SIZE / "
         "CUBLAS_WORKSPACE_CONFIG set in the environment win over it.",
         short="blasws", choices=BLAS_WORKSPACES, kind="setting")

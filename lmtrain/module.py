@@ -115,7 +115,7 @@ class LMModule(pl.LightningModule):
                                "needs a CUDA GPU, and none is visible.",
                                "use model.attention: sdpa (or naive / flash_pytorch) on this machine.")
         # Before any matrix product runs on a GPU: cuBLAS reads its workspace size when its first handle is made.
-        note = apply_blas_workspace(config.blas_workspace, config.cuda_graphs, config.float8)
+        note = apply_blas_workspace(config.blas_workspace, config.cuda_graphs)
         if note:
             rank_zero_warn(note)
         self.step_mode = config.step_mode
@@ -379,8 +379,8 @@ class LMModule(pl.LightningModule):
         # under torch.inference_mode); fit validates under no_grad, where updating them in place fails.
         # reset() outside inference mode replaces them with normal tensors.
         self.val_loss.reset()
-        # What blas_workspace resolved to (auto: by cuda_graphs and float8), beside the options as given
-        chosen = resolve_blas_workspace(self.config.blas_workspace, self.config.cuda_graphs, self.config.float8)
+        # What blas_workspace resolved to (auto: by cuda_graphs), beside the options as given
+        chosen = resolve_blas_workspace(self.config.blas_workspace, self.config.cuda_graphs)
         for logger in self.loggers:
             logger.log_hyperparams({"blas_workspace_applied": chosen})
         if self.config.attention == "flash_triton":

@@ -70,7 +70,7 @@ def train_plain(config: ModelConfig, batch_size: int, precision: str, *, compile
                            "reduce-overhead mode, and compile is off.", "use --compile on with plain graph cells.")
     # The cell's cuBLAS workspace, as LMModule applies it (each cell runs in a process of its own): a plain cell and
     # a Lightning cell of the same options then run with the same workspace
-    note = apply_blas_workspace(config.blas_workspace, cuda_graphs, config.float8)
+    note = apply_blas_workspace(config.blas_workspace, cuda_graphs)
     if note:
         warnings.warn(note, stacklevel=2)
     device = torch.device("cuda")
