@@ -132,8 +132,8 @@ def test_default_fits_are_the_four_paths_and_the_others_run_when_named(
     made.clear()
     check.main(["run", str(tmp_path / "b"), "--models", "small", "--only", "inbackward", "checkpointing"])
     assert [(n, a) for n, a in made if not n.endswith("_timer")] == [
-        ("small_inbackward", ["--model.optimizer_in_backward", "true"]),
-        ("small_checkpointing", ["--model.activation_checkpointing", "full"])]
+        ("small_inbackward", ["--model.optimizer_in_backward", "true", "--trainer.devices", "1"]),
+        ("small_checkpointing", ["--model.activation_checkpointing", "full", "--trainer.devices", "1"])]
 
 
 def test_ddp_fit_uses_the_ddp_config_without_a_mesh_size(
@@ -228,6 +228,9 @@ def test_compare_fits_the_timer_alone_once_more_with_the_given_arguments(
     monkeypatch.setattr(check, "read", lambda log_dir: ({"time/step_ms": [(9, medians[log_dir])]}, {}))
     check.main(["run", str(tmp_path), "--models", "small", "--only", "fast", "--compare",
                 "--model.blas_workspace default"])
-    assert made[-1] == ("small_fast_compare", ["--model.blas_workspace", "default"], check.TIMER_ONLY)
+    assert made[-1] == ("small_fast_compare", ["--trainer.devices", "1", "--model.blas_workspace", "default"],
+                        check.TIMER_ONLY)
+    # every fit of run is on one GPU, whatever the machine has
+    assert all(args[args.index("--trainer.devices") + 1] == "1" for _, args, _ in made), made
     last = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
     assert last["fit"] == "small_fast_compare" and last["compare_to_timer_only"] == pytest.approx(1.05)

@@ -14,7 +14,8 @@ Usage::
     # only read fits made already (a run's version folder, logs/lmtrain/version_N)
     python benchmarks/scripts/instruments_check.py check LOG_DIR [LOG_DIR ...]
 
-``run`` makes, per model, four fits with all five callbacks at their defaults (KernelShare with ``export_trace``):
+``run`` makes, per model, four one-GPU fits (``--trainer.devices 1``, also on a machine with several) with all five
+callbacks at their defaults (KernelShare with ``export_trace``):
 eager sdpa at context 512, eager flash_triton at 512 and at 4096 (2.7B: batch 1 there, to fit in 80 GB) and
 ``configs/<model>_bf16_fast.yaml`` (compiled, CUDA graphs); and the same four with CudaSyncTimer alone (the
 uninstrumented reference: its CUDA events cost no measurable time). Each fit may run for ``--fit-timeout`` seconds
@@ -313,7 +314,9 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
                 continue
             kind = "fast" if key == "fast" else "eager"
             steps = STEPS[model][kind]
-            args = args + (["--data.batch_size", "1"] if model == "2.7B" and key == "flash4096" else [])
+            # One GPU: on a machine with several, Lightning's devices=auto would make every fit DDP over all of them
+            args = args + ["--trainer.devices", "1"] + (["--data.batch_size", "1"] if model == "2.7B" and
+                                                         key == "flash4096" else [])
             name = f"{model}_{key}"
             all5 = fit(out, name, config.format(m=model), args, five(), steps, timeout=timeout)
             f = figures(all5, hta) if all5["rc"] == 0 else {}

@@ -75,9 +75,9 @@ class MemorySnapshot(pl.Callback):
     allocator counters, no device synchronisation): the peak is reset at the step's start
     (``torch.cuda.reset_peak_memory_stats``) and read at the end of each phase (``torch.cuda.max_memory_allocated``),
     so ``peak_after_backward`` is the highest point from the step's start to the end of backward. Steps that are not
-    logged read nothing. A logged step's reads and scalars cost the host about 2.5 ms on an H200 (measured with
-    ``benchmarks/scripts/hook_cost.py``): a host-bound step, such as the small model's eager one, is longer by that
-    much, which is why the default follows the trainer's cadence rather than logging every step.
+    logged read nothing. Logging every step cost the host about 2.5 ms per step on two ranks of the small model's eager
+    fit on H200s (measured with ``benchmarks/scripts/hook_cost.py``), and a host-bound step is longer by that much:
+    hence the default follows the trainer's cadence rather than logging every step.
 
     Under CUDA graphs (``LMModule(cuda_graphs=True)``) a replayed step makes no allocator calls: the counters see
     neither its intermediates nor its gradients, so its peaks would be the static memory alone. Replayed steps
