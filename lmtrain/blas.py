@@ -11,8 +11,9 @@ no workspace cuBLAS runs the same kernels (same names, same times) without the m
 - ``configs/2.7B_bf16_fp8.yaml`` (float8 GEMMs, which are cuBLASLt products, in one CUDA graph): 1.7% faster
   (``benchmarks/2026-11-28-H200-float8-blas-workspace.md``);
 - eager steps, where the host launches every product: 2.7B 0.2-0.5% faster, but the small model at context 512,
-  whose step the host bounds, 3% slower when alone on its machine (36% in a run that shared the host with another
-  fit): a cost on the host's side of each product, which a GPU-bound or graphed step hides.
+  whose step the host bounds, slower: 36% on one GPU while another fit shared the host, 3% in a DDP fit over two
+  GPUs with the machine to itself (one measurement each): a cost on the host's side of each product, which a
+  GPU-bound or graphed step hides.
 
 So ``auto`` (the default) gives cuBLAS no workspace only where the host does not launch the products one by one,
 under ``cuda_graphs``. ``none`` and ``default`` force either.

@@ -69,7 +69,7 @@ class AllocatorHistory:
 
 
 class MemorySnapshot(pl.Callback):
-    """Where GPU memory goes: peaks per phase every step, and a full allocation history in a window.
+    """Where GPU memory goes: peaks per phase every logged step, and a full allocation history in a window.
 
     Every logged step (``global_step`` a multiple of ``log_every_n_steps``, by default the trainer's; host-side
     allocator counters, no device synchronisation): the peak is reset at the step's start
