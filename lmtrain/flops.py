@@ -82,12 +82,9 @@ def _passes(mode: str) -> float:
 
 
 def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train") -> float:
-    """Model FLOPs of one step (see the module docstring). ``mode``: train, forward_backward or forward."""
-    passes = _passes(mode)
-    forward = 2.0 * matmul_parameter_count(cfg) * batch_size * seq_len + attention_flops_forward(
-        cfg, batch_size, seq_len
-    )
-    return passes * forward
+    """Model FLOPs of one step (see the module docstring): the linear layers' products and attention's
+    (:func:`flops_by_category`). ``mode``: train, forward_backward or forward."""
+    return sum(flops_by_category(cfg, batch_size, seq_len, mode).values())
 
 
 def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str = "train",
@@ -95,7 +92,7 @@ def flops_by_category(cfg: ModelConfig, batch_size: int, seq_len: int, mode: str
     """:func:`flops_per_step` split by the kernel category that runs it (``lmtrain.analysis.categories``): ``gemm``,
     the linear layers' products (``2 * N_matmul * B * T`` forward); ``attention``, QK^T and PV. With
     ``fused_attention`` False (an attention backend that runs its products as plain matrix products: naive,
-    flash_pytorch) both are ``gemm``. The values add up to :func:`flops_per_step`. (``sdpa`` counts as fused: where
+    flash_pytorch) both are ``gemm``. :func:`flops_per_step` is their sum. (``sdpa`` counts as fused: where
     PyTorch falls back to its math kernel, plain matrix products, the trace has no attention kernels and
     ``lmtrain.analysis.ceilings.achieved`` charges the attention FLOPs nowhere.)"""
     times = _passes(mode)

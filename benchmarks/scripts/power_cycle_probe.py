@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmtrain.bench.clock import Clock
+
 #: Samples with more power than this (W) are taken under load.
 LOAD_WATTS = 250.0
 #: The ``clocks_event_reasons.active`` bit of the software power cap (NVML's ``clocksEventReasonSwPowerCap``).
@@ -83,21 +85,21 @@ def smi_index() -> str:
 def run(seconds: float, size: int, products: int) -> list[tuple[float, float]]:
     import torch
 
+    clock = Clock(cuda=True)
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     for _ in range(products):  # warm-up: cuBLAS heuristics, clocks up
         a @ b
-    torch.cuda.synchronize()
+    clock.sync()
     rows: list[tuple[float, float]] = []
     end = time.time() + seconds
     while time.time() < end:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = clock.mark()
         for _ in range(products):
             a @ b
-        stop.record()
-        stop.synchronize()
-        rows.append((time.time(), start.elapsed_time(stop)))
+        stop = clock.mark()
+        clock.sync()
+        rows.append((time.time(), clock.ms(start, stop)))
     return rows
 
 
@@ -129,9 +131,10 @@ def main(argv: list[str]) -> int:
         log.seek(0)
         samples = parse_smi(log.read().splitlines())
     during = [s for s in samples if rows[0][0] <= s[0] <= rows[-1][0]]
-    result = {"device": torch.cuda.get_device_name(), "size": args.size, "products": args.products,
-              **slow_iterations(rows, args.slow), "load": load_summary(during),
-              "tflops_at_median": args.products * 2 * args.size ** 3 / statistics.median(ms for _, ms in rows) / 1e9}
+    timing = slow_iterations(rows, args.slow)
+    result = {"device": torch.cuda.get_device_name(), "size": args.size, "products": args.products, **timing,
+              "load": load_summary(during),
+              "tflops_at_median": args.products * 2 * args.size ** 3 / timing["median_ms"] / 1e9}
     if not smi:
         result["load"] = "no nvidia-smi on this machine: no samples"
     if args.out:
