@@ -226,7 +226,7 @@ class MemorySnapshot(pl.Callback):
         self._phases.reset()
         self._marks, self.files, self._window_done, self._window_first = [], [], False, None
         self._graphed_steps, self._capture_peak = 0, None
-        self._log_every = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        self._log_every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 1
         host_group(trainer)  # a collective the first time: made now, on every rank together
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
