@@ -769,8 +769,13 @@ def strategy_kind(strategy: Any) -> str:
         strategy: e.g. ``"ddp"``, ``"ddp_spawn"``, ``"auto"``, ``"lightning.pytorch.strategies.ModelParallelStrategy"``
             or a strategy object.
     """
-    # An object is known by its class or the nearest base class that is (a subclass of DDPStrategy is DDP).
+    # An object is known by its class or the nearest base class that is (a subclass of DDPStrategy is DDP); so is a
+    # class path that imports (lmtrain.distributed.SameStreamDDPStrategy is a DDPStrategy).
     names = [strategy] if isinstance(strategy, str) else [c.__name__ for c in type(strategy).__mro__]
+    if isinstance(strategy, str) and "." in strategy:
+        cls = _imported_class(strategy)
+        if cls is not None:
+            names = [c.__name__ for c in cls.__mro__]
     for name in (n.rsplit(".", 1)[-1].lower() for n in names):
         if name.startswith("ddp"):
             return "ddp"
@@ -779,6 +784,18 @@ def strategy_kind(strategy: Any) -> str:
         if name in ("auto", "single_device", "singledevicestrategy"):
             return "single"
     raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
+
+
+def _imported_class(path: str) -> type | None:
+    """The class a dotted path names, or None where it does not import (its module missing, no such class)."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
 
 
 def parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:

@@ -465,6 +465,23 @@ def test_strategy_kind_maps_lightning_names() -> None:
         strategy_kind("deepspeed")
 
 
+def test_strategy_kind_follows_an_importable_class_path_to_its_base() -> None:
+    """A class path is known by its class's bases: lmtrain's own DDP strategy (a DDPStrategy subclass whose name
+    does not start with ddp) is DDP, so master weights pass under it; a path that does not import is unknown."""
+    from lmtrain.cli_config import strategy_of
+    from lmtrain.memory_plan import strategy_kind
+
+    assert strategy_kind("lmtrain.distributed.SameStreamDDPStrategy") == "ddp"
+    assert strategy_kind("lightning.pytorch.strategies.DDPStrategy") == "ddp"
+    with pytest.raises(ValueError):
+        strategy_kind("lightning.pytorch.strategies.NoSuchStrategy")
+    with pytest.raises(ValueError):
+        strategy_kind("no_such_package.SameStreamStrategy")
+    trainer = {"strategy": {"class_path": "lmtrain.distributed.SameStreamDDPStrategy",
+                            "init_args": {"bucket_cap_mb": 400}}, "devices": 4}
+    assert strategy_of(trainer) == ("ddp", 4)
+
+
 if __name__ == "__main__":
     from lmtrain.distributed import end_process_group
 
