@@ -770,12 +770,20 @@ def strategy_kind(strategy: Any) -> str:
             or a strategy object.
     """
     # An object is known by its class or the nearest base class that is (a subclass of DDPStrategy is DDP); so is a
-    # class path that imports (lmtrain.distributed.SameStreamDDPStrategy is a DDPStrategy).
+    # class path whose own name says nothing, once it imports (lmtrain.distributed.SameStreamDDPStrategy is a
+    # DDPStrategy). A known name is not imported: planning an FSDP2 config does not load Lightning.
     names = [strategy] if isinstance(strategy, str) else [c.__name__ for c in type(strategy).__mro__]
-    if isinstance(strategy, str) and "." in strategy:
+    kind = _kind_of_names(names)
+    if kind is None and isinstance(strategy, str) and "." in strategy:
         cls = _imported_class(strategy)
-        if cls is not None:
-            names = [c.__name__ for c in cls.__mro__]
+        kind = None if cls is None else _kind_of_names([c.__name__ for c in cls.__mro__])
+    if kind is not None:
+        return kind
+    raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
+
+
+def _kind_of_names(names: list[str]) -> str | None:
+    """The strategy kind of the first of ``names`` (strategy names, class names or paths) that has one."""
     for name in (n.rsplit(".", 1)[-1].lower() for n in names):
         if name.startswith("ddp"):
             return "ddp"
@@ -783,7 +791,7 @@ def strategy_kind(strategy: Any) -> str:
             return "fsdp"
         if name in ("auto", "single_device", "singledevicestrategy"):
             return "single"
-    raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
+    return None
 
 
 def _imported_class(path: str) -> type | None:

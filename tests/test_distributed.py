@@ -477,6 +477,8 @@ def test_strategy_kind_follows_an_importable_class_path_to_its_base() -> None:
         strategy_kind("lightning.pytorch.strategies.NoSuchStrategy")
     with pytest.raises(ValueError):
         strategy_kind("no_such_package.SameStreamStrategy")
+    # a name that says its kind is taken without importing it
+    assert strategy_kind("no_such_package.ModelParallelStrategy") == "fsdp"
     trainer = {"strategy": {"class_path": "lmtrain.distributed.SameStreamDDPStrategy",
                             "init_args": {"bucket_cap_mb": 400}}, "devices": 4}
     assert strategy_of(trainer) == ("ddp", 4)
