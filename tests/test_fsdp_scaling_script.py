@@ -257,3 +257,68 @@ def test_ddp_sidestream_cell_names_lightnings_strategy_with_lmtrains_arguments(d
                "ddp_sidestream2": {"devices": 2, "step_ms": 110.0, "tokens_per_s_per_gpu": 900.0}}
     row = [r for r in driver.table(results).splitlines() if r.startswith("| ddp_sidestream2 ")][0]
     assert [c.strip() for c in row.split("|")][6] == "0.900"
+
+
+def test_cell_stopped_after_writing_its_step_time_keeps_it(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    """A fit that wrote its timed steps and then took past the cell's time to end (several ranks tearing down):
+    the step time counts, with a note that the cell was stopped; without the file it stays an error row."""
+    code = f"""
+        import json, time
+        open({str(tmp_path / 'ddp4.json')!r}, "w").write(json.dumps({{"step_ms": {{"median": 130.0}}}}))
+        time.sleep(600)
+    """
+    row = driver.run(driver.Cell("ddp4", _python(code), 4, 1024, driver.timer_step_ms("ddp4")), tmp_path, {},
+                     timeout=3, grace_s=1)
+    assert row["step_ms"] == 130.0 and row["tokens_per_s_per_gpu"] == pytest.approx(4 * 1024 / 0.13), row
+    assert "error" not in row and row["note"].startswith("stopped after 3 s"), row
+
+
+_STOPPED_RUN = """
+import json, signal, sys, textwrap
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import load_script
+
+driver = load_script("fsdp_scaling")
+out = Path({out!r})
+signal.signal(signal.SIGTERM, driver._stop_on_sigterm)
+writes = textwrap.dedent('''
+    import json, time
+    open({json_path!r}, "w").write(json.dumps({{"step_ms": {{"median": 200.0}}}}))
+    print("timed steps written", flush=True)
+    time.sleep(600)
+''')
+cells = [driver.Cell("fsdp1", [sys.executable, "-c", "import json; print(json.dumps({{'step_ms': 100.0}}))"], 1, 1024,
+                     driver.printed_step_ms),
+         driver.Cell("fsdp4", [sys.executable, "-c", writes], 4, 1024, driver.timer_step_ms("fsdp4")),
+         driver.Cell("ddp4", [sys.executable, "-c", "open({marker!r}, 'w')"], 4, 1024, driver.printed_step_ms)]
+try:
+    driver.run_cells(cells, out, {{}}, cell_timeout=120, budget=600, grace_s=1)
+except driver.Stopped:
+    sys.exit(143)
+"""
+
+
+def test_sigterm_to_the_script_keeps_the_rows_so_far_and_the_running_cells_step_time(tmp_path: Path) -> None:
+    """SIGTERM (a ``timeout`` around the script) while a cell runs after writing its step time: that cell's
+    processes are stopped, its row keeps the step time, the rows before it stay, no later cell starts."""
+    import signal
+    import subprocess
+
+    marker = tmp_path / "ddp4_ran"
+    code = _STOPPED_RUN.format(tests=str(Path(__file__).parent), out=str(tmp_path),
+                               json_path=str(tmp_path / "fsdp4.json"), marker=str(marker))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "fsdp4.stdout.log"
+    for _ in range(300):  # until the second cell has written its step time
+        if log.is_file() and "timed steps written" in log.read_text():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (stdout, stderr)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results) == ["fsdp1", "fsdp4"] and results["fsdp1"]["step_ms"] == 100.0
+    assert results["fsdp4"]["step_ms"] == 200.0 and "SIGTERM" in results["fsdp4"]["note"], results
+    assert not marker.exists()
+    assert "| fsdp4 " in (tmp_path / "table.md").read_text()

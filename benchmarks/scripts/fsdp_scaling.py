@@ -47,7 +47,9 @@ Each cell runs in a session of its own, its stdout and stderr in ``CELL.stdout.l
 cell past its time is stopped with every process it started (:func:`stop_tree`: SIGTERM to each process group of
 the cell's process tree, torchrun's workers included, which torchrun starts in sessions of their own, then SIGKILL
 to what is left). A cell that fails, runs out of time or prints no step time becomes a row with its reason;
-``results.json`` and ``table.md`` are written again after every cell.
+``results.json`` and ``table.md`` are written again after every cell. A cell stopped (for time, or because the
+script itself was sent SIGTERM, by ``timeout`` say) after its fit had written its step time keeps it, with a
+``note``; on SIGTERM the script stops the cell running, writes the results so far and exits 143.
 """
 
 from __future__ import annotations
@@ -286,13 +288,28 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     proc.wait()
 
 
+class Stopped(Exception):
+    """This script was sent SIGTERM (:func:`main` installs the handler): the cell running is stopped, and its row
+    and the results so far are written before the script exits."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: stopping the cell and writing the results go on
+    raise Stopped
+
+
 def run(cell: Cell, out_dir: Path, env: dict[str, str], timeout: float, grace_s: float = STOP_GRACE_S) -> dict:
     """Run one cell within ``timeout`` seconds: its step time, tokens/s per GPU and GPU count, or ``error`` (why
-    it has none: the tail of its stderr, its time running out, no step time printed or written)."""
+    it has none: the tail of its stderr, its time running out, no step time printed or written).
+
+    A cell stopped for time (or by :class:`Stopped`) after its fit had written its step time keeps that step time,
+    with a ``note`` that it was stopped: the timed steps were over (a multi-rank fit can take a while to end).
+    :class:`Stopped` is raised again once the cell's processes are stopped, with the row as its argument."""
     print(f"[{cell.name}] {' '.join(cell.cmd)}", flush=True)
     stdout_path, stderr_path = out_dir / f"{cell.name}.stdout.log", out_dir / f"{cell.name}.stderr.log"
     (out_dir / f"{cell.name}.json").unlink(missing_ok=True)  # a step time left by an earlier run is not this one's
     started = time.perf_counter()
+    stopped = False
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(cell.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
                                 stderr=stderr, start_new_session=True)
@@ -300,20 +317,33 @@ def run(cell: Cell, out_dir: Path, env: dict[str, str], timeout: float, grace_s:
             returncode = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             returncode = None
+        except Stopped:
+            returncode, stopped = None, True
         finally:
             stop_tree(proc, grace_s)  # also after a normal end: a rank or compile worker may still be there
     wall = round(time.perf_counter() - started, 1)
     row = {"cell": cell.name, "devices": cell.devices, "wall_s": wall}
     err_tail = stderr_path.read_text(errors="replace")[-1500:]
-    if returncode is None:
-        return row | {"error": f"stopped after {timeout:.0f} s (--cell-timeout, --budget); stderr ends: {err_tail}"}
-    if returncode != 0:
-        return row | {"error": f"exit {returncode}; stderr ends: {err_tail}"}
+    why = (f"after {wall:.0f} s: the script was sent SIGTERM" if stopped
+           else f"after {timeout:.0f} s (--cell-timeout, --budget)")
     try:
         step_ms = cell.read_step_ms(stdout_path.read_text(errors="replace"), out_dir)
     except ValueError as exc:
-        return row | {"error": f"no step time: {exc}"}
-    return row | {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000)}
+        step_ms, no_step = None, exc
+    if returncode is None and step_ms is not None:
+        row |= {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000),
+                "note": f"stopped {why}, once its timed steps were written"}
+    elif returncode is None:
+        row |= {"error": f"stopped {why}; stderr ends: {err_tail}"}
+    elif returncode != 0:
+        row |= {"error": f"exit {returncode}; stderr ends: {err_tail}"}
+    elif step_ms is None:
+        row |= {"error": f"no step time: {no_step}"}
+    else:
+        row |= {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000)}
+    if stopped:
+        raise Stopped(row)
+    return row
 
 
 def _ratio(numerator: dict, denominator: dict) -> str:
@@ -363,7 +393,14 @@ def run_cells(cells: list[Cell], out_dir: Path, env: dict[str, str], cell_timeou
         if left <= 0:
             results[cell.name] = {"cell": cell.name, "devices": cell.devices, "error": "not run: --budget spent"}
         else:
-            results[cell.name] = run(cell, out_dir, env, min(cell_timeout, left), grace_s)
+            try:
+                results[cell.name] = run(cell, out_dir, env, min(cell_timeout, left), grace_s)
+            except Stopped as stop:  # SIGTERM: the cell's row if it had started, the results so far, then stop
+                if stop.args:
+                    results[cell.name] = stop.args[0]
+                    print(json.dumps(results[cell.name]), flush=True)
+                write_results(results, out_dir)
+                raise
         print(json.dumps(results[cell.name]), flush=True)
         write_results(results, out_dir)
     return results
@@ -387,7 +424,14 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(MULTICAST_OFF)  # before any process starts: every rank inherits it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
-    results = run_cells([plan(c, args, out_dir) for c in args.cells], out_dir, env, args.cell_timeout, args.budget)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # e.g. a `timeout` around the script: keep what was measured
+    try:
+        results = run_cells([plan(c, args, out_dir) for c in args.cells], out_dir, env, args.cell_timeout,
+                            args.budget)
+    except Stopped:
+        print(f"stopped (SIGTERM); the results so far are in {out_dir / 'results.json'}", file=sys.stderr)
+        print((out_dir / "table.md").read_text() if (out_dir / "table.md").is_file() else "", end="")
+        sys.exit(128 + signal.SIGTERM)
     print(table(results))
 
 
