@@ -782,9 +782,17 @@ def strategy_kind(strategy: Any) -> str:
     raise ValueError(f"no memory plan for strategy {strategy!r}; planned: ddp, ModelParallelStrategy (fsdp), auto")
 
 
+#: Lightning strategies that subclass ``DDPStrategy`` without being DDP (ZeRO shards the state; XLA is no CUDA DDP):
+#: a class, or a class path, that is or derives from one of them is planned as none of lmtrain's kinds.
+_NOT_DDP = ("deepspeedstrategy", "xlastrategy")
+
+
 def _kind_of_names(names: list[str]) -> str | None:
-    """The strategy kind of the first of ``names`` (strategy names, class names or paths) that has one."""
+    """The strategy kind of the first of ``names`` (strategy names, class names or paths) that has one; None if
+    none has, or a strategy of :data:`_NOT_DDP` comes first."""
     for name in (n.rsplit(".", 1)[-1].lower() for n in names):
+        if name in _NOT_DDP:
+            return None
         if name.startswith("ddp"):
             return "ddp"
         if name in ("modelparallelstrategy", "model_parallel", "fsdp2"):

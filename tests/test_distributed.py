@@ -479,6 +479,18 @@ def test_strategy_kind_follows_an_importable_class_path_to_its_base() -> None:
         strategy_kind("no_such_package.SameStreamStrategy")
     # a name that says its kind is taken without importing it
     assert strategy_kind("no_such_package.ModelParallelStrategy") == "fsdp"
+    # Lightning's DeepSpeed and XLA strategies derive from DDPStrategy but are not DDP: not planned, as path or object
+    for path in ("lightning.pytorch.strategies.DeepSpeedStrategy", "lightning.pytorch.strategies.XLAStrategy"):
+        with pytest.raises(ValueError):
+            strategy_kind(path)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    class Stub(DeepSpeedStrategy):
+        def __init__(self) -> None:  # no DeepSpeed needed to ask for the kind
+            pass
+
+    with pytest.raises(ValueError):
+        strategy_kind(Stub())
     trainer = {"strategy": {"class_path": "lmtrain.distributed.SameStreamDDPStrategy",
                             "init_args": {"bucket_cap_mb": 400}}, "devices": 4}
     assert strategy_of(trainer) == ("ddp", 4)
