@@ -234,3 +234,36 @@ def test_compare_fits_the_timer_alone_once_more_with_the_given_arguments(
     assert all(args[args.index("--trainer.devices") + 1] == "1" for _, args, _ in made), made
     last = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
     assert last["fit"] == "small_fast_compare" and last["compare_to_timer_only"] == pytest.approx(1.05)
+
+
+def test_kernel_share_options_and_steps_reach_the_instrumented_fits(
+        tmp_path: Path, scripts: tuple[ModuleType, ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kernel-share adds KernelShare's options to each fit with all five (after KernelShare, before
+    PrecisionInspector), not to the timer-only reference; --steps sets every fit's steps (run) as fsdp's does."""
+    check, _ = scripts
+    made: list[tuple[str, list[str], int]] = []
+
+    def fit(out: Path, name: str, config: str, args: list[str], callbacks: list[str], steps: int,
+            extra: list[str] | None = None, timeout: int = 0) -> dict:
+        made.append((name, callbacks, steps))
+        return {"name": name, "rc": 1, "seconds": 1.0, "log_dir": None, "command": name}
+
+    monkeypatch.setattr(check, "fit", fit)
+    check.main(["run", str(tmp_path / "a"), "--models", "small", "--only", "fast", "--steps", "120",
+                "--kernel-share", "--trainer.callbacks.wait=80 --trainer.callbacks.active=2"])
+    assert [(n, s) for n, _, s in made] == [("small_fast", 120), ("small_fast_timer", 120)]
+    name, callbacks, steps = made[0]
+    assert not any("wait=80" in c for c in made[1][1])  # the timer-only reference has no KernelShare
+    at = callbacks.index("--trainer.callbacks+=lmtrain.callbacks.KernelShare")
+    assert callbacks[at + 2:at + 4] == ["--trainer.callbacks.wait=80", "--trainer.callbacks.active=2"]
+    assert callbacks[at + 4] == "--trainer.callbacks+=lmtrain.callbacks.PrecisionInspector"
+    made.clear()
+    check.main(["run", str(tmp_path / "b"), "--models", "small", "--only", "fast"])
+    assert [(n, s) for n, _, s in made] == [("small_fast", 100), ("small_fast_timer", 100)]
+    assert not any("wait=80" in c for _, cbs, _ in made for c in cbs)
+    made.clear()
+    check.main(["fsdp", str(tmp_path / "c"), "--size", "small", "--devices", "2", "--steps", "120",
+                "--kernel-share=--trainer.callbacks.wait=80"])
+    (name, callbacks, steps), = made
+    at = callbacks.index("--trainer.callbacks.ranks=[0,1]")
+    assert callbacks[at + 1] == "--trainer.callbacks.wait=80" and steps == 120

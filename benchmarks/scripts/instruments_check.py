@@ -9,8 +9,12 @@ Usage::
     python benchmarks/scripts/instruments_check.py run OUT --models small --skip-hta
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only sdpa512 flash512
     python benchmarks/scripts/instruments_check.py run OUT --models 2.7B --only flash4096 fast
+    # KernelShare later in a longer fit (steps 81-83 of 120), away from the first steps' clocks
+    python benchmarks/scripts/instruments_check.py run OUT --models small --only fast --steps 120 \
+        --kernel-share='--trainer.callbacks.wait=80'
     # FSDP2 on two GPUs (all five callbacks, both ranks profiled)
-    python benchmarks/scripts/instruments_check.py fsdp OUT --size small --devices 2 [--context 1024]
+    python benchmarks/scripts/instruments_check.py fsdp OUT --size small --devices 2 [--context 1024] \
+        [--kernel-share='--trainer.callbacks.wait=80' --steps 120]
     # only read fits made already (a run's version folder, logs/lmtrain/version_N)
     python benchmarks/scripts/instruments_check.py check LOG_DIR [LOG_DIR ...]
 
@@ -304,7 +308,12 @@ def compare_reference(out: Path, name: str, config: str, args: list[str], steps:
 
 
 def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
-        timeout: int = FIT_TIMEOUT_S, compare: list[str] | None = None) -> int:
+        timeout: int = FIT_TIMEOUT_S, compare: list[str] | None = None, kernel_share: list[str] | None = None,
+        steps: int | None = None) -> int:
+    """The fits of ``models`` (``only``: these paths), each with all five callbacks and with the timer alone.
+
+    ``kernel_share``: options for KernelShare (``--trainer.callbacks.wait=80``, say) in every instrumented fit;
+    ``steps``: the steps of every fit instead of :data:`STEPS` (a later window needs a longer fit)."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     all_ok = True
     for model in models:
@@ -313,15 +322,16 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
             if key not in (only or DEFAULT_FITS):
                 continue
             kind = "fast" if key == "fast" else "eager"
-            steps = STEPS[model][kind]
+            fit_steps = steps or STEPS[model][kind]
             # One GPU: on a machine with several, Lightning's devices=auto would make every fit DDP over all of them
             args = args + ["--trainer.devices", "1"] + (["--data.batch_size", "1"] if model == "2.7B" and
                                                          key == "flash4096" else [])
             name = f"{model}_{key}"
-            all5 = fit(out, name, config.format(m=model), args, five(), steps, timeout=timeout)
+            all5 = fit(out, name, config.format(m=model), args, five(*(kernel_share or [])), fit_steps,
+                       timeout=timeout)
             f = figures(all5, hta) if all5["rc"] == 0 else {}
             append(out, {"fit": name, "five": all5, **f})  # kept even if the timer-only fit never ends
-            base, base_ms, overhead = timer_only_reference(out, name, config.format(m=model), args, steps, f,
+            base, base_ms, overhead = timer_only_reference(out, name, config.format(m=model), args, fit_steps, f,
                                                            timeout=timeout)
             failed = ([name, *["-"] * (len(HEADER) - 2), f"NO: fit exit {all5['rc']}"], False)
             cells, ok = row(name, f, overhead, graphed=key == "fast") if f else failed
@@ -330,7 +340,7 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
             print(f"{name}: {all5['seconds']} s + {base['seconds']} s (timer only); " + " | ".join(cells[1:]),
                   flush=True)
             if compare:
-                ratio = compare_reference(out, name, config.format(m=model), args, steps, compare, base_ms,
+                ratio = compare_reference(out, name, config.format(m=model), args, fit_steps, compare, base_ms,
                                           timeout=timeout)
                 print(f"{name}: timer-only step with {' '.join(compare)} / without: "
                       f"{'-' if ratio is None else f'{ratio:.4f}'}", flush=True)
@@ -343,10 +353,11 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
 
 
 def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, strategy: str = "fsdp",
-         overhead: bool = False) -> int:
+         overhead: bool = False, kernel_share: list[str] | None = None) -> int:
     """One fit on ``devices`` GPUs with all five callbacks, KernelShare on every rank: FSDP2
     (``configs/2.7B_bf16_fsdp.yaml``) or, with ``strategy="ddp"``, DDP (``configs/xl_bf16_ddp.yaml``), the model
-    set to ``size``. With ``overhead``, the same fit again with CudaSyncTimer alone, and the overhead of the five."""
+    set to ``size``. With ``overhead``, the same fit again with CudaSyncTimer alone, and the overhead of the five.
+    ``kernel_share``: more KernelShare options (its window, say)."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     ranks = "[" + ",".join(str(r) for r in range(devices)) + "]"
     name = f"{size}_{strategy}{devices}"
@@ -355,8 +366,8 @@ def fsdp(out: Path, size: str, devices: int, steps: int, context: int = 512, str
     if strategy == "fsdp":
         extra += ["--trainer.strategy.init_args.data_parallel_size", str(devices)]
     model_args = ["--model.size", size, "--model.context_length", str(context)]
-    result = fit(out, name, config, model_args, five(f"--trainer.callbacks.ranks={ranks}"), steps, extra=extra,
-                 timeout=540)
+    result = fit(out, name, config, model_args, five(f"--trainer.callbacks.ranks={ranks}", *(kernel_share or [])),
+                 steps, extra=extra, timeout=540)
     f = figures(result) if result["rc"] == 0 else {}
     f["window"] = window_line(out / "runs" / f"{name}.log")
     append(out, {"fit": name, "five": result, **f})
@@ -420,6 +431,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compare", type=shlex.split, metavar="'ARGS'",
                    help="per fit, one more timer-only fit with these fit arguments added, one quoted string (e.g. "
                         "'--model.blas_workspace default'), and its median step over the timer-only one's")
+    p.add_argument("--kernel-share", type=shlex.split, metavar="'ARGS'",
+                   help="KernelShare options for every instrumented fit, one quoted string after = (e.g. "
+                        "--kernel-share='--trainer.callbacks.wait=80' to profile later in a longer fit)")
+    p.add_argument("--steps", type=int, help="steps of every fit (default: 40/100 small, 30/40 2.7B, eager/fast)")
     p = sub.add_parser("fsdp", help="one FSDP2 (or DDP) fit on several GPUs")
     p.add_argument("out", type=Path)
     p.add_argument("--size", default="small", choices=["small", "xl", "2.7B"])
@@ -430,14 +445,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=512, help="tokens per sequence (the scaling runs use 1024)")
     p.add_argument("--overhead", action="store_true",
                    help="fit again with CudaSyncTimer alone and report the five's overhead on the timer's median")
+    p.add_argument("--kernel-share", type=shlex.split, metavar="'ARGS'",
+                   help="more KernelShare options, one quoted string after = (e.g. "
+                        "--kernel-share='--trainer.callbacks.wait=80')")
     p = sub.add_parser("check", help="read fits made already")
     p.add_argument("log_dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args.out, args.models, args.only, hta=not args.skip_hta, timeout=args.fit_timeout,
-                   compare=args.compare)
+                   compare=args.compare, kernel_share=args.kernel_share, steps=args.steps)
     if args.command == "fsdp":
-        return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy, args.overhead)
+        return fsdp(args.out, args.size, args.devices, args.steps, args.context, args.strategy, args.overhead,
+                    args.kernel_share)
     return check(args.log_dirs)
 
 
