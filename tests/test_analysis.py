@@ -302,7 +302,10 @@ def test_busy_share_counts_overlapping_kernels_once() -> None:
         {**x, "cat": "kernel", "name": GEMM_K, "ts": 10.0, "dur": 80.0, "tid": 7, "args": {"correlation": 1}},
         {**x, "cat": "kernel", "name": NCCL, "ts": 20.0, "dur": 70.0, "tid": 8, "args": {"correlation": 2}},
     ]
-    metrics = analyze_trace({"traceEvents": events}, device="cuda").metrics
+    figures = analyze_trace({"traceEvents": events}, device="cuda")
+    metrics = figures.metrics
     assert metrics["kernels/total_ms_per_step"] == pytest.approx(0.150)
     assert metrics["kernels/gpu_busy_ms_per_step"] == pytest.approx(0.080)
     assert metrics["kernels/busy_share"] == pytest.approx(0.8)
+    # the report's busy line says the same, not the sum of durations (150%)
+    assert "so the GPU is busy 80% of it" in figures.report

@@ -840,8 +840,11 @@ def build_report(summary: KernelSummary, head_dim: int | None = None, cuda: bool
     parts = ", ".join(f"{p} {summary.phase_us[p] / 1e3:.2f} ms" for p in summary.phase_us if summary.phase_us[p])
     line = f"**{'Kernel' if cuda else 'CPU op self'} time per step:** {summary.total_us / 1e3:.2f} ms ({parts})."
     if step_wall_ms > 0:
+        # Busy is the union of the activities' intervals where a GPU timeline exists (kernels running side by side,
+        # compute beside NCCL, count once, as in kernels/busy_share); the sum of self times otherwise.
+        busy_us = timeline.busy_us if timeline is not None and timeline.span_us > 0 else summary.total_us
         line += (f" Wall time per profiled step: {step_wall_ms:.2f} ms, so the {'GPU' if cuda else 'CPU'} is busy "
-                 f"{100 * summary.total_us / 1e3 / step_wall_ms:.0f}% of it (profiler overhead included).")
+                 f"{100 * busy_us / 1e3 / step_wall_ms:.0f}% of it (profiler overhead included).")
     if unattributed:
         line += (f" Left out: {unattributed} GPU activities ({unattributed_ms:.2f} ms in all) whose launch is not "
                  "in the trace (launched before the window).")
