@@ -687,3 +687,28 @@ def test_operator_facts_need_operators() -> None:
     with pytest.raises(ValueError, match="need operators=True"):
         ProfilerSession(cuda=False, warmup=0, active=1, record_shapes=False, release_cupti=False, with_flops=True,
                         operators=False)
+
+
+def test_kernel_share_window_is_clear_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank marks which window starts are clear for it and the window takes the first start clear on all:
+    here rank 0 is perturbed at steps 6 and 8, the other rank at 6 and 7. Start 7 (the other rank's first clear one)
+    would report step 8, which rank 0's callback perturbs; both agree on start 8, reporting step 9."""
+    from types import SimpleNamespace
+
+    import lmtrain.callbacks.kernel_share as kernel_share
+    from lmtrain.callbacks._common import StepWindow
+
+    seen: list[list[float]] = []
+
+    def gather(trainer: object, marks: list[float]) -> list[list[float]]:
+        seen.append(list(marks))
+        other = [float(start + 1 not in {6, 7}) for start in range(5, 5 + len(marks))]
+        return [list(marks), other]
+
+    monkeypatch.setattr(kernel_share, "gather_values", gather)
+    cb = KernelShare(wait=5, warmup=1, active=1, chart=False)
+    cb._window = StepWindow(cb.wait, cb.warmup + cb.active)
+    trainer = SimpleNamespace(callbacks=[Perturbs({6, 8}), cb], max_steps=100)
+    cb.on_fit_start(trainer, None)
+    assert seen[0][:5] == [0.0, 1.0, 0.0, 1.0, 1.0]  # rank 0's own marks for starts 5..9
+    assert cb._window.start_step == 8

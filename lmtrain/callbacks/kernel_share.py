@@ -47,6 +47,10 @@ from lmtrain.errors import LmtrainError
 __all__ = ["KernelShare", "request_cupti_teardown"]
 
 
+#: How many window starts, from the configured one on, KernelShare tries for one that no other callback perturbs.
+_WINDOW_SEARCH = 64
+
+
 class KernelShare(Callback):
     """Profile a window of training steps and report where the kernel time goes (see the module docstring).
 
@@ -319,20 +323,25 @@ class KernelShare(Callback):
             return sorted({name for step in range(start + self.warmup, start + length)
                            for name in timing_perturbed_by(trainer, step, exclude=self, module=False)})
 
-        busy = others(first)
-        clear: int | None = first  # the first window start whose active steps nothing perturbs
-        if busy:
-            max_steps = getattr(trainer, "max_steps", None)
-            limit = first + 64 if max_steps is None or max_steps < 0 else max_steps - length + 1
-            clear = next((step for step in range(first + 1, limit) if not others(step)), None)
         # Every rank must profile the same steps (the window's end gathers the ranks' results), and a callback may
-        # perturb a step on some ranks only: the window starts where the latest rank's starts (a gather over gloo).
-        agreed = int(max(row[0] for row in gather_values(trainer, [first if clear is None else clear])))
+        # perturb a step on some ranks only. So every rank marks which of the same candidate starts are clear for
+        # it (nothing perturbs their active steps), the marks are gathered (over gloo), and the window starts at
+        # the first candidate clear on every rank.
+        busy = others(first)
+        max_steps = getattr(trainer, "max_steps", None)
+        last = max_steps - length + 1 if max_steps is not None and max_steps >= 0 else first + _WINDOW_SEARCH
+        candidates = range(first, max(first + 1, min(last, first + _WINDOW_SEARCH)))
+        marks = [float(not others(step)) for step in candidates]
+        rows = gather_values(trainer, marks)
+        clear = next((step for i, step in enumerate(candidates) if all(row[i] == 1.0 for row in rows)), None)
+        agreed = first if clear is None else clear
         old = self._window.describe()
         if clear is None:
-            self._warn(f"KernelShare: the profiling window ({old}) reports steps that {', '.join(busy)} "
-                       "perturb, and no later window of the same length ends before max_steps; the profiled steps "
-                       "include their work. Set wait to place the window.")
+            who = ", ".join(busy) if busy else "other ranks' callbacks"
+            self._warn(f"KernelShare: the profiling window ({old}) reports steps that {who} perturb, and no "
+                       "later window of the same length ends before max_steps (or within "
+                       f"{_WINDOW_SEARCH} steps) on every rank; the profiled steps include their work. Set wait to "
+                       "place the window.")
         if agreed == first:
             return
         self._window = StepWindow(agreed, length)
