@@ -117,3 +117,22 @@ def test_analyze_trace_reports_the_window_per_step() -> None:
     assert metrics["breakdown/span_ms_per_step"] == pytest.approx(0.0775)
     assert metrics["breakdown/idle_share"] == pytest.approx(60 / 155)
     assert metrics["breakdown/comm_overlap_share"] == pytest.approx(35 / 60)
+
+
+def test_cpu_operators_count_as_the_innermost_of_each_thread() -> None:
+    """A CPU trace: an all-reduce called inside a gradient hook on thread 1 (as DDP's on a CPU) is communication for
+    its 80 µs and the hook compute for the other 20, with no overlap (one thread runs one operator); an operator
+    on thread 2 running beside the all-reduce (40-60) is compute beside communication, so 20 of the 80 µs overlap
+    and those 20 µs are compute."""
+
+    def op(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": {}}
+
+    hook = op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 0, 100)
+    events = [op("ProfilerStep#1", 0, 100, cat="user_annotation"), hook, op("c10d::allreduce_", 10, 80)]
+    t, _ = _window({"traceEvents": events})
+    assert t.kind_us == {"compute": 20.0, "communication": 80.0, "memory": 0.0, "idle": 0.0}
+    assert (t.communication_us, t.overlap_us) == (80.0, 0.0)
+    t, _ = _window({"traceEvents": [*events, op("aten::mm", 40, 20, tid=2)]})
+    assert t.kind_us == {"compute": 40.0, "communication": 60.0, "memory": 0.0, "idle": 0.0}
+    assert (t.communication_us, t.overlap_us) == (80.0, 20.0)

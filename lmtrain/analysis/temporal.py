@@ -32,7 +32,9 @@ Idle split (HTA ``get_idle_time_breakdown``)
     the graph's first kernel can be host wait. HTA splits each stream's gaps; :func:`idle_split` does that with
     ``per_stream=True``, and by default splits the gaps of the whole GPU, which add up to the breakdown's idle
     time. On CPU traces the "activities" are the CPU operators (nested ones included: a busy instant goes to the
-    innermost) and every gap is host time (Python between operators).
+    innermost operator of each thread, so an all-reduce called inside a gradient hook is communication, not the
+    hook's compute; communication overlaps compute only on another thread) and every gap is host time (Python
+    between operators).
 Communication–computation overlap (HTA ``get_comm_comp_overlap``)
     The time both an NCCL kernel and a compute kernel run, over the communication time: the share of
     communication hidden behind compute.
@@ -105,6 +107,7 @@ class Activity:
     launch: float | None  # start of the CPU call that launched it (None: not in the trace)
     phase: str
     graphed: bool = False  # replayed from a CUDA graph (one launch for all its kernels)
+    nested: bool = False  # a CPU operator: operators nest on their thread, and the innermost one is what runs
 
 
 def kind_of(name: str) -> str:
@@ -138,7 +141,7 @@ def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
         for e in (e for e in events if e.get("cat") == "cpu_op"):
             ts = float(e["ts"])
             out.append(Activity(ts, ts + float(e.get("dur", 0)), e["name"], kind_of(e["name"]), e.get("tid"), ts,
-                                phase(ts)))
+                                phase(ts), nested=True))
         return out, steps
     launches = {int(e["args"]["correlation"]): (float(e["ts"]), "GraphLaunch" in e.get("name", ""))
                 for e in events if e.get("cat") in _LAUNCH_CATS and "correlation" in (e.get("args") or {})}
@@ -198,6 +201,7 @@ def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
     if not acts:
         return out
     points = sorted({a.start for a in acts} | {a.end for a in acts})
+    nested = any(a.nested for a in acts)
     starts, ends = defaultdict(list), defaultdict(list)
     for a in acts:
         starts[a.start].append(a)
@@ -211,14 +215,15 @@ def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
             if a.end > a.start:
                 running[a.kind][id(a)] = a
         dt = t1 - t0
-        if running["communication"]:
+        now = _innermost(running) if nested else running
+        if now["communication"]:
             out.communication_us += dt
-            if running["compute"]:
+            if now["compute"]:
                 out.overlap_us += dt
-        kind = next((k for k in KINDS if running[k]), None)
+        kind = next((k for k in KINDS if now[k]), None)
         if kind is not None:
             out.kind_us[kind] += dt
-            by_phase[next(reversed(running[kind].values())).phase][kind] += dt  # the innermost (latest) one
+            by_phase[next(reversed(now[kind].values())).phase][kind] += dt  # the innermost (latest) one
         else:  # idle: charged to the work that ends the gap
             nxt = min(starts[t1], key=lambda a: (a.launch is None, a.launch or 0.0))
             out.kind_us["idle"] += dt
@@ -233,6 +238,21 @@ def temporal_breakdown(acts: Sequence[Activity], steps: int = 1,
     out.by_phase = {p: {k: v / steps for k, v in d.items()} for p, d in by_phase.items()}
     out.idle_us = {k: v / steps for k, v in out.idle_us.items()}
     out.idle_stream_us = {k: v / steps for k, v in out.idle_stream_us.items()}
+    return out
+
+
+def _innermost(running: dict[str, dict[int, Activity]]) -> dict[str, dict[int, Activity]]:
+    """Of nested CPU operators, only the innermost of each thread runs: its latest-started one (of those started
+    together, the shorter). ``running`` and the result map each kind to its activities (in start order)."""
+    inner: dict[Any, Activity] = {}
+    for acts in running.values():
+        for a in acts.values():
+            held = inner.get(a.stream)
+            if held is None or (a.start, -a.end) > (held.start, -held.end):
+                inner[a.stream] = a
+    out: dict[str, dict[int, Activity]] = {k: {} for k in running}
+    for a in sorted(inner.values(), key=lambda a: a.start):
+        out[a.kind][id(a)] = a
     return out
 
 
