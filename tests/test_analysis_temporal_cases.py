@@ -136,3 +136,14 @@ def test_cpu_operators_count_as_the_innermost_of_each_thread() -> None:
     t, _ = _window({"traceEvents": [*events, op("aten::mm", 40, 20, tid=2)]})
     assert t.kind_us == {"compute": 40.0, "communication": 60.0, "memory": 0.0, "idle": 0.0}
     assert (t.communication_us, t.overlap_us) == (80.0, 20.0)
+
+
+def test_kernel_records_and_the_breakdown_take_the_same_window() -> None:
+    """The eager trace's kernel launched after its last step (at 211) is in neither the temporal breakdown nor the
+    kernel records, so the two spans and idle times agree (they differed by that kernel's 1.5 µs and its gap)."""
+    figures = analyze_trace(traces.eager())
+    m = figures.metrics
+    assert m["kernels/gpu_span_ms_per_step"] == pytest.approx(m["breakdown/span_ms_per_step"])
+    assert m["kernels/gpu_idle_ms_per_step"] == pytest.approx(m["breakdown/idle_ms_per_step"])
+    acts, _ = activities(traces.eager())
+    assert len(figures.records.records) == len(acts) == 9

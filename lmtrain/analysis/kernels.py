@@ -586,6 +586,8 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             launches[int(args["correlation"])] = (float(e["ts"]), e.get("tid"), "GraphLaunch" in e.get("name", ""))
         elif cat in ("cpu_op", "user_annotation") and "External id" in args:
             by_external.setdefault(int(args["External id"]), (float(e["ts"]), e.get("tid"), False))
+    # the window's end, as the temporal breakdown takes it (its activities and these records are the same ones)
+    last_step_end = temporal.window_end([e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")])
     for e in events:
         if e.get("cat") not in _GPU_CATS:
             continue
@@ -597,6 +599,8 @@ def records_from_trace(trace: dict, device: str = "cuda") -> TraceRecords:
             missing += 1
             missing_us += float(e.get("dur", 0))
             continue
+        if last_step_end is not None and launch[0] > last_step_end:
+            continue  # launched after the window's last step: work of a step not profiled
         phase = phase_iv.find(launch[0]) or "outside"
         stage = stage_iv.find(launch[0], launch[1])
         graphed = launch[2] or "graph id" in args

@@ -145,7 +145,7 @@ def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
         return out, steps
     launches = {int(e["args"]["correlation"]): (float(e["ts"]), "GraphLaunch" in e.get("name", ""))
                 for e in events if e.get("cat") in _LAUNCH_CATS and "correlation" in (e.get("args") or {})}
-    last_step_end = _last_step_end(step_events)
+    last_step_end = window_end(step_events)
     for e in events:
         if e.get("cat") not in _GPU_CATS:
             continue
@@ -160,7 +160,7 @@ def activities(trace: dict, device: str = "auto") -> tuple[list[Activity], int]:
     return out, steps
 
 
-def _last_step_end(step_events: Sequence[dict]) -> float | None:
+def window_end(step_events: Sequence[dict]) -> float | None:
     """The end of the window's last step (its CPU range or its GPU annotation, whichever ends later), or None when
     the trace has fewer than two steps (then, as in HTA, the window is the whole trace)."""
     if len({e["name"] for e in step_events}) < 2:
