@@ -164,6 +164,42 @@ def test_every_tag_on_lightnings_global_step_with_accumulation_and_resume(tmp_pa
     assert five2[4].result is not None and five2[4].result.step == 7
 
 
+def _resumable_fit(tmp_path: Path, name: str, callbacks: list[pl.Callback], max_steps: int,
+                   ckpt_path: str | None = None) -> list[str]:
+    """A tiny CPU fit that checkpoints every 5 steps; returns the warnings it raised."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    module = LMModule(size="tiny", vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                      attention="naive", warmup_steps=1)
+    data = LMDataModule(source="synthetic", batch_size=2, context_length=16, vocab_size=64, train_batches=40,
+                        val_batches=1)
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=max_steps, precision="32-true", accelerator="cpu", devices=1,
+                         logger=TensorBoardLogger(str(tmp_path), name=name), callbacks=[*callbacks, checkpoint],
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+    return [str(w.message) for w in caught]
+
+
+def test_a_fit_resumed_inside_kernel_shares_window_profiles_nothing_and_excludes_nothing(tmp_path: Path) -> None:
+    """KernelShare's window is steps 4-7; the fit resumes at step 5, inside it. The profiler never runs in that fit,
+    so the timer counts every step it measures (none is 'perturbed'), and KernelShare says once why nothing is
+    profiled instead of claiming training stopped early."""
+    _resumable_fit(tmp_path, "first", [KernelShare(wait=4, warmup=1, active=3)], max_steps=5)
+    timer, ks = CudaSyncTimer(warmup_steps=0, print_summary=False), KernelShare(wait=4, warmup=1, active=3)
+    said = _resumable_fit(tmp_path, "resumed", [timer, ks], max_steps=10,
+                          ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=5.ckpt"))
+    assert timer.excluded_steps == {} and timer.summary()["step_ms"]["count"] == 5
+    assert ks.summary is None
+    assert [m for m in said if m.startswith("KernelShare")] == [
+        "KernelShare: this fit starts at step 5 (resumed), past the start of the profiling window (steps 4-7); "
+        "nothing is profiled in it. Set wait to a step from 5 on to profile this run."]
+
+
 #: The tag groups each of the five callbacks logs on a CPU fit (MemorySnapshot logs nothing without CUDA and says so
 #: once; NVTXRanges logs no metrics).
 CPU_TAGS = {"CudaSyncTimer": ("time/step_ms", "time/summary", "throughput/tokens_per_s"),

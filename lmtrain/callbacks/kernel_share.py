@@ -233,6 +233,8 @@ class KernelShare(Callback):
         self._prof: ProfilerSession | None = None  # on the profiling ranks, while the window runs
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._beyond = False  # the window lies beyond max_steps (warned in setup)
+        self._first_step: int | None = None  # the step this fit started at (past 0 after a resume)
+        self._passed = False  # the fit started past the window's first step (a resume): nothing is profiled
         self._phases = StepPhases()
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
         self._running = False  # the window is open in this fit (every rank; the profiler runs on ``ranks`` only)
@@ -257,8 +259,9 @@ class KernelShare(Callback):
         return self._window.contains(step)
 
     def perturbs_timing(self, step: int) -> bool:
-        """Yes inside the window: the profiler records every operator and kernel launch (host time per launch)."""
-        return self.in_window(step)
+        """Yes inside the window: the profiler records every operator and kernel launch (host time per launch).
+        No step of a fit that started past the window's first step (a resume): the profiler never runs in it."""
+        return self.in_window(step) and not self._passed
 
     def check_arguments(self, world_size: int = 1) -> None:
         """Check the arguments: ``setup`` calls it, and the command line before any log folder exists.
@@ -408,11 +411,18 @@ class KernelShare(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._phases.batch_start(trainer)
+        if self._first_step is None:
+            self._first_step = self._phases.step
+            start = self._window.start_step
+            if not self._done and start is not None and self._first_step > start:
+                # resumed inside or after the window: its warm-up (or all of it) is behind this fit
+                self._passed = self._done = True
+                self._warn(f"KernelShare: this fit starts at step {self._first_step} (resumed), past the start of "
+                           f"the profiling window ({self._window.describe()}); nothing is profiled in it. Set wait "
+                           f"to a step from {self._first_step} on to profile this run.")
         if self._done:
             return
         if not self._running and self._phases.enters(self._window):
-            if self._phases.step != self._window.start_step:  # resumed inside the window: warm-up cut short
-                return
             self._running = True
             if trainer.global_rank in self.ranks:
                 self._start(pl_module)
