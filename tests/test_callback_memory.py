@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -263,6 +264,38 @@ def test_default_cadence_is_the_trainers(fake_cuda):
     cb.teardown(trainer, module, "fit")
     assert [step for step, _ in trainer.loggers[0].logged] == [0, 3, 6]
     assert reads == [3, 0, 0, 3, 0, 0, 3] and alloc.resets == 3
+
+
+def test_a_trainer_that_logs_nothing_gets_no_per_step_reads(fake_cuda):
+    """Lightning's log_every_n_steps=0 logs nothing: the default cadence follows it (no counter read, no scalar),
+    rather than reading and logging every step."""
+    alloc, trainer = fake_cuda
+    trainer.log_every_n_steps = 0
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=None)
+    cb.setup(trainer, module, "fit")
+    reads = [run_step(cb, trainer, module, alloc) for _ in range(3)]
+    cb.teardown(trainer, module, "fit")
+    assert trainer.loggers[0].logged == [] and reads == [0, 0, 0] and alloc.resets == 0
+
+
+def test_a_fit_resumed_after_the_window_says_so_at_its_start(fake_cuda):
+    """A fit that resumes at step 10 with the window at step 5: one line at its first step says the window lies
+    before it, and the end of the fit does not claim that training stopped early."""
+    alloc, trainer = fake_cuda
+    trainer.global_step = 10
+    module = torch.nn.Linear(2, 2)
+    cb = MemorySnapshot(start_step=5, num_steps=1)
+    cb.setup(trainer, module, "fit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            run_step(cb, trainer, module, alloc)
+        cb.teardown(trainer, module, "fit")
+    assert [str(w.message) for w in caught] == [
+        "MemorySnapshot: this fit starts at step 10 (resumed), after the snapshot window (step 5); no snapshot is "
+        "written in it. Set start_step to a step from 10 on to snapshot this run."]
+    assert cb.files == [] and not alloc.recording
 
 
 def test_explicit_cadence_overrides_the_trainers(fake_cuda):

@@ -136,7 +136,8 @@ class MemorySnapshot(pl.Callback):
         top_n: rows of the top-allocation table.
         on_oom: record from the start and dump the snapshot and a summary on CUDA out-of-memory.
         log_every_n_steps: log the per-step scalars of every n-th step; None (default): the trainer's
-            ``log_every_n_steps`` (Lightning's default 50; 10 in lmtrain's configs).
+            ``log_every_n_steps`` (Lightning's default 50; 10 in lmtrain's configs; 0, as for the trainer, logs
+            none of them).
         ranks: the ranks that record allocation history (default ``[0]``).
     """
 
@@ -226,7 +227,9 @@ class MemorySnapshot(pl.Callback):
         self._phases.reset()
         self._marks, self.files, self._window_done, self._window_first = [], [], False, None
         self._graphed_steps, self._capture_peak = 0, None
-        self._log_every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 1
+        # The trainer's cadence by default; Lightning's log_every_n_steps=0 logs nothing (and neither does this)
+        self._log_every = (self.log_every_n_steps if self.log_every_n_steps is not None
+                           else getattr(trainer, "log_every_n_steps", 1))
         host_group(trainer)  # a collective the first time: made now, on every rank together
         if not self._cuda:
             self._warn("MemorySnapshot: memory peaks, snapshots and OOM dumps need a CUDA device; on "
@@ -286,10 +289,17 @@ class MemorySnapshot(pl.Callback):
         step = self._phases.batch_start(trainer)
         if not self._cuda:
             return
+        last = self._window.last_step
+        if (self._phases.steps_started == 1 and self._phases.first_batch and self._records and last is not None
+                and step > last and not self._window_done):  # a resumed fit, its first step after the window
+            self._window_done = True
+            self._warn(f"MemorySnapshot: this fit starts at step {step} (resumed), after the snapshot window "
+                       f"({self._window.describe()}); no snapshot is written in it. Set start_step to a step from "
+                       f"{step} on to snapshot this run.")
         if self._phases.first_batch:
             # Each read of the counters builds torch.cuda.memory_stats' whole dict: read only what is logged, and
             # the step that captures a CUDA graph (the first replayed step: its peak is what every replay reuses).
-            self._log_now = step % self._log_every == 0
+            self._log_now = bool(self._log_every) and step % self._log_every == 0
             capture = self._phases.graphed and self._graphed_steps == 0
             self._graphed_steps += self._phases.graphed
             self._measure = self._log_now or capture
