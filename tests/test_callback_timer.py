@@ -274,3 +274,14 @@ def test_events_of_a_step_are_read_when_the_step_after_next_starts(monkeypatch, 
     # Several ranks: each step gathered once, steps 0-2 when steps 2-4 start (global_step is then the step's
     # index), steps 3 and 4 at the end.
     assert gathered == ([2, 3, 4, 5, 5] if world == 2 else [])
+
+
+def test_a_fit_of_warm_up_steps_only_says_why_it_has_no_summary(tmp_path, fake_clock):
+    """Three steps with warmup_steps=5: all three are warm-up steps; one warning says so (no silent missing
+    summary), and no time/summary is logged."""
+    timer = CudaSyncTimer(warmup_steps=5, sync="synchronize")
+    with pytest.warns(UserWarning, match=r"every step of this fit \(3\) was a warm-up step \(warmup_steps=5\); no "
+                                         r"summary\. Lower warmup_steps or train for more steps\.") as caught:
+        fit(tmp_path, timer, steps=3)
+    assert sum("warm-up step" in str(w.message) for w in caught) == 1
+    assert timer.warmup_times == [1000.0] * 3 and timer.step_times == []

@@ -363,6 +363,9 @@ class CudaSyncTimer(pl.Callback):
 
     def _finish(self, trainer: pl.Trainer, log: bool = True) -> None:
         self._collect(trainer, lag=0)  # at the fit's end, on every rank
+        if log and not self._summarised and not self.step_times and self.warmup_times:
+            self._warn(f"CudaSyncTimer: every step of this fit ({len(self.warmup_times)}) was a warm-up step "
+                       f"(warmup_steps={self.warmup_steps}); no summary. Lower warmup_steps or train for more steps.")
         if self._summarised or not self.step_times:
             return
         self._summarised = True
