@@ -168,11 +168,11 @@ def _lm_cli_class() -> type:
 
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             # `trainer.strategy: ddp` (the name) gets lmtrain's DDP arguments; a class_path is taken as written.
+            from lmtrain.distributed import builds_lmtrain_ddp, ddp_strategy
+
             section = self.config_init[self.subcommand] if self.subcommand else self.config_init
             trainer = section.get("trainer") or {}
-            if "strategy" not in kwargs and str(trainer.get("strategy")) == "ddp":
-                from lmtrain.distributed import ddp_strategy
-
+            if "strategy" not in kwargs and builds_lmtrain_ddp(trainer.get("strategy")):
                 kwargs["strategy"] = ddp_strategy(int(trainer.get("accumulate_grad_batches") or 1))
             # The callbacks' arguments and prompts, checked before the trainer says which devices it found: a bad
             # one stops with its one line alone.
@@ -223,11 +223,13 @@ def strategy_of(trainer: Any, count_auto: bool = False) -> tuple[str, int | None
     if count is None and count_auto:
         import torch
 
-        count = 1 if _runs_on_cpu(str(trainer.get("accelerator") or "auto")) else max(1, torch.cuda.device_count())
+        count = 1 if _runs_on_cpu(accelerator_name(trainer.get("accelerator"))) else max(1, torch.cuda.device_count())
     nodes = trainer.get("num_nodes", 1) if hasattr(trainer, "get") else 1
     processes = None if count is None else count * int(nodes or 1)
     if kind == "single" and processes is not None and processes > 1 and str(strategy or "auto") == "auto":
         kind = "ddp"
+    elif kind == "single" and str(strategy or "auto") != "auto":
+        processes = 1  # single_device (SingleDeviceStrategy) runs one process whatever devices says
     return kind, processes
 
 
@@ -243,7 +245,7 @@ def parsed_trainer_settings(trainer: Any) -> TrainerSettings:
     accumulation and clipping. The device is known only for a run that can train on the CPU alone (which GPU, and so
     its compute capability, is known once the trainer exists)."""
     kind, processes = strategy_of(trainer, count_auto=True)
-    on_cpu = _runs_on_cpu(str(trainer.get("accelerator") or "auto"))
+    on_cpu = _runs_on_cpu(accelerator_name(trainer.get("accelerator")))
     return TrainerSettings(precision=normalize_precision(trainer.get("precision")), strategy=kind,
                            world_size=processes, device="cpu" if on_cpu else None,
                            accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
@@ -579,7 +581,7 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
     """
     trainer = config["trainer"]
     precision = normalize_precision(trainer.get("precision") if hasattr(trainer, "get") else trainer.precision)
-    accelerator = str(trainer.get("accelerator") or "auto")
+    accelerator = accelerator_name(trainer.get("accelerator"))
     if precision not in PRECISION_CHOICES:  # 64-true, transformer-engine: nothing in lmtrain is built for them
         raise LmtrainError("trainer.precision", f"{precision} is not a precision lmtrain trains in.",
                            f"use one of {', '.join(PRECISION_CHOICES)}.")
@@ -587,13 +589,19 @@ def check_runnable(subcommand: str | None, config: Any) -> None:
         raise LmtrainError("trainer.precision", f"{precision} needs a CUDA GPU; on the CPU Lightning would train in "
                            "bf16 instead, after a warning.",
                            "use --trainer.precision bf16-mixed (or 32-true) on this machine.")
+    devices = trainer.get("devices", "auto") if hasattr(trainer, "get") else "auto"
+    if _runs_on_cpu(accelerator) and not _cpu_devices_ok(devices):
+        raise LmtrainError("trainer.devices", f"{devices!r} picks GPUs (by index, or all of them), but this run is on "
+                           f"the CPU (trainer.accelerator {accelerator}), where devices counts processes.",
+                           "use --trainer.devices N with N >= 1 (or auto) on the CPU, or a GPU accelerator.")
     if subcommand == "fit" and trainer.get("max_steps") == 0:
         raise LmtrainError("trainer.max_steps", "0 steps trains nothing.",
                            "give a positive number of steps, or -1 to let trainer.max_epochs end the run.")
 
 
 def check_log_folder(config: Any) -> None:
-    """The logger's ``save_dir`` can be created and written (checked before anything is built).
+    """The logger's ``save_dir`` and ``trainer.default_root_dir`` (where Lightning puts checkpoints and the saved
+    config without a logger) can be created and written (checked before anything is built).
 
     Raises:
         LmtrainError: a part of the path is a file, or the nearest existing folder is read-only.
@@ -605,6 +613,9 @@ def check_log_folder(config: Any) -> None:
     save_dir = init_args.get("save_dir") if hasattr(init_args, "get") else None
     if save_dir is not None:
         check_writable_folder("trainer.logger.init_args.save_dir", save_dir)
+    root = config["trainer"].get("default_root_dir")
+    if root is not None:
+        check_writable_folder("trainer.default_root_dir", root)
 
 
 def check_compile_cache(config: Any) -> None:
@@ -631,6 +642,34 @@ def compile_cache_callback(config: Any) -> Any:
     if folder == OFF or not (model.get("compile") or needs_gpu(model.get("attention") or "sdpa")):
         return None
     return CompileCache(folder)
+
+
+def _cpu_devices_ok(devices: Any) -> bool:
+    """Whether Lightning's CPU accelerator takes ``devices``: ``auto`` or a whole number of processes >= 1."""
+    if isinstance(devices, str):
+        return devices == "auto" or (devices.strip().isdigit() and int(devices) >= 1)
+    return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+
+
+def accelerator_name(accelerator: Any) -> str:
+    """The accelerator a parsed ``trainer.accelerator`` names: its name in lower case (``auto`` when unset), or for
+    a ``class_path`` entry or an accelerator object ``cpu`` / ``cuda`` when its class is (or derives from)
+    Lightning's ``CPUAccelerator`` / ``CUDAAccelerator``, else its class path."""
+    if accelerator is None:
+        return "auto"
+    if isinstance(accelerator, str):
+        return accelerator.lower()
+    path = accelerator.get("class_path") if hasattr(accelerator, "get") else None
+    cls = type(accelerator) if path is None else None
+    if path is not None:
+        from lmtrain.memory_plan import imported_class
+
+        cls = imported_class(str(path))
+    names = [c.__name__ for c in cls.__mro__] if cls is not None else [str(path).rsplit(".", 1)[-1]]
+    for name, short in (("CPUAccelerator", "cpu"), ("CUDAAccelerator", "cuda")):
+        if name in names:
+            return short
+    return str(path) if path is not None else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _runs_on_cpu(accelerator: str) -> bool:

@@ -108,6 +108,13 @@ def ddp_arguments(accumulate_grad_batches: int = 1, **overrides: Any) -> dict[st
     return {**DDP_DEFAULTS, **static, **overrides}
 
 
+def builds_lmtrain_ddp(strategy: Any) -> bool:
+    """Whether a parsed ``trainer.strategy`` is the name ``ddp``, in any case (Lightning reads names in lower case),
+    which lmtrain's command line builds with :func:`ddp_strategy` (``ddp_spawn``, a class path or an object are
+    taken as written)."""
+    return isinstance(strategy, str) and strategy.lower() == "ddp"
+
+
 def ddp_strategy(accumulate_grad_batches: int = 1, **overrides: Any) -> Any:
     """A Lightning ``DDPStrategy`` with :func:`ddp_arguments` that wraps the model on the stream the training steps
     run on (:func:`same_stream_ddp_class`; what ``trainer.strategy: ddp`` builds on lmtrain's command line; a
@@ -145,7 +152,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_strategy_options(config: Any, strategy: str, world_size: int | None) -> None:
+def check_strategy_options(config: Any, strategy: str, world_size: int | None, training: bool = True) -> None:
     """Refuse model options that cannot work under the trainer's strategy, with one line naming both.
 
     The command line calls this right after parsing (before anything is built or written); ``LMModule`` again
@@ -155,6 +162,8 @@ def check_strategy_options(config: Any, strategy: str, world_size: int | None) -
         config: the ``ModelConfig``.
         strategy: ``single``, ``ddp``, ``fsdp`` or ``other`` (``lmtrain.module.strategy_kind_of``).
         world_size: processes of the run (None: not known yet, e.g. ``devices: auto``; checks that need it pass).
+        training: the run trains; validate and test take no training step, so the training step's options
+            (``cuda_graphs``, ``optimizer_in_backward``, e.g. from a checkpoint's hyperparameters) pass.
 
     Raises:
         LmtrainError: FSDP2 with ``cuda_graphs``, per-layer or selective/offloaded checkpointing; DDP on several
@@ -162,7 +171,7 @@ def check_strategy_options(config: Any, strategy: str, world_size: int | None) -
     """
     fsdp = "under FSDP2 (trainer.strategy: ModelParallelStrategy)"
     if strategy == "fsdp":
-        if config.cuda_graphs:
+        if config.cuda_graphs and training:
             raise LmtrainError("model.cuda_graphs", f"is not available {fsdp}: FSDP2 allocates and frees each "
                                "block's gathered parameters and issues its all-gathers and reduce-scatters from "
                                "host-side hooks at every step, which a replayed graph would not repeat.",
@@ -176,7 +185,7 @@ def check_strategy_options(config: Any, strategy: str, world_size: int | None) -
                                f"not available {fsdp}; each sharded block is checkpointed whole.",
                                "use model.activation_checkpointing: full (or none) with this strategy.")
     several = world_size is not None and world_size > 1
-    if strategy == "ddp" and several:
+    if strategy == "ddp" and several and training:
         ddp = f"under DDP (trainer.strategy: ddp) on {world_size} ranks"
         if config.cuda_graphs:
             raise LmtrainError("model.cuda_graphs", f"is not available {ddp}: DDP's reducer launches each bucket's "
@@ -422,7 +431,9 @@ def build_sharded_model(module: Any) -> nn.Module:
 
     precision = str(module.trainer.precision)
     check_fsdp_precision(precision)  # before building: a 2.7B model takes a while to initialise
-    check_strategy_options(module.config, "fsdp", None)
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    check_strategy_options(module.config, "fsdp", None, training=module.trainer.state.fn == TrainerFn.FITTING)
     policy = module.config.activation_checkpointing
     with torch.device(module.trainer.strategy.root_device):
         model = TransformerLM(replace(module.config, activation_checkpointing="none"))

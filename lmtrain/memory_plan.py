@@ -775,7 +775,7 @@ def strategy_kind(strategy: Any) -> str:
     names = [strategy] if isinstance(strategy, str) else [c.__name__ for c in type(strategy).__mro__]
     kind = _kind_of_names(names)
     if kind is None and isinstance(strategy, str) and "." in strategy:
-        cls = _imported_class(strategy)
+        cls = imported_class(strategy)
         kind = None if cls is None else _kind_of_names([c.__name__ for c in cls.__mro__])
     if kind is not None:
         return kind
@@ -802,7 +802,7 @@ def _kind_of_names(names: list[str]) -> str | None:
     return None
 
 
-def _imported_class(path: str) -> type | None:
+def imported_class(path: str) -> type | None:
     """The class a dotted path names, or None where it does not import (its module missing, no such class)."""
     import importlib
 

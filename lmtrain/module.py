@@ -352,7 +352,7 @@ class LMModule(pl.LightningModule):
                 training step (``step_mode``, ``cuda_graphs``, ``master_weights``, ``optimizer_in_backward``) are not
                 checked.
         """
-        check_strategy_options(config, settings.strategy, settings.world_size)
+        check_strategy_options(config, settings.strategy, settings.world_size, training)
         if settings.strategy == "fsdp":
             check_fsdp_precision(settings.precision)
         if config.float8 != "none":

@@ -141,6 +141,39 @@ def test_log_folder_that_cannot_be_created(in_tmp: Path, capsys: pytest.CaptureF
     assert "is a file" in line
 
 
+def test_root_folder_that_cannot_be_created_without_a_logger(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """Without a logger Lightning writes the checkpoints and the saved config under trainer.default_root_dir: a
+    path through a file is refused when parsed, not with a traceback once the fit has started."""
+    (in_tmp / "a_file").write_text("x")
+    line = refused(["fit", "--config", TINY, "--trainer.logger", "false", "--trainer.default_root_dir",
+                    str(in_tmp / "a_file" / "sub")], "trainer.default_root_dir", capsys, in_tmp)
+    assert "is a file" in line
+
+
+@pytest.mark.parametrize("devices", ["-1", "0,1", "[0,1]", "0"])
+def test_gpu_device_selection_on_the_cpu_is_refused(devices: str, in_tmp: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """On the CPU devices counts processes: GPU indices or -1 (every GPU) would end in Lightning's traceback."""
+    line = refused(["fit", "--config", TINY, "--trainer.accelerator", "cpu", "--trainer.devices", devices],
+                   "trainer.devices", capsys, in_tmp)
+    assert "on the CPU (trainer.accelerator cpu)" in line and "N >= 1 (or auto)" in line.split("Fix:")[1]
+
+
+def test_an_accelerator_class_path_is_read_as_its_device(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """trainer.accelerator given as Lightning's CPUAccelerator class is the CPU: 16-mixed is refused when parsed, as
+    with accelerator: cpu (it trained in bf16 after a warning)."""
+    from lmtrain.cli_config import accelerator_name
+
+    extra = in_tmp / "cpu_accelerator.yaml"
+    extra.write_text("trainer:\n  accelerator:\n    class_path: lightning.pytorch.accelerators.CPUAccelerator\n")
+    line = refused(["fit", "--config", TINY, "--config", str(extra), "--trainer.precision", "16-mixed"],
+                   "trainer.precision", capsys, in_tmp)
+    assert "16-mixed needs a CUDA GPU" in line
+    assert accelerator_name({"class_path": "lightning.pytorch.accelerators.CUDAAccelerator"}) == "cuda"
+    assert accelerator_name("GPU") == "gpu" and accelerator_name(None) == "auto"
+    assert accelerator_name({"class_path": "no_such.Accelerator"}) == "no_such.Accelerator"
+
+
 @pytest.mark.parametrize("command", ["fit", "validate"])
 def test_log_folder_that_cannot_be_written(command: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
     # A chmod'ed folder is writable for root; nobody, root included, creates a folder under /proc/1.
@@ -288,6 +321,21 @@ def test_strategy_class_named_alone_is_built_with_its_defaults() -> None:
     assert strategy["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
     assert strategy["init_args"]["data_parallel_size"] == strategy["init_args"]["tensor_parallel_size"] == "auto"
     assert resolve_config(TINY, ["--trainer.strategy", "ddp"]).trainer["strategy"] == "ddp"
+
+
+def test_validate_takes_training_step_options_under_ddp() -> None:
+    """validate and test take no training step: a checkpoint's optimizer_in_backward or cuda_graphs passes under
+    DDP on 2 ranks (fit refuses them there)."""
+    from lmtrain.config import ModelConfig, TrainerSettings
+    from lmtrain.errors import LmtrainError
+    from lmtrain.module import LMModule
+
+    settings = TrainerSettings(precision="32-true", strategy="ddp", world_size=2, device="cpu",
+                               accumulate_grad_batches=1, gradient_clip_val=None)
+    cfg = ModelConfig.from_size("tiny", vocab_size=64, context_length=16, optimizer_in_backward=True)
+    LMModule.check_settings(cfg, settings, training=False)
+    with pytest.raises(LmtrainError, match="model.optimizer_in_backward"):
+        LMModule.check_settings(cfg, settings, training=True)
 
 
 def test_cuda_graphs_on_a_machine_without_a_gpu_is_refused_when_parsed(in_tmp: Path,

@@ -494,6 +494,9 @@ def test_strategy_kind_follows_an_importable_class_path_to_its_base() -> None:
     trainer = {"strategy": {"class_path": "lmtrain.distributed.SameStreamDDPStrategy",
                             "init_args": {"bucket_cap_mb": 400}}, "devices": 4}
     assert strategy_of(trainer) == ("ddp", 4)
+    # single_device runs one process whatever devices says (master weights are not refused as "2 ranks")
+    assert strategy_of({"strategy": "single_device", "devices": 2}) == ("single", 1)
+    assert strategy_of({"strategy": "auto", "devices": 2}) == ("ddp", 2)
 
 
 if __name__ == "__main__":
@@ -501,3 +504,13 @@ if __name__ == "__main__":
 
     run_fit(sys.argv[1], Path(sys.argv[2]))
     end_process_group()
+
+
+def test_the_name_ddp_in_any_case_gets_lmtrains_ddp_arguments() -> None:
+    """Lightning reads strategy names in lower case, so DDP and Ddp are DDP too and get lmtrain's DDP arguments
+    (they got Lightning's defaults); ddp_spawn, class paths and objects are taken as written."""
+    from lmtrain.distributed import builds_lmtrain_ddp
+
+    assert all(builds_lmtrain_ddp(name) for name in ("ddp", "DDP", "Ddp"))
+    assert not any(builds_lmtrain_ddp(s) for s in ("ddp_spawn", "auto", None, {"class_path": "x.DDPStrategy"},
+                                                   "lightning.pytorch.strategies.DDPStrategy"))
