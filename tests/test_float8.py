@@ -8,6 +8,7 @@ hand (``lmtrain.float8.convert_model``) to exercise the inspector.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -154,6 +155,32 @@ def test_cast_statistics_are_exact_fractions() -> None:
     g = torch.tensor([57344.0, 2**-16, 2**-18, 0.0])
     _, _, _, stats = f8.cast(g, f8.CastSpec(E5M2), dim=-1)
     assert stats["underflow"].item() == 1 / 4 and stats["saturated"].item() == 0.0
+
+
+def test_saturation_counts_what_the_clamp_changes_at_each_dtypes_tie() -> None:
+    """Exactly half a step past the maximum, e5m2's round-to-nearest goes to inf (so the clamp changes the value:
+    saturated) and e4m3fn's comes back to 448 (not saturated)."""
+    assert torch.tensor([61440.0]).to(E5M2).float().isinf().all()  # 57344 + 8192 / 2
+    assert torch.tensor([464.0]).to(E4M3).float().item() == 448.0  # 448 + 32 / 2
+    past = f8._past_the_max(torch.tensor([61440.0, 61439.0, 57600.0]), E5M2, 57344.0)
+    assert past.tolist() == [True, False, False]
+    assert f8._past_the_max(torch.tensor([464.0, 464.5]), E4M3, 448.0).tolist() == [False, True]
+
+
+def test_an_operand_with_inf_or_nan_is_flagged_whatever_the_layer_order() -> None:
+    """A NaN in an operand makes its amax NaN and the float8 GEMM's output NaN: the layer is flagged, and the
+    logged maxima are NaN whichever layer comes first (Python's max keeps or drops a NaN by position)."""
+    def layer(name: str, amax: float, rel_err: float) -> f8.Float8LayerStats:
+        cast = f8.CastStats(dtype="float8_e4m3fn", amax=amax, scale_min=1.0, scale_max=1.0, saturated=0.0,
+                            underflow=0.0)
+        return f8.Float8LayerStats(name, 1, {"output": f8.GemmStats(cast, cast, rel_err)})
+
+    good, bad = layer("good", 3.0, 0.03), layer("bad", float("nan"), float("nan"))
+    assert f8.flagged([good, bad], 1e-3) == f8.flagged([bad, good], 1e-3) == ["bad"]
+    assert f8.flagged([layer("inf", float("inf"), 0.0)], 1e-3) == ["inf"]
+    for order in ([good.gemms["output"].rel_err, float("nan")], [float("nan"), good.gemms["output"].rel_err]):
+        assert math.isnan(f8.nan_max(order))
+    assert f8.nan_max([0.1, 0.3, 0.2]) == 0.3 and f8.nan_max([]) == 0.0
 
 
 def test_rowwise_scales_follow_the_contraction_dimension() -> None:

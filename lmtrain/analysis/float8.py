@@ -9,7 +9,8 @@ conversions (``torch.float8_e4m3fn`` / ``float8_e5m2``, which work on a CPU as w
 float8 GEMM, so every number here can be checked on a CPU:
 
 - ``saturated``: the fraction of the operand's values that the clamp changes, those beyond ``max`` by more than
-  half a float8 step at ``max`` (round-to-nearest would bring the ones closer to ``max`` anyway);
+  half a float8 step at ``max`` (round-to-nearest would bring the ones closer to ``max`` anyway; for e5m2 also those
+  exactly half a step beyond, which round to inf);
 - ``underflow``: the fraction of its values that are not zero but whose float8 cast is zero (flushed);
 - ``rel_err``: ``||C8 - C16|| / ||C16||`` (Frobenius norms) between the GEMM of the dequantised float8 operands,
   accumulated in fp32, and the same GEMM of the operands rounded to bf16 (fp32 accumulation, a bf16 GEMM before
@@ -26,6 +27,7 @@ Pure functions of tensors, no hooks: the capture lives in ``lmtrain.callbacks.pr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -94,6 +96,10 @@ class Float8LayerStats:
         casts = [c for g in self.gemms.values() for c in (g.a, g.b)]
         return max((c.saturated for c in casts), default=0.0), max((c.underflow for c in casts), default=0.0)
 
+    def finite(self) -> bool:
+        """Every operand of every GEMM had a finite amax (no inf or NaN in it)."""
+        return all(math.isfinite(c.amax) for g in self.gemms.values() for c in (g.a, g.b))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -135,10 +141,17 @@ def cast(x: torch.Tensor, spec: CastSpec, dim: int, factor: float = 1.0) -> tupl
     n = max(x.numel(), 1)
     stats = {
         "amax": amax.amax(), "scale_min": scale.amin(), "scale_max": scale.amax(),
-        "saturated": (scaled.abs() > limit + step_below(spec.dtype) / 2).sum() / n,
+        "saturated": _past_the_max(scaled.abs(), spec.dtype, limit).sum() / n,
         "underflow": ((x != 0) & (q.float() == 0)).sum() / n,
     }
     return q, scale, amax, stats
+
+
+def _past_the_max(magnitude: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
+    """Which scaled magnitudes the clamp changes: more than half a step past the float8 maximum, or exactly half a
+    step for e5m2, whose round-to-nearest takes that tie to inf (e4m3fn has no inf: its tie rounds to the max)."""
+    edge = limit + step_below(dtype) / 2
+    return magnitude >= edge if dtype == torch.float8_e5m2 else magnitude > edge
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpec,
@@ -165,8 +178,17 @@ def to_gemm_stats(raw: dict[str, Any]) -> GemmStats:
 
 
 def flagged(layers: list[Float8LayerStats], threshold: float) -> list[str]:
-    """Paths of the layers whose saturated or underflow fraction exceeds ``threshold`` in some operand."""
-    return [s.layer for s in layers if max(s.worst()) > threshold]
+    """Paths of the layers whose saturated or underflow fraction exceeds ``threshold`` in some operand, or with an
+    operand holding inf or NaN (its amax is not finite: the float8 GEMM's output is not either)."""
+    return [s.layer for s in layers if max(s.worst()) > threshold or not s.finite()]
+
+
+def nan_max(values: Iterable[float], default: float = 0.0) -> float:
+    """The largest of ``values``, NaN if any is NaN (Python's ``max`` keeps or drops a NaN by its position)."""
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=default)
 
 
 def markdown_table(layers: list[Float8LayerStats], history: dict[str, list[tuple[int, float]]],

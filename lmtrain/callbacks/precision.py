@@ -500,10 +500,9 @@ class PrecisionInspector(Callback):
                 metrics[f"{prefix}/rel_err"] = g.rel_err
         worst = [s.worst() for s in layers]
         over = f8.flagged(layers, self.float8_threshold)
-        metrics["precision/float8_max_saturated"] = max((w[0] for w in worst), default=0.0)
-        metrics["precision/float8_max_underflow"] = max((w[1] for w in worst), default=0.0)
-        metrics["precision/float8_max_rel_err"] = max((g.rel_err for s in layers for g in s.gemms.values()),
-                                                      default=0.0)
+        metrics["precision/float8_max_saturated"] = f8.nan_max(w[0] for w in worst)
+        metrics["precision/float8_max_underflow"] = f8.nan_max(w[1] for w in worst)
+        metrics["precision/float8_max_rel_err"] = f8.nan_max(g.rel_err for s in layers for g in s.gemms.values())
         metrics["precision/float8_flagged_layers"] = float(len(over))
         log_scalars(trainer, metrics, step)
         table = f8.markdown_table(layers, self.float8_history, self.float8_threshold)
@@ -521,8 +520,8 @@ class PrecisionInspector(Callback):
         log_text(trainer, "precision/float8", table, step)
         if over:
             rank_zero_warn(f"PrecisionInspector: step {step}: float8 layer(s) {', '.join(over)} have more than "
-                           f"{self.float8_threshold:g} of an operand's values saturated or flushed to zero (see "
-                           "precision/float8).")
+                           f"{self.float8_threshold:g} of an operand's values saturated or flushed to zero, or an "
+                           "operand holding inf or NaN (see precision/float8).")
 
 
 class Float8Probe:
@@ -580,9 +579,10 @@ class Float8Probe:
         if _gathered_float8(layer.weight):
             self.gathered.add(path)
         x = args[0]
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # the cast Float8Linear.forward makes before its GEMM
-            x = x.to(torch.get_autocast_dtype(device))
+        # The cast Float8Linear.forward makes before its GEMM: under CUDA autocast only (torchao reads the CUDA
+        # autocast state and dtype; under CPU autocast its input stays as it comes)
+        if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            x = x.to(torch.get_autocast_dtype("cuda"))
         x = x.detach().reshape(-1, x.shape[-1])  # (M, K)
         self._raw[path] = {}
         if not output.requires_grad:  # no backward pass: replay now (no checkpointing without gradients)
