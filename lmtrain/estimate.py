@@ -81,6 +81,16 @@ def _slowdown(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):  # also NaN, infinity and what is no number
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain estimate`` (the ``fit`` options are parsed by the ``fit`` parser)."""
     parser.add_argument("--mode", choices=STEP_MODES, default=None,
@@ -97,18 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step.add_argument("--comm", default=None, metavar="FILE",
                       help="a `bench comm --out` JSON record: the bus bandwidths per message size; without it "
                            "--intra-node-gbps")
-    step.add_argument("--mfu", type=float, default=0.4,
+    step.add_argument("--mfu", type=_positive, default=0.4,
                       help="model FLOPs utilisation assumed without --calibrate (default 0.4)")
-    step.add_argument("--memory-gbps", type=float, default=3000.0,
+    step.add_argument("--memory-gbps", type=_positive, default=3000.0,
                       help="device memory bandwidth for AdamW assumed without --calibrate, GB/s (default 3000, what a "
                            "copy reaches on an H100 SXM)")
-    step.add_argument("--intra-node-gbps", type=float, default=350.0,
+    step.add_argument("--intra-node-gbps", type=_positive, default=350.0,
                       help="bus bandwidth inside a node assumed without --comm, GB/s (default 350: NVLink 4)")
     step.add_argument("--overlap-slowdown", type=_slowdown, default=OVERLAP_SLOWDOWN,
                       help="how many times as long compute takes beside the communication it hides (KernelShare's "
                            "kernels/compute_beside_comm_slowdown of a run; 1: not slowed; default "
                            f"{OVERLAP_SLOWDOWN:g}, compiled FSDP2 of 2.7B on 4 H200s)")
-    step.add_argument("--inter-node-gbps", type=float, default=45.0,
+    step.add_argument("--inter-node-gbps", type=_positive, default=45.0,
                       help="bus bandwidth per GPU between nodes, GB/s, assumed (default 45: one 400 Gb/s network "
                            "interface per GPU at 90%%)")
 
@@ -140,7 +150,8 @@ def parallel_of(trainer: dict) -> tuple[str, int, dict]:
         raise LmtrainError("trainer.strategy", f"the memory planner has no plan for {name!r}.",
                            "plan ddp, lightning.pytorch.strategies.ModelParallelStrategy (FSDP2, how lmtrain shards; "
                            "docs/distributed.md) or auto.")
-    world = processes or 1
+    # devices auto: one process per node at least (what each node runs is known once the trainer exists)
+    world = processes or max(1, int(trainer.get("num_nodes") or 1))
     if kind == "ddp" and world == 1:
         kind = "single"  # DDP on one device is the single-device step
     return kind, world, ddp_arguments_of(trainer) if kind == "ddp" else {}
@@ -150,10 +161,10 @@ def ddp_arguments_of(trainer: dict) -> dict:
     """The ``DDPStrategy`` arguments a resolved ``trainer`` section builds: lmtrain's (``ddp_arguments``) for
     ``strategy: ddp`` (the name, as ``fit``'s command line builds it), the ``init_args`` of a ``class_path`` entry,
     else none (``auto`` on several GPUs and the other ``ddp_*`` names: PyTorch's defaults)."""
-    from lmtrain.distributed import ddp_arguments
+    from lmtrain.distributed import builds_lmtrain_ddp, ddp_arguments
 
     strategy = trainer.get("strategy", "auto")
-    if strategy == "ddp":
+    if builds_lmtrain_ddp(strategy):
         return ddp_arguments(int(trainer.get("accumulate_grad_batches") or 1))
     if isinstance(strategy, dict):
         return dict(strategy.get("init_args") or {})
@@ -164,6 +175,12 @@ def run(args: argparse.Namespace) -> int:
     resolved, mode = resolve(args)
     cfg = resolved.model_config()
     batch = int(resolved.data["batch_size"])
+    if batch < 1:
+        raise LmtrainError("data.batch_size", f"must be at least 1, got {batch}.", "give sequences per GPU, e.g. 4.")
+    nodes = resolved.trainer.get("num_nodes", 1)
+    if nodes is not None and int(nodes) < 1:
+        raise LmtrainError("trainer.num_nodes", f"must be at least 1, got {nodes}.",
+                           "give the number of nodes, e.g. 1.")
     precision = resolved.precision
     strategy, world, ddp_kwargs = parallel_of(resolved.trainer)
     parallel = {"strategy": strategy, "world_size": world,

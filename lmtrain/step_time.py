@@ -283,9 +283,18 @@ def network_from_record(record: dict | None, source: str, intra_node_gbps: float
     if record is None:
         assumed = BusBandwidth.constant(intra_node_gbps)
         return Network(assumed, assumed, assumed, inter_node_gbps)
+    from lmtrain.errors import LmtrainError
+
     curves = {}
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
-        rows = sorted((int(r["bytes"]), float(r["busbw_gbps"])) for r in record["rows"] if r.get("op") == op)
+        try:
+            rows = sorted((int(r["bytes"]), float(r["busbw_gbps"])) for r in record["rows"] if r.get("op") == op)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise LmtrainError("--comm", f"{source}: a row of {op} has no numeric bytes and busbw_gbps "
+                               f"({type(exc).__name__}: {exc}).", "give a `bench comm --out` record.") from None
+        if any(b <= 0 or not (g > 0 and math.isfinite(g)) for b, g in rows):
+            raise LmtrainError("--comm", f"{source}: a row of {op} has bytes or busbw_gbps at or below 0.",
+                               "give a `bench comm --out` record.")
         curves[op] = BusBandwidth(tuple(s for s, _ in rows), tuple(g for _, g in rows), source) if rows else \
             BusBandwidth.constant(intra_node_gbps)
     return Network(curves["all_gather"], curves["reduce_scatter"], curves["all_reduce"], inter_node_gbps)
@@ -332,7 +341,12 @@ def one_gpu_from_record(record: dict, source: str, size: str | None, batch_size:
 
     keys = ("forward_ms", "backward_ms", "optimizer_ms")
     if all(isinstance(record.get(k), (int, float)) for k in keys):
-        return OneGpuStep(*(float(record[k]) for k in keys), source=source)
+        times = [float(record[k]) for k in keys]
+        if not all(math.isfinite(t) and t >= 0 for t in times) or sum(times) <= 0:
+            raise LmtrainError("--calibrate", f"{source}: the phase times must be finite, at least 0 and not all 0 "
+                               f"(got {dict(zip(keys, times, strict=True))}).",
+                               "give the medians of a measured one-GPU step, in ms.")
+        return OneGpuStep(*times, source=source)
     rows = record.get("rows") if isinstance(record.get("rows"), list) else None
     if rows is None:
         raise LmtrainError("--calibrate", f"{source} is neither a bench model record nor a calibration file.",

@@ -221,6 +221,53 @@ def test_estimate_gpu_memory_must_leave_something(gib: str, problem: str, in_tmp
     assert problem in line
 
 
+COMM_ROWS = {"missing bytes": [{"op": "all_gather", "busbw_gbps": 300.0}],
+             "not a number": [{"op": "all_gather", "bytes": "x", "busbw_gbps": 300.0}],
+             "not an object": [1],
+             "zero bandwidth": [{"op": "all_gather", "bytes": 1024, "busbw_gbps": 0.0}]}
+
+
+@pytest.mark.parametrize(("args", "field", "problem"), [
+    (["--mfu", "0"], "--mfu", "must be a finite number above 0, got 0"),
+    (["--memory-gbps", "-1"], "--memory-gbps", "must be a finite number above 0, got -1"),
+    (["--intra-node-gbps", "inf"], "--intra-node-gbps", "must be a finite number above 0, got inf"),
+    (["--data.batch_size", "0"], "data.batch_size", "must be at least 1, got 0"),
+    (["--trainer.num_nodes", "-1"], "trainer.num_nodes", "must be at least 1, got -1"),
+])
+def test_estimate_numbers_that_plan_nothing_are_refused(args: list[str], field: str, problem: str, in_tmp: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    line = refused(["estimate", "--config", TINY, *args], field, capsys, in_tmp)
+    assert problem in line
+
+
+@pytest.mark.parametrize("phases", [{"forward_ms": 0, "backward_ms": 0, "optimizer_ms": 0},
+                                    {"forward_ms": -10, "backward_ms": 20, "optimizer_ms": 1}])
+def test_estimate_calibration_without_a_step_is_refused(phases: dict, in_tmp: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    (in_tmp / "phases.json").write_text(json.dumps(phases))
+    line = refused(["estimate", "--config", TINY, "--calibrate", str(in_tmp / "phases.json")], "--calibrate",
+                   capsys, in_tmp)
+    assert "must be finite, at least 0 and not all 0" in line
+
+
+@pytest.mark.parametrize("case", sorted(COMM_ROWS))
+def test_estimate_comm_record_with_bad_rows_is_refused(case: str, in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    (in_tmp / "comm.json").write_text(json.dumps({"meta": {"world_size": 2}, "rows": COMM_ROWS[case]}))
+    line = refused(["estimate", "--config", TINY, "--comm", str(in_tmp / "comm.json")], "--comm", capsys, in_tmp)
+    assert "a row of all_gather" in line
+
+
+def test_estimate_plans_a_gpu_per_node_at_least_with_devices_auto() -> None:
+    from lmtrain.estimate import parallel_of
+
+    assert parallel_of({"strategy": "ddp", "devices": "auto", "num_nodes": 2})[:2] == ("ddp", 2)
+    assert parallel_of({"strategy": "DDP", "devices": 2})[2]["bucket_cap_mb"] == 100  # lmtrain's DDP arguments
+
+
 # -- model options against the trainer's settings: refused at parse time, before Lightning's device lines ---------
 
 BF16 = ["--trainer.precision", "bf16-mixed"]
