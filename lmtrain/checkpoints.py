@@ -256,6 +256,10 @@ class CheckpointOnSignal(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._accumulating(trainer):
+            # A micro-batch that took no optimizer step: its gradients live only in memory, so a checkpoint now
+            # would resume without them. Stop (and agree on it across ranks) at the window's last micro-batch.
+            return
         stop = self.received is not None
         if trainer.world_size > 1:
             every = self.agree_every_n_steps or max(1, int(trainer.log_every_n_steps))
@@ -279,6 +283,15 @@ class CheckpointOnSignal(pl.Callback):
         if isinstance(callback, ModelCheckpoint) and callback.save_last:
             self._paused_save_last = (callback, callback.save_last)
             callback.save_last = False
+
+    @staticmethod
+    def _accumulating(trainer: pl.Trainer) -> bool:
+        """Whether the batch that just ended only accumulated gradients (Lightning's own test, the same on every
+        rank); never under manual optimization or without accumulation."""
+        if trainer.accumulate_grad_batches <= 1:
+            return False
+        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        return bool(should_accumulate()) if callable(should_accumulate) else False
 
     @staticmethod
     def _any_rank(trainer: pl.Trainer, stop: bool) -> bool:

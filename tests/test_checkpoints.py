@@ -48,7 +48,7 @@ class SignalAt(pl.Callback):
 
 
 def fit(steps: int, data: dict, ckpt_path: str | None = None, version: int | None = None,
-        extra: list[pl.Callback] | None = None, **model) -> pl.Trainer:
+        extra: list[pl.Callback] | None = None, accumulate: int = 1, **model) -> pl.Trainer:
     """A tiny fit logging every step to logs/lmtrain/version_N in the current folder, keeping last.ckpt."""
     pl.seed_everything(0, verbose=False)
     module = LMModule(**{**MODEL, **model})
@@ -58,7 +58,7 @@ def fit(steps: int, data: dict, ckpt_path: str | None = None, version: int | Non
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="32-true",
                          logger=TensorBoardLogger("logs", name="lmtrain", version=version, default_hp_metric=False),
                          callbacks=callbacks, log_every_n_steps=1, val_check_interval=10, num_sanity_val_steps=0,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate)
     trainer.fit(module, datamodule, ckpt_path=ckpt_path)
     return trainer
 
@@ -102,6 +102,36 @@ def test_sigterm_at_20_then_resume_to_40_equals_40_steps(source: str, in_tmp: Pa
     assert [s for s, _ in logged["train/loss"]] == list(range(40))
     assert logged["train/loss"] == straight["train/loss"]
     assert logged["train/lr"] == straight["train/lr"]
+
+
+class SignalAtMicroBatch(pl.Callback):
+    """Sends this process SIGTERM at the end of the n-th training batch of the fit (1-based), a micro-batch."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_inside_an_accumulation_window_stops_at_its_end_and_resumes_exactly(in_tmp: Path) -> None:
+    """Two micro-batches per step; SIGTERM after the fifth (the first of step 2's window): the fit stops after the
+    sixth, which steps, so the checkpoint holds no half-accumulated gradient, and the resumed run's losses equal an
+    uninterrupted run's at every step (saving after the fifth lost its gradient: different weights)."""
+    data = {"source": "synthetic"}
+    straight = scalars(fit(8, data, accumulate=2).log_dir)
+    stopped = fit(8, data, extra=[SignalAtMicroBatch(5)], accumulate=2)
+    assert stopped.global_step == 3
+    last = find_last_checkpoint("logs", "lmtrain")
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 3 and saved["LMDataModule"]["next_batch"] == 6
+    resumed = fit(8, data, ckpt_path=str(last), version=run_version(last, "logs", "lmtrain"), accumulate=2)
+    assert resumed.global_step == 8
+    logged = scalars(resumed.log_dir)
+    assert [s for s, _ in logged["train/loss"]] == [s for s, _ in straight["train/loss"]]
+    assert logged["train/loss"] == straight["train/loss"]
 
 
 class LrAt(pl.Callback):
