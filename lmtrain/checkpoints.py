@@ -790,6 +790,26 @@ def check_architecture(saved: dict[str, Any], requested: dict[str, Any], config:
     raise LmtrainError(", ".join(f"model.{k}" for k in differing), problem, fix)
 
 
+def check_resumed_master_weights(checkpoint: dict[str, Any], requested: bool) -> None:
+    """Refuse resuming training (the optimizer state restored) across ``master_weights`` settings.
+
+    With master weights the fp32 values of the linear weights live in the optimizer state and the weights are bf16;
+    without, the weights are fp32 and the optimizer holds none. Resumed across the two, the fp32 values would be
+    rounded to bf16 without a word (or left unused in the optimizer state). Loading weights alone (validate, test,
+    generate) is not affected.
+
+    Raises:
+        LmtrainError: the checkpoint holds an optimizer state and was trained with the other setting.
+    """
+    saved = (checkpoint.get("hyper_parameters") or {}).get("master_weights")
+    if saved is None or not checkpoint.get("optimizer_states") or bool(saved) == bool(requested):
+        return
+    raise LmtrainError("model.master_weights", f"the checkpoint was trained with master_weights {bool(saved)}, this "
+                       f"run asks for {bool(requested)}: resuming would round its fp32 weights to bf16.",
+                       f"resume with --model.master_weights {str(bool(saved)).lower()}, or start a new run from its "
+                       "weights (LMModule.load_from_checkpoint, then fit without ckpt_path).")
+
+
 def check_shapes(saved: dict[str, Any], requested: dict[str, Any]) -> None:
     """Compare a checkpoint's weight shapes with the requested model's.
 

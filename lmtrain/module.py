@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import backend_info, needs_gpu
 from lmtrain.blas import apply_blas_workspace, deterministic_workspace, resolve_blas_workspace
-from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_shapes
+from lmtrain.checkpoints import ARCHITECTURE_FIELDS, check_architecture, check_resumed_master_weights, check_shapes
 from lmtrain.config import DEFAULT_SIZE, ModelConfig, TrainerSettings, cli_parameters, compile_kwargs
 from lmtrain.distributed import check_fsdp_precision, check_strategy_options
 from lmtrain.errors import LmtrainError
@@ -444,6 +444,9 @@ class LMModule(pl.LightningModule):
                 names each field with both values and says how to request the checkpoint's model).
         """
         check_architecture(checkpoint.get("hyper_parameters") or {}, dict(self.hparams), self.config)
+        trainer = self._trainer
+        if trainer is not None and getattr(trainer.state, "fn", None) == "fit":
+            check_resumed_master_weights(checkpoint, self.config.master_weights)
         # Resume on the checkpoint's schedule: a new max_steps would stretch the decay and make the rate jump.
         self._checkpoint_decay_steps = (checkpoint.get(SCHEDULE_KEY) or {}).get("decay_steps")
         if self.model is not None and "state_dict" in checkpoint:

@@ -462,3 +462,26 @@ def test_lightning_per_step_sigterm_broadcast_is_skipped_on_several_ranks_and_re
         callback.teardown(two_ranks, None, "fit")
     loop._broadcast_sigterm_tensor()
     assert len(calls) == 3  # Lightning's check is back after the fit
+
+
+@pytest.mark.parametrize(("saved", "requested"), [(True, False), (False, True)])
+def test_resuming_across_master_weights_is_refused(saved: bool, requested: bool, in_tmp: Path) -> None:
+    """With master weights the fp32 values of the linear weights live in the optimizer state; resumed across the
+    setting they would be rounded to bf16 silently. Resuming is refused in one line naming the checkpoint's value;
+    loading the weights alone still works."""
+    def trainer(steps: int) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="bf16-mixed", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=0)
+
+    data = {"batch_size": 2, "train_batches": 15, "val_batches": 2, "source": "synthetic"}
+    pl.seed_everything(0, verbose=False)
+    first = trainer(2)
+    first.fit(LMModule(**MODEL, master_weights=saved), LMDataModule(**data))
+    first.save_checkpoint("saved.ckpt")
+    with pytest.raises(LmtrainError, match=rf"trained with master_weights {saved}, this run asks for {requested}") \
+            as raised:
+        trainer(4).fit(LMModule(**MODEL, master_weights=requested), LMDataModule(**data), ckpt_path="saved.ckpt")
+    assert raised.value.fix.startswith(f"resume with --model.master_weights {str(saved).lower()}")
+    loaded = LMModule.load_from_checkpoint("saved.ckpt", master_weights=requested)
+    assert loaded.config.master_weights is requested
