@@ -117,6 +117,9 @@ class CheckpointOnSignal(pl.Callback):
         self.agree_every_n_steps = agree_every_n_steps
         self.watchdog = RankWatchdog(peer_timeout_s) if peer_timeout_s is not None else None
         self.received: str | None = None
+        #: The fit's last step (max_steps, or the last batch of max_epochs) ended: a signal after it stops nothing
+        #: that a resumed run would do, and the command line exits 0.
+        self.completed = False
         self.saved_path: Path | None = None
         self._saved_step: int | None = None
         self._previous: dict[signal.Signals, Any] = {}
@@ -144,7 +147,7 @@ class CheckpointOnSignal(pl.Callback):
                            "is saved (Ctrl+C again stops at once).")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.received, self._saved_step = None, None
+        self.received, self._saved_step, self.completed = None, None, False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lmtrain.faults import RankWatchdog
@@ -260,6 +263,7 @@ class CheckpointOnSignal(pl.Callback):
             # A micro-batch that took no optimizer step: its gradients live only in memory, so a checkpoint now
             # would resume without them. Stop (and agree on it across ranks) at the window's last micro-batch.
             return
+        self.completed = self._final_step(trainer)
         stop = self.received is not None
         if trainer.world_size > 1:
             every = self.agree_every_n_steps or max(1, int(trainer.log_every_n_steps))

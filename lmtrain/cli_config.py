@@ -381,6 +381,13 @@ def run_lightning(args: Sequence[str]) -> int:
 
     end_process_group()  # after a finished run only: after a failure a rank may still wait in a collective
     received = signals.received or ("SIGTERM" if cli.trainer.received_sigterm else None)
+    if received and signals.completed:
+        # after the last training step (in the final validation, say): nothing is left to resume
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"{received} arrived after the last training step (step {cli.trainer.global_step}): the run "
+                       "is complete, exit status 0.")
+        return 0
     return 128 + int(signal.Signals[received]) if received else 0
 
 

@@ -244,6 +244,35 @@ def test_cli_stopped_by_a_signal_exits_128_plus_its_number(signum: int, status: 
     assert torch.load(tmp_path / "logs/lmtrain/version_0/checkpoints/last.ckpt", weights_only=False)["global_step"] == 3
 
 
+class SignalInFinalValidation(pl.Callback):
+    """Sends this process SIGTERM in the validation that follows training step ``step`` of a fit."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_validation_batch_end(self, trainer, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        if not self.sent and trainer.state.fn == "fit" and trainer.global_step == self.step:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_step_exits_0(tmp_path: Path) -> None:
+    """SIGTERM in the validation after the last training step: training is complete and last.ckpt holds its last
+    step, so the command exits 0 (143 would make a scheduler resubmit a run that has nothing left to train)."""
+    args = ["fit", *SMALL_TINY, "--trainer.max_steps", "10", "--trainer.val_check_interval", "5",
+            "--trainer.limit_val_batches", "2", "--trainer.callbacks+=test_checkpoints.SignalInFinalValidation",
+            "--trainer.callbacks.step", "10"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-m", "lmtrain", *args], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SIGTERM arrived after the last training step (step 10): the run is complete" in result.stderr + \
+        result.stdout
+    last = tmp_path / "logs/lmtrain/version_0/checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 10
+
+
 @pytest.mark.slow
 def test_sigterm_in_a_subprocess_saves_and_exits_0(tmp_path: Path) -> None:
     script = tmp_path / "preempted.py"
