@@ -569,8 +569,10 @@ def plan_options(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _single_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, precision: str, mode: str,
-                 device_type: str) -> MemoryEstimate:
-    """``estimate_memory`` on one device."""
+                 device_type: str, gradients_elsewhere: bool = False) -> MemoryEstimate:
+    """``estimate_memory`` on one device; ``gradients_elsewhere``: the gradients live in memory planned apart
+    (DDP's buckets under ``gradient_as_bucket_view``), so no moment counts them and the peak is the largest
+    moment without them."""
     if mode not in STEP_MODES:
         raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
     t = cfg.context_length if seq_len is None else seq_len
@@ -595,6 +597,8 @@ def _single_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, precisi
         return MemoryEstimate(components, sum(components.values()), "forward (no_grad)", details)
 
     moments, extra = _train_moments(cfg, b, t, precision, mode, device_type)
+    if gradients_elsewhere:
+        moments = {k: (0, activations, transients) for k, (_, activations, transients) in moments.items()}
     details["host_bytes"] = extra["host_bytes"]
     if "in_backward_gradients" in extra:
         details["gradients"]["in_backward"] = extra["in_backward_gradients"]
@@ -881,11 +885,11 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
             return MemoryEstimate(components, sum(components.values()), single.moment,
                                   {"strategy": "ddp", "world_size": world_size})
         # The single-GPU step (its gradients included: DDP fills param.grad as usual) plus the buckets; with
-        # gradient_as_bucket_view the gradients are views into the buckets and take no memory of their own.
-        single = _single_plan(cfg, batch_size, t, precision, mode, device_type)
+        # gradient_as_bucket_view the gradients are views into the buckets and take no memory of their own, so
+        # the peak is the largest moment without them (not the one-GPU peak with them taken off).
+        single = _single_plan(cfg, batch_size, t, precision, mode, device_type,
+                              gradients_elsewhere=gradient_as_bucket_view)
         components = {**single.components, "ddp_buckets": buckets}
-        if gradient_as_bucket_view:
-            components["gradients"] = 0
         return MemoryEstimate(components, sum(components.values()), single.moment,
                               {"strategy": "ddp", "world_size": world_size,
                                "gradient_as_bucket_view": gradient_as_bucket_view},
