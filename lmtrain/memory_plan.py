@@ -942,12 +942,24 @@ def _data_parallel_plan(cfg: ModelConfig, batch_size: int, seq_len: int | None, 
     # are held when the backward starts (planned at every moment before the end of the backward: an upper bound).
     held = (cfg.num_layers - 1) * gathered_block if cfg.fsdp_reshard_after_forward == "none" else 0
     details["blocks_held_bytes"] = held
+    # Sharded gradients alive: every block's but the first's by the first block's backward, all of them at its
+    # end; with the optimizer in the backward pass at most two parameters' (each update follows its reduce-scatter
+    # and frees the gradient).
+    block_sharded = sum(shard_numel(s, world_size) for s in block_shapes)
+    if cfg.optimizer_in_backward and mode == "train":
+        grads_first = grads_end = 2 * max(shard_numel(s, world_size) for s in parameter_shapes(cfg)) * w
+    else:
+        grads_first, grads_end = (cfg.num_layers - 1) * block_sharded * w, sharded * w
     totals: dict[str, tuple[int, int, int, int]] = {}  # gradients, buffers, activations, transients
     for k, (activations, transients) in moments.items():
         if k == "end of backward":
-            totals[k] = (sharded * w, root_full * (gather + reduce), activations, transients)
+            totals[k] = (grads_end, root_full * (gather + reduce), activations, transients)
         elif k == "last layer backward":
             totals[k] = (0, held + in_flight + block_reduce, activations, transients)
+        elif k == "first layer backward":
+            # the other blocks are resharded after their backward by then: their sharded gradients, not their
+            # gathered parameters, are what they leave
+            totals[k] = (grads_first, in_flight, activations, transients)
         else:
             totals[k] = (0, held + in_flight, activations, transients)
     moment = max(totals, key=lambda k: sum(totals[k]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -400,13 +401,23 @@ def test_fsdp_plan_shards_parameters_gradients_and_optimizer_exactly() -> None:
     assert three.details["sharded_numel"] == sharded
     assert three.components["parameters"] == sharded * 4 + rope
     assert three.components["optimizer_states"] == 2 * sharded * 4 + 31 * 4
-    # Short sequences: the sharded gradients at the end of the backward pass set the peak.
+    # Short sequences: the sharded gradients set the peak, by the first block's backward (every other block's, with
+    # two blocks gathered) or at the end of the backward pass (all of them, with the root's buffers).
     from lmtrain.config import ModelConfig
 
     big = ModelConfig.from_size("2.7B")
-    end = estimate_memory(big, 1, 16, "32-true", strategy="fsdp", world_size=3, device_type="cpu")
-    assert end.moment == "end of backward"
-    assert end.components["gradients"] == end.details["sharded_numel"] * 4
+    short = estimate_memory(big, 1, 16, "32-true", strategy="fsdp", world_size=3, device_type="cpu")
+    block_shard = short.details["block_unsharded_numel"] // 3
+    assert short.moment == "first layer backward"
+    assert short.components["gradients"] == (big.num_layers - 1) * block_shard * 4
+    # with the optimizer in the backward pass two parameters' shards at most: the gradients no longer set it
+    oib = estimate_memory(replace(big, optimizer_in_backward=True), 1, 16, "32-true", strategy="fsdp",
+                          world_size=3, device_type="cpu")
+    from lmtrain.memory_plan import parameter_shapes, shard_numel
+
+    largest = max(shard_numel(shape, 3) for shape in parameter_shapes(big))
+    assert largest == 854 * 10240  # w2, (2560, 10240): 2560 rows padded to 3 x 854
+    assert oib.peak < short.peak and oib.components["gradients"] in (0, 2 * largest * 4)
 
 
 def test_fsdp_plan_gathers_bf16_blocks_and_reduces_in_fp32() -> None:
