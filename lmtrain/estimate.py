@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
                            "give the number of nodes, e.g. 1.")
     precision = resolved.precision
     strategy, world, ddp_kwargs = parallel_of(resolved.trainer)
+    from lmtrain.distributed import check_strategy_options
+
+    check_strategy_options(cfg, strategy, world, training=mode == "train")  # what fit would refuse, not planned
     parallel = {"strategy": strategy, "world_size": world,
                 "gradient_as_bucket_view": bool(ddp_kwargs.get("gradient_as_bucket_view", False))}
     plan = estimate_memory(cfg, batch, cfg.context_length, precision, mode, **parallel)

@@ -261,6 +261,12 @@ def test_estimate_comm_record_with_bad_rows_is_refused(case: str, in_tmp: Path, 
     assert "a row of all_gather" in line
 
 
+def test_estimate_refuses_what_fit_refuses(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    line = refused(["estimate", "--config", TINY, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                    "--model.optimizer_in_backward", "true"], "model.optimizer_in_backward", capsys, in_tmp)
+    assert "under DDP" in line
+
+
 def test_estimate_plans_a_gpu_per_node_at_least_with_devices_auto() -> None:
     from lmtrain.estimate import parallel_of
 
