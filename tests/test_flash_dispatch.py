@@ -131,6 +131,28 @@ def test_describe_records_settings_and_the_plan_of_each_shape() -> None:
     assert record["triton"] == f"{TESTED[0]}.{TESTED[1]}"
 
 
+def test_describe_plans_for_deterministic_mode_as_the_calls_see_it() -> None:
+    """The record follows torch.use_deterministic_algorithms, as call_of does for the kernels that run: under it
+    no fused backward at 8192 keys, d 128, and the why says so; at 1024 keys, where the fused backward would not
+    serve anyway, the why does not blame deterministic mode."""
+    start = tuning.FUSED_FROM[128]
+    key = f"N={start},d=128"
+    free = describe([(start, 128)], device="sm_90", version=TESTED, deterministic=False)["plans"][key]
+    assert free["dq"] == free["dkdv"] == FUSED
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        record = describe([(start, 128), (1024, 64)], device="sm_90", version=TESTED)
+        text = explain([(start, 128)], device="sm_90", version=TESTED)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert record["deterministic"] is True
+    plan = record["plans"][key]
+    assert FUSED not in (plan["dq"], plan["dkdv"]) and "deterministic algorithms: no fused backward" in plan["why"]
+    assert "deterministic algorithms: no fused backward" not in record["plans"]["N=1024,d=64"]["why"]
+    assert "deterministic algorithms" in text.splitlines()[0] and "no fused backward" in text
+
+
 def test_plan_kernels_are_the_implementations_exported_names() -> None:
     from lmtrain.kernels.flash import KERNEL_NAMES
 

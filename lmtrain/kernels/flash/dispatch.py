@@ -190,8 +190,8 @@ def select(call: Call, settings: FlashSettings | None = None, version: tuple[int
     fused_why = _fused(call, settings, gluon)
     if fused_why:
         return Plan(job(FWD), FUSED, FUSED, (*why, fused_why))
-    if call.deterministic and DKDV in gluon and settings.fused_backward != "off":
-        why.append("deterministic algorithms: no fused backward")
+    if call.deterministic and _fused(dataclasses.replace(call, deterministic=False), settings, gluon):
+        why.append("deterministic algorithms: no fused backward")  # it would have served this call otherwise
     return Plan(job(FWD), job(DQ), job(DKDV), tuple(w for w in why if w))
 
 
@@ -255,44 +255,50 @@ def parse_device(device: str | torch.device | None) -> tuple[tuple[int, int] | N
 
 def describe(shapes: list[tuple[int, int]] | None = None, device: str | torch.device | None = None,
              dtype: torch.dtype = torch.bfloat16, settings: FlashSettings | None = None,
-             version: tuple[int, int] | None = None) -> dict:
+             version: tuple[int, int] | None = None, deterministic: bool | None = None) -> dict:
     """The settings and, per (sequence length, head dim) in ``shapes`` (self-attention, q and k alike, aligned),
-    the plan on ``device`` (see ``parse_device``): what a run records.
+    the plan on ``device`` (see ``parse_device``) and why: what a run records. ``deterministic``: plan for
+    ``torch.use_deterministic_algorithms(True)`` (default: whether it is on now, as the calls will see it).
 
     Returns:
-        ``{"settings": {...}, "triton": "3.6", "device": "sm_90 ...", "plans": {"N=512,d=80": {...}}}``.
+        ``{"settings": {...}, "triton": "3.6", "device": "sm_90 ...", "deterministic": False,
+        "plans": {"N=512,d=80": {"fwd": ..., "dq": ..., "dkdv": ..., "kernels": [...], "why": [...]}}}``.
     """
     settings = current() if settings is None else settings
     version = triton_version() if version is None else version
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     arch, name = parse_device(device)
     plans = {}
     for n, d in shapes or ():
-        plan = select(Call(arch, dtype, d, n, n), settings, version, warn=False)
+        plan = select(Call(arch, dtype, d, n, n, deterministic=deterministic), settings, version, warn=False)
         plans[f"N={n},d={d}"] = {"fwd": plan.fwd, "dq": plan.dq, "dkdv": plan.dkdv,
-                                 "kernels": list(plan.kernel_names())}
-    return {"settings": settings.as_dict(), "triton": f"{version[0]}.{version[1]}", "device": name, "plans": plans}
+                                 "kernels": list(plan.kernel_names()), "why": list(plan.why)}
+    return {"settings": settings.as_dict(), "triton": f"{version[0]}.{version[1]}", "device": name,
+            "deterministic": deterministic, "plans": plans}
 
 
 def explain(shapes: list[tuple[int, int]], device: str | torch.device | None = None,
             dtype: torch.dtype = torch.bfloat16, settings: FlashSettings | None = None,
-            version: tuple[int, int] | None = None) -> str:
+            version: tuple[int, int] | None = None, deterministic: bool | None = None) -> str:
     """Human-readable text: which kernels serve each (sequence length, head dim) of ``shapes`` on ``device``
-    (``"sm_90"``, ``"cpu"``, a CUDA device; default: this machine's), and why.
+    (``"sm_90"``, ``"cpu"``, a CUDA device; default: this machine's), and why; ``deterministic`` as in
+    :func:`describe`.
 
     Example:
         >>> print(explain([(512, 80), (4096, 64)], device="sm_90"))  # doctest: +SKIP
     """
     settings = current() if settings is None else settings
     version = triton_version() if version is None else version
+    deterministic = torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic
     arch, name = parse_device(device)
     lines = [f"flash_triton kernels on {name}, {str(dtype).removeprefix('torch.')}, Triton "
-             f"{version[0]}.{version[1]}, causal or not:"]
+             f"{version[0]}.{version[1]}, causal or not{', deterministic algorithms' if deterministic else ''}:"]
     if arch is None:
         lines.append("  no CUDA device: flash_triton runs only under Triton's interpreter (TRITON_INTERPRET=1, tests), "
                      "with the pointer kernels; name a device (e.g. sm_90) to see what would serve there.")
         return "\n".join(lines)
     for n, d in shapes:
-        plan = select(Call(arch, dtype, d, n, n), settings, version, warn=False)
+        plan = select(Call(arch, dtype, d, n, n, deterministic=deterministic), settings, version, warn=False)
         lines.append(f"  N {n:>6}, d {d:>3}: {plan.summary()}")
         lines.append(f"      kernels: {', '.join(plan.kernel_names())}")
         if plan.why:
