@@ -102,8 +102,12 @@ class TokenWindows(Dataset):
         if self.random_offsets:
             rng = np.random.default_rng((self.seed, i))
             start = int(rng.integers(0, self.max_start + 1))
+        elif self.max_start >= self.length - 1:
+            start = i * self.stride  # at least one token apart: the same windows as ever
         else:
-            start = min(i * self.stride, self.max_start)
+            # fewer start positions than windows: spread the repeats over the array instead of piling them on the
+            # last window (the validation loss would be mostly that window's)
+            start = i * self.max_start // (self.length - 1)
         # A copy: an int64 memmap slice would be a read-only view, which torch.from_numpy warns about.
         return torch.from_numpy(np.array(self.tokens[start:start + self.window], dtype=np.int64))
 
@@ -334,6 +338,10 @@ class LMDataModule(pl.LightningDataModule):
                                "use e.g. 1000000, or leave it unset to read all the text.")
         if self.num_workers < 0:
             raise LmtrainError("data.num_workers", "must be 0 or more.", "use 0 to load in the main process.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**40:
+            # numpy's generators take non-negative seeds; the batch index is mixed in, which must not overflow
+            raise LmtrainError("data.seed", f"must be a whole number in [0, 2**40), got {self.seed!r}.",
+                               "use e.g. 0.")
         if self.source != "synthetic" and not self.path:
             raise LmtrainError("data.path", f"source {self.source!r} needs a path.",
                                "set data.path to a token file (tokens) or a text file or folder (text).")

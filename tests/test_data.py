@@ -423,3 +423,25 @@ def test_tokenizer_state_of_each_source(tmp_path: Path) -> None:
     assert make(source="tokens", path=str(ids)).state_dict()["tokenizer"] is None
     (tmp_path / "tokenizer.json").write_text("{}")
     assert make(source="tokens", path=str(ids)).state_dict()["tokenizer"]["json"] == "{}"
+
+
+def test_evaluation_windows_spread_over_a_short_split() -> None:
+    """A split with fewer start positions (87) than evaluation windows (160): the repeated windows spread over it,
+    each start used at most twice, instead of 74 copies of the last window; with room enough the windows are the
+    evenly spaced ones they always were."""
+    from collections import Counter
+
+    from lmtrain.data import TokenWindows
+
+    short = TokenWindows(np.arange(215), 129, 160, seed=0, random_offsets=False)
+    starts = Counter(int(short[i][0]) for i in range(len(short)))
+    assert sorted(starts) == list(range(87)) and max(starts.values()) == 2
+    roomy = TokenWindows(np.arange(10_000), 129, 10, seed=0, random_offsets=False)
+    assert [int(roomy[i][0]) for i in range(10)] == [i * (9871 // 9) for i in range(10)]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**40, 1.5])
+def test_bad_seed_is_refused_before_any_batch(seed: object) -> None:
+    """numpy's generators take non-negative seeds (a negative one failed mid-training on file data)."""
+    with pytest.raises(LmtrainError, match=r"data\.seed"):
+        LMDataModule(source="synthetic", batch_size=2, context_length=8, vocab_size=16, seed=seed)
