@@ -59,6 +59,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # probability mass of the tokens ranked above each one
     drop_sorted = before >= p
+    drop_sorted[..., 0] = False  # the most probable token, also where p rounds to 0 in the probabilities' dtype
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -381,6 +382,8 @@ def generate(args: argparse.Namespace) -> list[str]:
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     if args.num_samples < 1:
         raise LmtrainError("--num-samples", f"must be a whole number >= 1, got {args.num_samples}.", "use e.g. 3.")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise LmtrainError("--seed", f"must lie in [-2**63, 2**64), got {args.seed}.", "use e.g. 0.")
     if args.threads is not None and args.threads < 1:
         raise LmtrainError("--threads", f"must be a whole number >= 1, got {args.threads}.", "use e.g. 1.")
     device = _device(args.device)

@@ -322,7 +322,7 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     if args.tokenizer is None and args.vocab_size < 256 + len(specials):
         raise LmtrainError("--vocab-size", f"{args.vocab_size} is smaller than the 256 byte symbols plus "
                            f"{len(specials)} special token(s).", f"use at least {256 + len(specials)} (e.g. 10000).")
-    if args.vocab_size > 1 << 32:
+    if args.vocab_size >= 1 << 32:
         raise LmtrainError("--vocab-size", f"{args.vocab_size} does not fit in uint32 ids.", "use e.g. 10000.")
     if not 0.0 < args.val_fraction < 1.0:
         raise LmtrainError("--val-fraction", f"must lie strictly between 0 and 1, got {args.val_fraction}.",
@@ -362,7 +362,10 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
     try:
         if tokenizer is None:
-            tokenizer = train_tokenizer(corpus, args.vocab_size, specials, quiet)
+            # BPE learns at most one merge per byte of the corpus: asking for more only makes the trainer allocate
+            # for them (2**32 - 1 aborted the process); the vocabulary it learns is the same
+            reachable = 256 + len(specials) + corpus.total_bytes
+            tokenizer = train_tokenizer(corpus, min(args.vocab_size, reachable), specials, quiet)
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
         with open(tmp / "all.bin", "wb") as f:

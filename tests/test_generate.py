@@ -40,6 +40,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert kept(filter_top_p(logits, 0.8)) == {1, 3}
     assert kept(filter_top_p(logits, 0.81)) == {1, 3, 2}
     assert kept(filter_top_p(logits, 0.01)) == {1}  # the most likely token always stays
+    assert kept(filter_top_p(logits, 1e-300)) == {1}  # also where p rounds to 0 in float32 (nothing was left)
     assert kept(filter_top_p(logits, 1.0)) == {0, 1, 2, 3}
     kept_values = filter_top_p(logits, 0.8)
     assert torch.equal(kept_values[[1, 3]], logits[[1, 3]])  # kept logits unchanged
@@ -260,6 +261,13 @@ def test_generate_byte_run_with_a_larger_model_vocabulary(tmp_path: Path, capsys
         rc, out, err = generate(capsys, "--ckpt_path", ckpt, "--prompt", "ab", "--max-new-tokens", "12",
                                 "--temperature", temperature, "--seed", "0")
         assert rc == 0 and out.startswith("ab") and len(out.rstrip("\n").encode("utf-8", "replace")) > 2, err
+
+
+def test_a_seed_torch_cannot_take_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "m.ckpt"
+    write_checkpoint(ckpt)
+    rc, out, err = generate(capsys, "--ckpt_path", ckpt, "--prompt", "ab", "--seed", str(10**23))
+    assert rc == 2 and out == "" and err.strip().startswith("error: --seed: must lie in [-2**63, 2**64)"), err
 
 
 def test_generate_bpe_smaller_than_the_model_vocabulary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,6 +62,23 @@ def test_prepare_round_trips_the_corpus(tmp_path: Path, capsys: pytest.CaptureFi
                                                     "val.bin"]
 
 
+def test_a_vocabulary_larger_than_the_corpus_can_give_learns_what_it_can(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The largest size that fits uint32 ids (2**32 - 1) learns the same vocabulary as any size beyond what the
+    corpus holds (the trainer allocated for the whole request and aborted the process)."""
+    write_corpus(tmp_path / "corpus", files=1, lines=60)
+    sizes = {}
+    for request in (100_000, 2**32 - 1):
+        rc, err = run_prepare(capsys, "--input", tmp_path / "corpus", "--out", tmp_path / str(request),
+                              "--vocab-size", request)
+        assert rc == 0, err
+        sizes[request] = json.loads((tmp_path / str(request) / "dataset.json").read_text())["vocab_size"]
+        assert not list((tmp_path / str(request)).glob(".prepare-*"))
+    assert sizes[100_000] == sizes[2**32 - 1] < 100_000
+    rc, err = run_prepare(capsys, "--input", tmp_path / "corpus", "--out", tmp_path / "big", "--vocab-size", 2**32)
+    assert rc == 2 and "does not fit in uint32 ids" in err
+
+
 def test_prepare_reuses_a_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_corpus(tmp_path / "corpus")
     first, second = tmp_path / "a", tmp_path / "b"
