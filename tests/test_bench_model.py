@@ -313,9 +313,21 @@ def test_skip_unfit_records_cells_the_plan_rules_out_and_a_later_run_runs_them(
     assert rows[4096]["status"] == "skipped" and rows[4096]["error"].startswith("plan: needs")
     assert f"GiB usable of {gib:g} GiB (--skip-unfit)" in rows[4096]["error"]
     capsys.readouterr()
-    assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true") == 0  # without the flag
+    # the same budget again: the skipped cell stays skipped; a budget that fits it now runs it (it kept the old
+    # skip without a word)
+    assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true",
+                 "--skip-unfit", str(gib)) == 0
+    assert launched == [16]
+    assert sweep(out, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true",
+                 "--skip-unfit", str(round((big + 1) / 0.95 * 2, 3))) == 0
     assert launched == [16, 4096]
     assert {r["status"] for r in read_csv(out)} == {"ok"}
+    other = tmp_path / "s.csv"
+    assert sweep(other, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true",
+                 "--skip-unfit", str(gib)) == 0
+    assert sweep(other, "--contexts", "16,4096", "--mode", "train", "--precision", "32-true") == 0  # no flag
+    assert launched == [16, 4096, 16, 4096]
+    assert {r["status"] for r in read_csv(other)} == {"ok"}
 
 
 def test_every_step_option_reaches_the_table_and_the_csv_columns() -> None:

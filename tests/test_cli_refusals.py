@@ -261,6 +261,18 @@ def test_estimate_comm_record_with_bad_rows_is_refused(case: str, in_tmp: Path, 
     assert "a row of all_gather" in line
 
 
+@pytest.mark.parametrize(("args", "field"), [(["attention", "--rep", "0"], "--rep"),
+                                             (["attention", "--heads", "0"], "--heads"),
+                                             (["attention", "--head-dims", "64", "0"], "--head-dims"),
+                                             (["attention", "--seq-lens", "0"], "--seq-lens"),
+                                             (["attention", "--batch-size", "-1"], "--batch-size"),
+                                             (["model", "--skip-unfit", "-1"], "--skip-unfit")])
+def test_bench_counts_that_measure_nothing_are_refused(args: list[str], field: str, in_tmp: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """They ran every cell into an error (or silently on the grid's value) and exited 0."""
+    refused(["bench", *args], field, capsys, in_tmp)
+
+
 def test_estimate_refuses_what_fit_refuses(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
     line = refused(["estimate", "--config", TINY, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                     "--model.optimizer_in_backward", "true"], "model.optimizer_in_backward", capsys, in_tmp)

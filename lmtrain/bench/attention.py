@@ -177,11 +177,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain bench attention``."""
     parser.add_argument("--grid", choices=sorted([*GRIDS, *GRID_ALIASES]), default="study",
                         help="base grid (default: study)")
-    parser.add_argument("--head-dims", type=int, nargs="+", help="head dims d (default: the grid's)")
-    parser.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths N (default: the grid's)")
-    parser.add_argument("--batch-size", type=int, help="batch size B (default: the grid's; lm: tokens-heads / (H N))")
-    parser.add_argument("--heads", type=int, help="heads H (default: the grid's)")
-    parser.add_argument("--tokens-heads", type=int, default=2**21, help="lm grid: B x H x N per cell (default 2^21)")
+    parser.add_argument("--head-dims", type=_at_least_one, nargs="+", help="head dims d (default: the grid's)")
+    parser.add_argument("--seq-lens", type=_at_least_one, nargs="+", help="sequence lengths N (default: the grid's)")
+    parser.add_argument("--batch-size", type=_at_least_one,
+                        help="batch size B (default: the grid's; lm: tokens-heads / (H N))")
+    parser.add_argument("--heads", type=_at_least_one, help="heads H (default: the grid's)")
+    parser.add_argument("--tokens-heads", type=_at_least_one, default=2**21,
+                        help="lm grid: B x H x N per cell (default 2^21)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                         help="causal mask (default on)")
@@ -193,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after the --warmup runs of each round's first measurement, more untimed runs that keep "
                              "the GPU busy this many milliseconds right before its timed runs, so that the round sees "
                              "the clock speed sustained load settles at; 0: none (default %(default)g)")
-    parser.add_argument("--rep", type=int, default=30,
+    parser.add_argument("--rep", type=_at_least_one, default=30,
                         help="timed runs per measurement; the median is kept (default 30)")
     parser.add_argument("--rounds", type=_at_least_one, default=DEFAULT_ROUNDS,
                         help="rounds per shape: in each, every backend is timed in turn (the order rotated from "

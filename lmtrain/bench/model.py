@@ -40,6 +40,7 @@ import csv
 import functools
 import itertools
 import json
+import math
 import os
 import shlex
 import sys
@@ -478,6 +479,17 @@ def _bigger_failed(cell: Cell, failed: list[Cell]) -> Cell | None:
     return None
 
 
+def _positive_gib(text: str) -> float:
+    """``--skip-unfit``'s GiB: a finite number above 0 (argparse reports anything else as a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB above 0, got {text}")
+    return value
+
+
 def _unfit(row: dict[str, Any], device_gib: float) -> str | None:
     """Why the cell's plan does not fit a ``device_gib`` device, or None when it fits (or has no plan)."""
     needed = row.get("estimate_needed_gib")
@@ -541,7 +553,10 @@ def run_sweep(
 
     def pending(cell: Cell) -> bool:
         row = existing.get(cell.key())
-        return row is None or row.get("status") in rerun or (skip_unfit_gib is None and skipped_by_plan(row))
+        if row is None or row.get("status") in rerun:
+            return True
+        # a cell the plan skipped runs when no budget is given now, or when this run's budget fits it
+        return skipped_by_plan(row) and (skip_unfit_gib is None or _unfit(base_row(cell), skip_unfit_gib) is None)
 
     todo = [c for c in unique if pending(c)]
     meta = _merged_meta(out, meta, launcher) if todo else {}
@@ -659,7 +674,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after-oom", action="store_true", default=None,
                         help="skip cells larger than one that ran out of memory")
     parser.add_argument("--max-minutes", type=float, help="launch no new cell after this many minutes")
-    parser.add_argument("--skip-unfit", type=float, metavar="GIB",
+    parser.add_argument("--skip-unfit", type=_positive_gib, metavar="GIB",
                         help="record cells whose memory plan does not fit a GPU of GIB GiB (its total less the CUDA "
                              "context and fragmentation allowances of `estimate`) as skipped, without running them; "
                              "a later run without the flag runs them")
