@@ -149,3 +149,16 @@ def test_hooks_left_leaves_out_the_strategys_own_hooks():
     assert callbacks._hooks_left(model) == 0
     model[1].register_forward_hook(leftover)
     assert callbacks._hooks_left(model) == 1
+
+
+@pytest.mark.parametrize(("args", "said"), [(["--settings", "bogus"], "--settings bogus: no such setting"),
+                                            (["--size", "bogus"], "--size 'bogus' is no model size"),
+                                            (["--batch-size", "0"], "--batch-size must be at least 1")])
+def test_bad_settings_size_and_batch_are_refused_before_any_fit(args: list[str], said: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """They ran nothing and printed an empty table, failed in every child process, or silently took the default,
+    each with exit status 0."""
+    from lmtrain.cli import main
+
+    assert main(["bench", "callbacks", "--allow-cpu", *args]) == 2
+    assert said in capsys.readouterr().err

@@ -87,3 +87,8 @@ def test_two_gpus_reach_a_bus_bandwidth(tmp_path: Path, capsys: pytest.CaptureFi
     print(capsys.readouterr().out)
     # NVLink or PCIe, a 256 MiB collective between two GPUs moves well over 1 GB/s per link.
     assert all(r["busbw_gbps"] > 1.0 for r in record["rows"] if r["bytes"] == 256 * 2**20)
+
+
+def test_sizes_that_name_nothing_are_refused_before_the_ranks_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "comm", "--allow-cpu", "--devices", "2", "--sizes", ","]) == 2
+    assert "error: --sizes:" in capsys.readouterr().err

@@ -67,3 +67,18 @@ def test_cli_rejects_missing_cuda(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("CUDA is present")
     assert main(["bench", "precision", "--device", "cuda"]) == 2
     assert "error: --device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "field"), [(["--device", "bogus"], "--device"), (["--value", "0"], "--value"),
+                                             (["--value", "nan"], "--value")])
+def test_cli_refuses_what_it_cannot_measure(args: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line and exit 2 (a traceback before): a device torch does not know, a value the relative errors divide
+    by."""
+    assert main(["bench", "precision", *args]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {field}:")
+
+
+def test_cli_writes_into_a_folder_it_creates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "new" / "p.json"
+    assert main(["bench", "precision", "--device", "cpu", "--n", "10", "--no-toy", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["n"] == 10

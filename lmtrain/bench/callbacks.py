@@ -107,8 +107,9 @@ def load_setup(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     source = str(path) if path else (f"built-in defaults (no {DEFAULT_CONFIG})" if args.config is None
                                      else "built-in defaults")
     overrides = {**base, "model.size": args.size or base.get("model.size"),
-                 "model.context_length": args.context_length or base.get("model.context_length"),
-                 "data.batch_size": args.batch_size or base.get("data.batch_size"),
+                 "model.context_length": base.get("model.context_length") if args.context_length is None
+                 else args.context_length,
+                 "data.batch_size": base.get("data.batch_size") if args.batch_size is None else args.batch_size,
                  "trainer.precision": args.precision or base.get("trainer.precision")}
     resolved = resolve_config(path or None, overrides)
     data = dict(resolved.data)
@@ -407,7 +408,23 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_from <= last:
         print(f"bench callbacks: warning: --measure-from {args.measure_from} is inside a window (the last window "
               f"step is {last}); the statistics then include profiled steps.", file=sys.stderr)
+    known = {"none", "all", *(n.lower() for n in CALLBACKS)}
+    unknown = [s for s in args.settings or [] if s.lower() not in known and s.lower() != "all five"]
+    if unknown:
+        print(f"bench callbacks: --settings {' '.join(unknown)}: no such setting; use none, all or a callback's name "
+              f"({', '.join(CALLBACKS)}).", file=sys.stderr)
+        return 2
+    for flag, value in (("--batch-size", args.batch_size), ("--context-length", args.context_length)):
+        if value is not None and value < 1:
+            print(f"bench callbacks: {flag} must be at least 1, got {value}.", file=sys.stderr)
+            return 2
     model_kwargs, data_kwargs, precision, source = load_setup(args)
+    from lmtrain.config import SIZES
+
+    if model_kwargs.get("size") not in SIZES:  # checked here: every child process would fail on it instead
+        print(f"bench callbacks: --size {model_kwargs.get('size')!r} is no model size; use one of "
+              f"{', '.join(SIZES)}.", file=sys.stderr)
+        return 2
     plan = settings_plan(args.settings)
 
     device = "cuda" if cuda else "cpu"  # an isolated run never touches the GPU here; the children name it

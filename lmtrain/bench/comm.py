@@ -197,6 +197,12 @@ def run(args: argparse.Namespace) -> int:
         raise LmtrainError("--iters", f"needs --iters >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}.",
                            "e.g. --iters 20 --warmup 5.")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if not sizes:
+        raise LmtrainError("--sizes", f"{args.sizes!r} names no message size.", "give sizes, e.g. 1M,16M,256M.")
+    if args.out:
+        from lmtrain.errors import check_writable_folder
+
+        check_writable_folder("--out", Path(args.out).resolve().parent)  # before the ranks start, not after
     plan = [(op, args.dtype or DEFAULT_DTYPES[op], size) for op in ops for size in sizes]
     small = [s for op, dtype, s in plan if s // DTYPE_BYTES[dtype] < world]
     if small:
@@ -215,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 "scope": "intra-node", "backend": "nccl" if cuda else "gloo", "warmup": args.warmup,
                 "iters": args.iters, "environment": environment(),
                 "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,6 +184,17 @@ def run(args: argparse.Namespace) -> int:
         raise LmtrainError("--device", "CUDA was asked for but no CUDA device is visible.", "use --device cpu.")
     if args.n < 1:
         raise LmtrainError("--n", f"must be at least 1, got {args.n}.", "use e.g. --n 10000.")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise LmtrainError("--device", f"{device!r} is no device torch knows.", "use --device cpu or cuda.") from None
+    if not (args.value != 0 and math.isfinite(args.value)):
+        raise LmtrainError("--value", f"must be a finite number other than 0 (the errors are relative to n x value), "
+                           f"got {args.value}.", "use e.g. --value 0.01.")
+    if args.out:
+        from lmtrain.errors import check_writable_folder
+
+        check_writable_folder("--out", Path(args.out).resolve().parent)
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     rows = accumulation_rows(args.n, args.value, device)
     print(f"## Summing {args.value:g} {args.n} times (exact: {args.n * args.value:g}) on {where}\n")
@@ -194,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         print(toy_markdown(reports))
         result["toy"] = {name: json.loads(rep.to_json()) for name, rep in reports.items()}
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"\nwrote {args.out}")
