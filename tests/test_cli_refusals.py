@@ -266,7 +266,9 @@ def test_estimate_comm_record_with_bad_rows_is_refused(case: str, in_tmp: Path, 
                                              (["attention", "--head-dims", "64", "0"], "--head-dims"),
                                              (["attention", "--seq-lens", "0"], "--seq-lens"),
                                              (["attention", "--batch-size", "-1"], "--batch-size"),
-                                             (["model", "--skip-unfit", "-1"], "--skip-unfit")])
+                                             (["model", "--skip-unfit", "-1"], "--skip-unfit"),
+                                             (["model", "--sizes", "tiny", "--contexts", "0"], "--contexts"),
+                                             (["model", "--sizes", "tiny", "--batch-size", "0"], "--batch-size")])
 def test_bench_counts_that_measure_nothing_are_refused(args: list[str], field: str, in_tmp: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     """They ran every cell into an error (or silently on the grid's value) and exited 0."""

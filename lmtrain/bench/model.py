@@ -808,9 +808,11 @@ def cells_from_values(values: dict[str, Any]) -> list[Cell]:
         for r in values["runner"]
     ))
     for c in cells:
-        if c.steps < 1 or c.warmup < 0 or c.context < 1 or c.batch_size < 1:
-            raise LmtrainError("--steps", f"cell {c.slug} has steps={c.steps}, warmup={c.warmup}.",
-                               "use steps >= 1, warmup >= 0, positive contexts and batch sizes.")
+        for flag, value, least in (("--contexts", c.context, 1), ("--batch-size", c.batch_size, 1),
+                                   ("--steps", c.steps, 1), ("--warmup", c.warmup, 0)):
+            if value < least:
+                raise LmtrainError(flag, f"cell {c.slug} has {flag.removeprefix('--')} {value}.",
+                                   f"use {flag} of at least {least}.")
     return cells
 
 
