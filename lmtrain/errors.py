@@ -6,6 +6,8 @@ field at fault and says how to fix it.
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 from pathlib import Path
 
@@ -48,3 +50,14 @@ def check_writable_folder(field: str, folder: str | os.PathLike) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise LmtrainError(field, f"the folder {existing} is not writable, so {path} cannot be written.",
                            "give a folder you can write to, or change its permissions.")
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (NaN, infinity and what is no number are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value

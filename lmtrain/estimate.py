@@ -30,7 +30,7 @@ import math
 
 from lmtrain.cli_config import ResolvedConfig, resolve_args, strategy_of
 from lmtrain.config import ModelConfig
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import LmtrainError, positive_number
 from lmtrain.float8 import block_linear_shapes, converts_shape
 from lmtrain.flops import STEP_MODES, compute_dtype, parameter_count
 from lmtrain.memory_plan import (
@@ -81,16 +81,6 @@ def _slowdown(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):  # also NaN, infinity and what is no number
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m lmtrain estimate`` (the ``fit`` options are parsed by the ``fit`` parser)."""
     parser.add_argument("--mode", choices=STEP_MODES, default=None,
@@ -107,18 +97,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step.add_argument("--comm", default=None, metavar="FILE",
                       help="a `bench comm --out` JSON record: the bus bandwidths per message size; without it "
                            "--intra-node-gbps")
-    step.add_argument("--mfu", type=_positive, default=0.4,
+    step.add_argument("--mfu", type=positive_number, default=0.4,
                       help="model FLOPs utilisation assumed without --calibrate (default 0.4)")
-    step.add_argument("--memory-gbps", type=_positive, default=3000.0,
+    step.add_argument("--memory-gbps", type=positive_number, default=3000.0,
                       help="device memory bandwidth for AdamW assumed without --calibrate, GB/s (default 3000, what a "
                            "copy reaches on an H100 SXM)")
-    step.add_argument("--intra-node-gbps", type=_positive, default=350.0,
+    step.add_argument("--intra-node-gbps", type=positive_number, default=350.0,
                       help="bus bandwidth inside a node assumed without --comm, GB/s (default 350: NVLink 4)")
     step.add_argument("--overlap-slowdown", type=_slowdown, default=OVERLAP_SLOWDOWN,
                       help="how many times as long compute takes beside the communication it hides (KernelShare's "
                            "kernels/compute_beside_comm_slowdown of a run; 1: not slowed; default "
                            f"{OVERLAP_SLOWDOWN:g}, compiled FSDP2 of 2.7B on 4 H200s)")
-    step.add_argument("--inter-node-gbps", type=_positive, default=45.0,
+    step.add_argument("--inter-node-gbps", type=positive_number, default=45.0,
                       help="bus bandwidth per GPU between nodes, GB/s, assumed (default 45: one 400 Gb/s network "
                            "interface per GPU at 90%%)")
 

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lmtrain.attention import backend_info, needs_gpu
@@ -445,7 +446,7 @@ class LMModule(pl.LightningModule):
         """
         check_architecture(checkpoint.get("hyper_parameters") or {}, dict(self.hparams), self.config)
         trainer = self._trainer
-        if trainer is not None and getattr(trainer.state, "fn", None) == "fit":
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_resumed_master_weights(checkpoint, self.config.master_weights)
         # Resume on the checkpoint's schedule: a new max_steps would stretch the decay and make the rate jump.
         self._checkpoint_decay_steps = (checkpoint.get(SCHEDULE_KEY) or {}).get("decay_steps")

@@ -408,8 +408,8 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_from <= last:
         print(f"bench callbacks: warning: --measure-from {args.measure_from} is inside a window (the last window "
               f"step is {last}); the statistics then include profiled steps.", file=sys.stderr)
-    known = {"none", "all", *(n.lower() for n in CALLBACKS)}
-    unknown = [s for s in args.settings or [] if s.lower() not in known and s.lower() != "all five"]
+    known = {name.lower() for name, _ in settings_plan()} | {"all"}  # the names settings_plan matches
+    unknown = [s for s in args.settings or [] if s.lower() not in known]
     if unknown:
         print(f"bench callbacks: --settings {' '.join(unknown)}: no such setting; use none, all or a callback's name "
               f"({', '.join(CALLBACKS)}).", file=sys.stderr)

@@ -40,7 +40,6 @@ import csv
 import functools
 import itertools
 import json
-import math
 import os
 import shlex
 import sys
@@ -56,7 +55,7 @@ from lmtrain.bench.runner import cuda_initialised
 from lmtrain.bench.studies import STUDIES
 from lmtrain.bench.tables import PLAN_SKIP, markdown_rows, skipped_by_plan, status_text
 from lmtrain.config import SIZES, STUDY_SIZES, ModelConfig, check_option, doc_of, step_fields
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import LmtrainError, positive_number
 from lmtrain.flops import STEP_MODES, parameter_count
 from lmtrain.memory_plan import GIB, PRECISIONS, estimate_memory, usable_bytes
 
@@ -479,17 +478,6 @@ def _bigger_failed(cell: Cell, failed: list[Cell]) -> Cell | None:
     return None
 
 
-def _positive_gib(text: str) -> float:
-    """``--skip-unfit``'s GiB: a finite number above 0 (argparse reports anything else as a usage error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number of GiB above 0, got {text}")
-    return value
-
-
 def _unfit(row: dict[str, Any], device_gib: float) -> str | None:
     """Why the cell's plan does not fit a ``device_gib`` device, or None when it fits (or has no plan)."""
     needed = row.get("estimate_needed_gib")
@@ -674,7 +662,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after-oom", action="store_true", default=None,
                         help="skip cells larger than one that ran out of memory")
     parser.add_argument("--max-minutes", type=float, help="launch no new cell after this many minutes")
-    parser.add_argument("--skip-unfit", type=_positive_gib, metavar="GIB",
+    parser.add_argument("--skip-unfit", type=positive_number, metavar="GIB",
                         help="record cells whose memory plan does not fit a GPU of GIB GiB (its total less the CUDA "
                              "context and fragmentation allowances of `estimate`) as skipped, without running them; "
                              "a later run without the flag runs them")

@@ -331,6 +331,11 @@ class StepPhases:
         """The batch in progress is the first of its step."""
         return self.micro_batch == 0
 
+    def starts_fit_after(self, step: int | None) -> bool:
+        """At a batch start: this is the fit's first batch, and its step lies after ``step`` (a fit resumed past it;
+        False for None)."""
+        return step is not None and self.steps_started == 1 and self.first_batch and self.step > step
+
     def enters(self, window: StepWindow) -> bool:
         """At a batch start: this batch opens ``window`` for this fit (its first batch inside it; after a
         resume into the middle of a window, the first batch of the fit)."""

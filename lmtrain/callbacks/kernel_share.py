@@ -233,7 +233,6 @@ class KernelShare(Callback):
         self._prof: ProfilerSession | None = None  # on the profiling ranks, while the window runs
         self._window = StepWindow(None)  # the real one is made in setup, once the arguments are checked
         self._beyond = False  # the window lies beyond max_steps (warned in setup)
-        self._first_step: int | None = None  # the step this fit started at (past 0 after a resume)
         self._passed = False  # the fit started past the window's first step (a resume): nothing is profiled
         self._phases = StepPhases()
         self._window_steps = 0  # steps ended since the window opened (on every rank, profiling or not)
@@ -331,9 +330,11 @@ class KernelShare(Callback):
         # it (nothing perturbs their active steps), the marks are gathered (over gloo), and the window starts at
         # the first candidate clear on every rank.
         busy = others(first)
+        limit = first + _WINDOW_SEARCH
         max_steps = getattr(trainer, "max_steps", None)
-        last = max_steps - length + 1 if max_steps is not None and max_steps >= 0 else first + _WINDOW_SEARCH
-        candidates = range(first, max(first + 1, min(last, first + _WINDOW_SEARCH)))
+        if max_steps is not None and max_steps >= 0:
+            limit = min(limit, max_steps - length + 1)  # the last start whose window ends by max_steps, plus one
+        candidates = range(first, max(first + 1, limit))
         marks = [float(not others(step)) for step in candidates]
         rows = gather_values(trainer, marks)
         clear = next((step for i, step in enumerate(candidates) if all(row[i] == 1.0 for row in rows)), None)
@@ -410,16 +411,13 @@ class KernelShare(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._phases.batch_start(trainer)
-        if self._first_step is None:
-            self._first_step = self._phases.step
-            start = self._window.start_step
-            if not self._done and start is not None and self._first_step > start:
-                # resumed inside or after the window: its warm-up (or all of it) is behind this fit
-                self._passed = self._done = True
-                self._warn(f"KernelShare: this fit starts at step {self._first_step} (resumed), past the start of "
-                           f"the profiling window ({self._window.describe()}); nothing is profiled in it. Set wait "
-                           f"to a step from {self._first_step} on to profile this run.")
+        step = self._phases.batch_start(trainer)
+        if not self._done and self._phases.starts_fit_after(self._window.start_step):
+            # resumed inside or after the window: its warm-up (or all of it) is behind this fit
+            self._passed = self._done = True
+            self._warn(f"KernelShare: this fit starts at step {step} (resumed), past the start of the profiling "
+                       f"window ({self._window.describe()}); nothing is profiled in it. Set wait to a step from "
+                       f"{step} on to profile this run.")
         if self._done:
             return
         if not self._running and self._phases.enters(self._window):

@@ -289,10 +289,8 @@ class MemorySnapshot(pl.Callback):
         step = self._phases.batch_start(trainer)
         if not self._cuda:
             return
-        last = self._window.last_step
-        if (self._phases.steps_started == 1 and self._phases.first_batch and self._records and last is not None
-                and step > last and not self._window_done):  # a resumed fit, its first step after the window
-            self._window_done = True
+        if self._records and not self._window_done and self._phases.starts_fit_after(self._window.last_step):
+            self._window_done = True  # a resumed fit, its first step after the window
             self._warn(f"MemorySnapshot: this fit starts at step {step} (resumed), after the snapshot window "
                        f"({self._window.describe()}); no snapshot is written in it. Set start_step to a step from "
                        f"{step} on to snapshot this run.")
