@@ -330,17 +330,16 @@ def run(cell: Cell, out_dir: Path, env: dict[str, str], timeout: float, grace_s:
         step_ms = cell.read_step_ms(stdout_path.read_text(errors="replace"), out_dir)
     except ValueError as exc:
         step_ms, no_step = None, exc
-    if returncode is None and step_ms is not None:
-        row |= {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000),
-                "note": f"stopped {why}, once its timed steps were written"}
-    elif returncode is None:
+    if returncode is None and step_ms is None:
         row |= {"error": f"stopped {why}; stderr ends: {err_tail}"}
-    elif returncode != 0:
+    elif returncode not in (None, 0):
         row |= {"error": f"exit {returncode}; stderr ends: {err_tail}"}
     elif step_ms is None:
         row |= {"error": f"no step time: {no_step}"}
-    else:
+    else:  # ended, or stopped once its timed steps were written
         row |= {"step_ms": step_ms, "tokens_per_s_per_gpu": BATCH * cell.context / (step_ms / 1000)}
+        if returncode is None:
+            row["note"] = f"stopped {why}, once its timed steps were written"
     if stopped:
         raise Stopped(row)
     return row

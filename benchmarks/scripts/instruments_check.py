@@ -322,7 +322,7 @@ def run(out: Path, models: list[str], only: list[str] | None, hta: bool = True,
             if key not in (only or DEFAULT_FITS):
                 continue
             kind = "fast" if key == "fast" else "eager"
-            fit_steps = steps or STEPS[model][kind]
+            fit_steps = STEPS[model][kind] if steps is None else steps
             # One GPU: on a machine with several, Lightning's devices=auto would make every fit DDP over all of them
             args = args + ["--trainer.devices", "1"] + (["--data.batch_size", "1"] if model == "2.7B" and
                                                          key == "flash4096" else [])
